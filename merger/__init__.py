@@ -1,0 +1,26 @@
+"""merger: an interactive explorer for model merging of CLIP image encoders.
+
+Public API (stable)::
+
+    pool = merger.open_pool("demo")
+    merged = merger.merge(pool, "ties", lam=1.0, sparsity=0.8)
+    sd = merger.merge_state_dicts(base_sd, [sd1, sd2], "cart", lam=1.5, rank_ratio=0.08)
+    merger.methods.names()
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+__version__ = "0.1.0"
+
+from . import methods  # noqa: E402
+from .errors import CheckpointError, DataError, MergerError, MethodError, PoolError  # noqa: E402
+from .merging import Spec, merge, merge_state_dicts  # noqa: E402
+from .pool import Pool, open_pool  # noqa: E402
+
+__all__ = [
+    "CheckpointError", "DataError", "MergerError", "MethodError", "PoolError",
+    "Pool", "Spec", "merge", "merge_state_dicts", "methods", "open_pool", "__version__",
+]

@@ -1,0 +1,189 @@
+"""Reading, validating and writing weights.
+
+Loading never unpickles arbitrary objects: safetensors, or ``torch.load(weights_only=True)``
+which only rebuilds tensors and plain containers. Writes go to a temporary file in the target
+folder and are renamed into place, so a failed or interrupted write leaves no partial file.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from .errors import CheckpointError
+
+STRIP_PREFIXES = ("module.", "model.")
+VISUAL = "visual."
+TENSOR_SUFFIXES = (".safetensors",)
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+_WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
+
+
+def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read a state dict from safetensors or a weights-only torch file (on the CPU)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: file not found")
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a folder, expected a weights file")
+    suffix = path.suffix.lower()
+    if suffix in TENSOR_SUFFIXES:
+        return _load_safetensors(path)
+    if suffix in PICKLE_SUFFIXES:
+        return _load_torch(path)
+    raise CheckpointError(
+        f"{path}: unknown weights format '{suffix}' (expected .safetensors, .pt, .pth, .bin or .ckpt)"
+    )
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return dict(load_file(str(path), device="cpu"))
+    except Exception as exc:  # safetensors raises its own SafetensorError, OSError, ValueError...
+        raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({exc})") from None
+
+
+def _load_torch(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"{path}: refused: the file holds pickled objects that are not plain tensors, and loading "
+            "it would execute code. Convert it where you trust it, e.g. "
+            "`safetensors.torch.save_file(torch.load(p).state_dict(), 'expert.safetensors')`. "
+            f"({str(exc).splitlines()[0]})"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: truncated or corrupt torch file ({exc})") from None
+    for key in _WRAPPER_KEYS:
+        if isinstance(obj, Mapping) and key in obj and isinstance(obj[key], Mapping):
+            obj = obj[key]
+    if not isinstance(obj, Mapping):
+        raise CheckpointError(f"{path}: holds a {type(obj).__name__}, expected a state dict of tensors")
+    bad = [k for k, v in obj.items() if not torch.is_tensor(v)]
+    if bad:
+        raise CheckpointError(f"{path}: entries that are not tensors: {', '.join(map(str, bad[:5]))}")
+    return dict(obj)
+
+
+def strip_prefixes(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Remove wrapper prefixes (``module.``, ``model.``) that training frameworks add."""
+    out = dict(sd)
+    changed = True
+    while changed and out:
+        changed = False
+        for prefix in STRIP_PREFIXES:
+            if all(k.startswith(prefix) for k in out):
+                out = {k[len(prefix):]: v for k, v in out.items()}
+                changed = True
+    return out
+
+
+def merge_scope(base: Mapping[str, torch.Tensor]) -> list[str]:
+    """The keys that merging touches: the image tower when the base is a full CLIP, else all."""
+    visual = [k for k in base if k.startswith(VISUAL)]
+    return visual or list(base)
+
+
+def align_to_base(sd: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Bring an expert onto the base's names: strip wrappers, add ``visual.`` to tower-only
+    checkpoints, drop the text tower of full-CLIP experts (only the image tower is merged)."""
+    sd = strip_prefixes(sd)
+    if any(k.startswith(VISUAL) for k in base):
+        if not any(k.startswith(VISUAL) for k in sd):
+            sd = {VISUAL + k: v for k, v in sd.items()}
+        sd = {k: v for k, v in sd.items() if k.startswith(VISUAL) or k not in base}
+    return sd
+
+
+def validate_expert(
+    sd: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], name: str
+) -> dict[str, torch.Tensor]:
+    """Align an expert to the base and check it; raise naming every offending key."""
+    sd = align_to_base(sd, base)
+    scope = merge_scope(base)
+    missing = [k for k in scope if k not in sd]
+    unexpected = [k for k in sd if k not in base]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_names(unexpected)}")
+    shaped = [
+        f"{k} {tuple(sd[k].shape)} vs base {tuple(base[k].shape)}"
+        for k in scope
+        if k in sd and sd[k].shape != base[k].shape
+    ]
+    if shaped:
+        problems.append(f"mis-shaped keys: {_names(shaped)}")
+    if problems:
+        raise CheckpointError(f"{name}: does not match the base: " + "; ".join(problems))
+    for k in scope:
+        t, b = sd[k], base[k]
+        if b.is_floating_point() and not t.is_floating_point():
+            raise CheckpointError(f"{name}: key {k} is {t.dtype}, expected a floating-point weight")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(f"{name}: key {k} holds {bad} non-finite values (NaN or Inf)")
+    return {k: sd[k] for k in scope}
+
+
+def validate_base(base: Mapping[str, torch.Tensor], name: str) -> None:
+    for k, t in base.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{name}: key {k} holds non-finite values (NaN or Inf)")
+
+
+def _names(items: list[str], limit: int = 8) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+def save_safetensors(
+    sd: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None
+) -> Path:
+    """Write atomically: a temporary file beside the target, then a rename."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def content_hash(path: str | os.PathLike) -> str:
+    """sha256 of the file's bytes (hex)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

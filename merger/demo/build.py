@@ -1,0 +1,235 @@
+"""Build the demo pool: pretrain the tiny CLIP, fine-tune one expert per task, write the pool.
+
+    python -m merger.demo.build [out_dir] [--small]     (default out_dir: assets/demo)
+
+Pool layout (the loader reads exactly this):
+    pool.yaml, base.safetensors (full CLIP, fp32), experts/<task>.safetensors (image tower,
+    "visual." keys, fp32), trajectories/<task>/epoch_XXX.safetensors, manifest.json (sha256 of
+    every file + the DemoConfig). Files are written into a temporary sibling directory that is
+    renamed into place at the end, so a crashed build never leaves a half-written pool.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from merger.demo import world
+from merger.demo.model import CLIP_CONFIG, MEAN, STD, create_model
+from merger.demo.train import accuracy, finetune_expert, image_features, pretrain, task_head
+
+
+@dataclass
+class DemoConfig:
+    """Everything that determines the demo pool (stored in manifest.json)."""
+
+    # world splits: (size, seed) of the images; pretraining images are a separate draw
+    n_pretrain: int = 20000
+    pretrain_data_seed: int = 0
+    n_train: int = 5000
+    train_seed: int = 1
+    n_test: int = 2000
+    test_seed: int = 2
+    tasks: tuple[str, ...] = tuple(world.TASKS)
+    # contrastive pretraining of the base
+    pretrain_epochs: int = 8
+    pretrain_batch_size: int = 256
+    pretrain_lr: float = 2e-3
+    caption_p: float = 0.5
+    model_seed: int = 0
+    # expert fine-tuning (image tower only, frozen zero-shot head)
+    ft_lr: float = 1e-3
+    ft_epochs: int = 5
+    ft_batch_size: int = 128
+    ft_data_fraction: float = 1.0
+    ft_seed: int = 0
+    trajectory_dtype: str = "float32"
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def small(cls) -> "DemoConfig":
+        """A reduced pool that builds in about a minute on 2 cores (for CI)."""
+        return cls(n_pretrain=6000, n_train=2000, n_test=1000, pretrain_epochs=6, ft_epochs=3,
+                   trajectory_dtype="float16")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["tasks"] = list(self.tasks)
+        return d
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _save(state: dict[str, torch.Tensor], path: Path, dtype: torch.dtype = torch.float32) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()},
+              str(path))
+
+
+def build(out_dir: str | Path = "assets/demo", config: DemoConfig | None = None, progress: bool = True) -> Path:
+    """Build the pool into ``out_dir`` (replacing any previous one); returns its path."""
+    config = config or DemoConfig()
+    torch.set_num_threads(2)
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    # progress in "units": one per pretraining epoch and one per fine-tuning epoch
+    units = config.pretrain_epochs + config.ft_epochs * len(config.tasks)
+    bar = tqdm(total=units, desc="demo pool", disable=not progress, unit="ep",
+               bar_format="{l_bar}{bar}| {n:.1f}/{total} [{elapsed}<{remaining}] {postfix}")
+    done = [0.0]
+
+    def tick(offset: float, span: float):
+        def cb(frac: float, msg: str) -> None:
+            bar.update(offset + span * frac - done[0])
+            done[0] = offset + span * frac
+            bar.set_postfix_str(msg, refresh=False)
+        return cb
+
+    try:
+        started = time.time()
+        pre_x, pre_y = world.generate(config.n_pretrain, config.pretrain_data_seed)
+        base = pretrain(pre_x, pre_y, epochs=config.pretrain_epochs, batch_size=config.pretrain_batch_size,
+                        lr=config.pretrain_lr, seed=config.model_seed, caption_p=config.caption_p,
+                        progress=tick(0, config.pretrain_epochs))
+        _save(base, tmp / "base.safetensors")
+        train_x, train_y = world.generate(config.n_train, config.train_seed)
+        ft_dtype = getattr(torch, config.trajectory_dtype)
+        experts, offset = {}, float(config.pretrain_epochs)
+        for task in config.tasks:
+            final, traj, hp = finetune_expert(
+                base, task, lr=config.ft_lr, epochs=config.ft_epochs, batch_size=config.ft_batch_size,
+                data_fraction=config.ft_data_fraction, seed=config.ft_seed, images=train_x,
+                labels=train_y, progress=tick(offset, config.ft_epochs))
+            offset += config.ft_epochs
+            _save(final, tmp / "experts" / f"{task}.safetensors")
+            for e, state in enumerate(traj, 1):
+                _save(state, tmp / "trajectories" / task / f"epoch_{e:03d}.safetensors", ft_dtype)
+            experts[task] = {"path": f"experts/{task}.safetensors", "trajectory": f"trajectories/{task}",
+                             "hparams": hp}
+        data = {"demo": {"train": {"n": config.n_train, "seed": config.train_seed},
+                         "test": {"n": config.n_test, "seed": config.test_seed}}}
+        pool = {
+            "name": "demo",
+            "architecture": {"config": CLIP_CONFIG},
+            "tokenizer": "demo",
+            "preprocess": {"image_size": CLIP_CONFIG["vision_cfg"]["image_size"], "mean": list(MEAN),
+                           "std": list(STD)},
+            "base": "base.safetensors",
+            "experts": experts,
+            "tasks": {t: {"classes": list(world.TASKS[t]), "templates": list(world.TEMPLATES[t]),
+                          "data": data} for t in config.tasks},
+        }
+        (tmp / "pool.yaml").write_text(yaml.safe_dump(pool, sort_keys=False, default_flow_style=None))
+        files = {p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        manifest = {"files": files, "config": config.to_dict(),
+                    "build_seconds": round(time.time() - started, 1)}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        bar.close()
+        # swap into place: the old pool (if any) is moved aside first, then removed
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{int(time.time())}"
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return out
+    except BaseException:
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ------------------------------------------------------------------------------ checking
+def _merge(base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], lam: float) -> dict:
+    """Task arithmetic on the image tower: base + lam * sum_t (expert_t - base), floats only."""
+    out = {}
+    for k, v in base.items():
+        if k.startswith("visual.") and v.is_floating_point():
+            out[k] = v + lam * sum(e[k].float() - v for e in experts)
+    return out
+
+
+@torch.inference_mode()
+def quick_report(pool_dir: str | Path, lams: tuple[float, ...] | None = None) -> dict:
+    """Test-split accuracies: base and expert per task, task arithmetic average per lambda."""
+    torch.set_num_threads(2)
+    pool_dir = Path(pool_dir)
+    pool = yaml.safe_load((pool_dir / "pool.yaml").read_text())
+    tasks = list(pool["tasks"])
+    test = pool["tasks"][tasks[0]]["data"]["demo"]["test"]
+    x, y = world.generate(test["n"], test["seed"])
+    model = create_model(pool["architecture"]["config"])
+    base = load_file(str(pool_dir / pool["base"]))
+    model.load_state_dict(base)
+    heads = {t: task_head(model, t) for t in tasks}
+    scale = model.logit_scale.detach().clone()
+
+    def accs(feats):
+        return {t: accuracy(feats, heads[t], scale, y[t]) for t in tasks}
+
+    experts = {t: load_file(str(pool_dir / pool["experts"][t]["path"])) for t in tasks}
+    base_acc = accs(image_features(model, x))
+    expert_acc = {}
+    for t in tasks:
+        model.load_state_dict(experts[t], strict=False)
+        expert_acc[t] = accuracy(image_features(model, x), heads[t], scale, y[t])
+    lams = lams or tuple(round(0.05 * i, 2) for i in range(1, 31))
+    ta = {}
+    for lam in lams:
+        model.load_state_dict(_merge(base, list(experts.values()), lam), strict=False)
+        ta[lam] = accs(image_features(model, x))
+    avg = lambda d: sum(d.values()) / len(d)  # noqa: E731
+    best = max(ta, key=lambda lam: avg(ta[lam]))
+    return {
+        "chance": {t: 100.0 / len(pool["tasks"][t]["classes"]) for t in tasks},
+        "base": base_acc, "expert": expert_acc, "ta": ta, "best_lam": best, "ta_best": ta[best],
+        "avg": {"chance": avg({t: 100.0 / len(pool["tasks"][t]["classes"]) for t in tasks}),
+                "base": avg(base_acc), "expert": avg(expert_acc), "ta_best": avg(ta[best])},
+    }
+
+
+def format_report(r: dict) -> str:
+    """A small text table of ``quick_report``'s numbers."""
+    lines = [f"{'task':<11}{'chance':>8}{'base':>8}{'expert':>8}{'TA':>8}"]
+    for t in r["base"]:
+        lines.append(f"{t:<11}{r['chance'][t]:8.1f}{r['base'][t]:8.1f}{r['expert'][t]:8.1f}{r['ta_best'][t]:8.1f}")
+    a = r["avg"]
+    lines.append(f"{'average':<11}{a['chance']:8.1f}{a['base']:8.1f}{a['expert']:8.1f}{a['ta_best']:8.1f}"
+                 f"   (best lam {r['best_lam']})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Build the demo model pool.")
+    ap.add_argument("out_dir", nargs="?", default="assets/demo")
+    ap.add_argument("--small", action="store_true", help="the reduced CI configuration")
+    ap.add_argument("--report", action="store_true", help="print quick_report after building")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    out = build(args.out_dir, DemoConfig.small() if args.small else DemoConfig())
+    print(f"built {out} in {time.time() - t0:.0f} s")
+    if args.report:
+        print(format_report(quick_report(out)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The tiny CLIP of the demo world: an inline open_clip config, built by open_clip's own class.
+
+Size is set by the live app's budget: after every slider move it merges and forwards the 128
+"live" images through the image tower, all within ~100 ms on 2 CPU cores, so the tower must
+forward 128 images in well under 40 ms. A 3-layer, 64-wide ViT on 4x4 patches of a 32x32 image
+(65 tokens) takes ~20 ms there.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from merger._compat import open_clip
+from merger.demo.tokenizer import DemoTokenizer
+
+_TOKENIZER = DemoTokenizer()
+
+CLIP_CONFIG: dict = {
+    "embed_dim": 64,
+    "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 96, "layers": 3, "head_width": 32,
+                   "mlp_ratio": 2.0},
+    "text_cfg": {"context_length": _TOKENIZER.context_length, "vocab_size": _TOKENIZER.vocab_size,
+                 "width": 64, "heads": 2, "layers": 2, "mlp_ratio": 2.0},
+}
+
+# Per-channel statistics of the demo images (measured on generate(20000, 0), rounded): inputs
+# then have about zero mean and unit variance, as the towers' initialisation expects.
+MEAN: tuple[float, float, float] = (0.51, 0.48, 0.47)
+STD: tuple[float, float, float] = (0.28, 0.17, 0.22)
+
+
+def preprocess(images: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, 3, 32, 32] (or [3, 32, 32]) -> normalised float32 of the same shape."""
+    x = images.float() / 255.0
+    mean = torch.tensor(MEAN, dtype=x.dtype).view(3, 1, 1)
+    std = torch.tensor(STD, dtype=x.dtype).view(3, 1, 1)
+    return (x - mean) / std
+
+
+def create_model(config: dict = CLIP_CONFIG, seed: int = 0) -> torch.nn.Module:
+    """A freshly initialised open_clip ``CLIP`` (deterministic for a seed), in eval mode."""
+    oc = open_clip()
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = oc.CLIP(**copy.deepcopy(config))
+    finally:
+        torch.random.set_rng_state(state)  # do not disturb the caller's random stream
+    return model.eval()
+
+
+def tokenizer() -> DemoTokenizer:
+    """The tokenizer matching ``CLIP_CONFIG`` (pool.yaml says ``tokenizer: demo``)."""
+    return DemoTokenizer()

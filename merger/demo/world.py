@@ -1,0 +1,197 @@
+"""The demo world: procedurally drawn 32x32 scenes with many independent attributes.
+
+Every image shows one main object (shape, colour, size, fill, quadrant) on a coloured, textured
+background, plus a number of small black-or-white dots. Each attribute is one classification
+task, and all tasks share the SAME images, so the experts fine-tuned on different tasks pull one
+image tower towards different features (local form, hue, extent, location, counting, high
+frequency texture, background hue): that is what makes merging them non-trivial.
+
+Everything is vectorised over the batch with numpy and driven by one ``numpy.random.Generator``
+seeded from ``seed``, so ``generate(n, seed)`` is bit-identical across calls and machines.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+SIZE = 32  # image side in pixels
+
+# Task name -> class names, in label order. Class names are plain words used in prompts.
+TASKS: dict[str, tuple[str, ...]] = {
+    "shape": ("circle", "square", "triangle", "diamond", "cross"),
+    "colour": ("red", "green", "blue", "yellow", "purple", "orange"),
+    "size": ("small", "medium", "large"),
+    "position": ("top left", "top right", "bottom left", "bottom right"),
+    "count": ("one", "two", "three", "four"),
+    "texture": ("plain", "striped", "checkered", "speckled"),
+    "background": ("pink", "brown", "grey", "teal"),
+    "fill": ("solid", "hollow"),
+}
+
+# Per task prompt templates ("{}" is the class name). Worded like the pretraining captions,
+# so the base model has *some* zero-shot ability, but each only names one attribute.
+TEMPLATES: dict[str, tuple[str, ...]] = {
+    "shape": ("a {}.", "a picture of a {}.", "a {} shape.", "a picture with a {} on a background."),
+    "colour": ("a {} object.", "a picture of a {} shape.", "something {}.", "the object is {}."),
+    "size": ("a {} object.", "a picture of a {} shape.", "the object is {}.", "a {} thing."),
+    "position": ("an object in the {}.", "a picture with a shape in the {}.", "the object is in the {}.",
+                 "something at the {}."),
+    "count": ("{} dots.", "a picture with {} dots.", "there are {} dots.", "an object with {} dots."),
+    "texture": ("a {} background.", "a picture on a {} background.", "the background is {}.",
+                "a shape on a {} background."),
+    "background": ("a {} background.", "a picture on a {} background.", "the background is {}.",
+                   "a shape on a {} background."),
+    "fill": ("a {} object.", "a picture of a {} shape.", "the object is {}.", "a {} thing."),
+}
+
+# RGB palettes (0..255). Background hues are deliberately muted and distinct from object hues.
+_OBJ_RGB = np.array([[220, 40, 40], [40, 180, 60], [50, 80, 230],
+                     [230, 210, 40], [150, 60, 200], [240, 140, 30]], dtype=np.float32)
+_BG_RGB = np.array([[225, 150, 170], [125, 85, 50], [128, 128, 128], [40, 130, 130]], dtype=np.float32)
+_RADIUS = np.array([3.0, 4.5, 6.0], dtype=np.float32)  # small / medium / large half extent
+_QUAD_CENTRE = np.array([[8, 8], [24, 8], [8, 24], [24, 24]], dtype=np.float32)  # (x, y)
+_HOLLOW_PX = 1.6  # outline thickness of hollow objects
+
+
+def _eval_case(k: int, dx: np.ndarray, dy: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """Normalised distance per pixel for shape k: <= 1 inside the shape of half extent r."""
+    ax, ay, up = np.abs(dx), np.abs(dy), -dy
+    if k == 0:
+        return np.sqrt(dx * dx + dy * dy) / r
+    if k == 1:
+        return np.maximum(ax, ay) / (0.85 * r)
+    if k == 2:
+        return np.maximum(-(up - 0.15 * r) / (0.6 * r), (up + 1.73 * ax) / (1.15 * r))
+    if k == 3:
+        return (ax + ay) / (1.2 * r)
+    return np.minimum(np.maximum(ax / (0.38 * r), ay / r), np.maximum(ax / r, ay / (0.38 * r)))
+
+
+def _coverage(shape: np.ndarray, dx: np.ndarray, dy: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """Anti-aliased coverage in [0, 1] (about one pixel of soft edge); shape, r: [n] per image."""
+    d = np.empty_like(dx)
+    for k in range(len(TASKS["shape"])):
+        idx = np.flatnonzero(shape == k)  # whole images at a time: cheap first-axis indexing
+        if idx.size:
+            d[idx] = _eval_case(k, dx[idx], dy[idx], r[idx, None, None])
+    return np.clip(0.5 + (1.0 - d) * r[:, None, None], 0.0, 1.0)
+
+
+def generate(n: int, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Draw ``n`` scenes: uint8 images [n, 3, 32, 32] and int64 labels per task [n]."""
+    rng = np.random.default_rng(seed)
+    labels = {t: rng.integers(0, len(c), size=n) for t, c in TASKS.items()}
+    f32 = np.float32
+    yy, xx = np.meshgrid(np.arange(SIZE, dtype=f32) + 0.5, np.arange(SIZE, dtype=f32) + 0.5, indexing="ij")
+
+    # --- background: hue (task) with jitter, then a texture (task) of random phase/orientation
+    bg = _BG_RGB[labels["background"]] + rng.uniform(-18, 18, size=(n, 3)).astype(f32)
+    tex = np.zeros((n, SIZE, SIZE), dtype=f32)
+    t = labels["texture"]
+    amp = rng.uniform(28, 45, size=n).astype(f32)[:, None, None]
+    period = rng.uniform(4.0, 6.5, size=n).astype(f32)[:, None, None]
+    phase = rng.uniform(0, 2 * np.pi, size=n).astype(f32)[:, None, None]
+    ang = rng.choice(np.array([0, np.pi / 2, np.pi / 4, -np.pi / 4], dtype=f32), size=n)[:, None, None]
+    proj = xx * np.cos(ang) + yy * np.sin(ang)
+    stripes = np.sign(np.sin(2 * np.pi * proj / period + phase))
+    cell = rng.integers(3, 6, size=n).astype(f32)[:, None, None]
+    off = rng.integers(0, 6, size=(n, 2)).astype(f32)
+    checks = ((((xx[None] + off[:, 0, None, None]) // cell) + ((yy[None] + off[:, 1, None, None]) // cell)) % 2) * 2 - 1
+    speckle = rng.random((n, SIZE, SIZE), dtype=f32) * 2 - 1
+    tex = np.where((t == 1)[:, None, None], stripes, tex)
+    tex = np.where((t == 2)[:, None, None], checks, tex)
+    tex = np.where((t == 3)[:, None, None], speckle * 1.3, tex)
+    img = bg[:, :, None, None] + (amp * tex)[:, None]
+
+    # --- main object: shape, colour, size, fill, quadrant; small rotation / jitter as nuisances
+    r = (_RADIUS[labels["size"]] + rng.uniform(-0.3, 0.3, size=n).astype(f32))[:, None, None]
+    centre = _QUAD_CENTRE[labels["position"]] + rng.uniform(-2.2, 2.2, size=(n, 2)).astype(f32)
+    rot = rng.uniform(-0.25, 0.25, size=n).astype(f32)[:, None, None]  # radians, keeps square != diamond
+    px, py = xx[None] - centre[:, 0, None, None], yy[None] - centre[:, 1, None, None]
+    dx = px * np.cos(rot) + py * np.sin(rot)
+    dy = -px * np.sin(rot) + py * np.cos(rot)
+    alpha = _coverage(labels["shape"], dx, dy, r[:, 0, 0])
+    # the inner cut-out of a hollow object is the same shape with a smaller extent, same centre
+    inner = _coverage(labels["shape"], dx, dy, np.maximum(r[:, 0, 0] - _HOLLOW_PX, 0.5))
+    hollow = (labels["fill"] == 1)[:, None, None]
+    alpha = np.where(hollow, alpha * (1.0 - inner), alpha)
+    obj = _OBJ_RGB[labels["colour"]] + rng.uniform(-22, 22, size=(n, 3)).astype(f32)
+    img = img * (1 - alpha[:, None]) + obj[:, :, None, None] * alpha[:, None]
+
+    # --- dots (count task): 1..4 two-pixel squares, each in a distinct 8x8 cell of a 4x4 grid
+    k = labels["count"] + 1
+    cells = np.argsort(rng.random((n, 16)), axis=1)[:, :4]  # 4 distinct cells per image
+    jit = rng.integers(1, 6, size=(n, 4, 2))
+    dot_x = (cells % 4) * 8 + jit[..., 0]
+    dot_y = (cells // 4) * 8 + jit[..., 1]
+    dot_val = np.where(rng.random(n) < 0.5, 15.0, 240.0).astype(f32)  # black or white dots
+    dmask = np.zeros((n, SIZE, SIZE), dtype=bool)
+    rows = np.arange(n)
+    for j in range(4):
+        on = k > j
+        for ox in (0, 1):
+            for oy in (0, 1):
+                dmask[rows[on], dot_y[on, j] + oy, dot_x[on, j] + ox] = True
+    img = np.where(dmask[:, None], dot_val[:, None, None, None], img)
+
+    # --- sensor noise, then quantise
+    img += 6.0 * rng.standard_normal(img.shape, dtype=f32)
+    images = torch.from_numpy(np.clip(np.rint(img), 0, 255).astype(np.uint8))
+    return images, {t: torch.from_numpy(v.astype(np.int64)) for t, v in labels.items()}
+
+
+# ---------------------------------------------------------------- captions (pretraining text)
+# Each caption mentions only SOME attributes (each kept with probability p), so the contrastive
+# base learns a partial, noisy alignment: zero-shot works, but clearly below fine-tuned experts.
+_PHRASES: dict[str, tuple[str, ...]] = {
+    "count": ("with {} dots", "and {} dots"),
+    "position": ("in the {}", "at the {}"),
+    "texture": ("on a {} background",),
+}
+CAPTION_WORDS = ("a", "an", "the", "picture", "of", "object", "shape", "with", "and", "dots", "in",
+                 "at", "on", "background", "thing", "something", "there", "are", "is")
+
+
+def captions(labels: dict[str, torch.Tensor], seed: int, p: float = 0.5) -> list[str]:
+    """One caption per image naming a random subset of its attributes (at least one).
+
+    Noun phrase: "[size] [colour] [fill] <shape|object>"; then optional "in the <position>",
+    "on a [background] [texture] background", "with <count> dots".
+    """
+    rng = np.random.default_rng(seed)
+    names = {t: [TASKS[t][i] for i in labels[t].tolist()] for t in TASKS}
+    n = len(names["shape"])
+    keep = {t: rng.random(n) < p for t in TASKS}
+    forced = rng.integers(0, len(TASKS), size=n)  # guarantee at least one attribute per caption
+    for j, t in enumerate(TASKS):
+        keep[t] |= forced == j
+    out = []
+    for i in range(n):
+        words = ["a"]
+        for t in ("size", "colour", "fill"):
+            if keep[t][i]:
+                words.append(names[t][i])
+        words.append(names["shape"][i] if keep["shape"][i] else "object")
+        tail = []
+        if keep["position"][i]:
+            tail.append(("in the " if rng.random() < 0.5 else "at the ") + names["position"][i])
+        if keep["background"][i] or keep["texture"][i]:
+            bgw = [names["background"][i]] if keep["background"][i] else []
+            bgw += [names["texture"][i]] if keep["texture"][i] else []
+            tail.append("on a " + " ".join(bgw) + " background")
+        if keep["count"][i]:
+            tail.append("with " + names["count"][i] + " dots")
+        rng.shuffle(tail)
+        out.append(" ".join(words + tail) + ".")
+    return out
+
+
+def vocabulary_words() -> list[str]:
+    """Every word captions and templates can produce (sorted, for a deterministic tokenizer)."""
+    words = set(CAPTION_WORDS)
+    for t, classes in TASKS.items():
+        for c in classes:
+            words.update(c.split())
+        for tpl in TEMPLATES[t]:
+            words.update(w for w in tpl.replace("{}", " ").replace(".", " ").split())
+    return sorted(words)

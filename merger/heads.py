@@ -1,0 +1,56 @@
+"""Zero-shot classification heads (the field's protocol).
+
+For each class, embed every prompt template with the text tower, normalise each embedding,
+average over templates, normalise again. Logits are ``logit_scale.exp() * img @ head.T`` with
+the image embedding normalised. Heads stay frozen: they are never merged.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+# The standard CLIP ImageNet-style templates, shortened to the ones the task-vector papers use
+# for every dataset ("a photo of a {}." family). Our own list; real pools may override per task.
+STANDARD_TEMPLATES: tuple[str, ...] = (
+    "a photo of a {}.",
+    "a bad photo of a {}.",
+    "a photo of many {}.",
+    "a low resolution photo of the {}.",
+    "a cropped photo of the {}.",
+    "a bright photo of a {}.",
+    "a dark photo of the {}.",
+    "a close-up photo of the {}.",
+    "a blurry photo of the {}.",
+    "a good photo of the {}.",
+    "a photo of the small {}.",
+    "a photo of the large {}.",
+)
+
+
+@torch.no_grad()
+def zero_shot_head(
+    model: torch.nn.Module,
+    tokenizer: Callable[[list[str]], torch.Tensor],
+    classnames: Sequence[str],
+    templates: Sequence[str] = STANDARD_TEMPLATES,
+) -> torch.Tensor:
+    """Return the [classes, embed_dim] head: normalised mean of normalised prompt embeddings."""
+    if not classnames:
+        raise ValueError("zero_shot_head: no class names")
+    if not templates:
+        raise ValueError("zero_shot_head: no prompt templates")
+    device = next(model.parameters()).device
+    rows = []
+    for name in classnames:
+        tokens = tokenizer([t.format(name) for t in templates]).to(device)
+        emb = F.normalize(model.encode_text(tokens).float(), dim=-1)
+        rows.append(F.normalize(emb.mean(dim=0), dim=-1))
+    return torch.stack(rows)
+
+
+def logits(image_features: torch.Tensor, head: torch.Tensor, logit_scale: torch.Tensor | float) -> torch.Tensor:
+    """Zero-shot logits: scale · normalised image embedding · headᵀ (scale is exp of the stored log)."""
+    scale = logit_scale.exp() if torch.is_tensor(logit_scale) else torch.tensor(logit_scale).exp()
+    return scale * F.normalize(image_features.float(), dim=-1) @ head.T

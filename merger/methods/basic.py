@@ -1,0 +1,40 @@
+"""Weight averaging and task arithmetic."""
+from __future__ import annotations
+
+from ..task_vectors import TaskVectors
+from .registry import LAM, Method, Paper, register, with_default
+
+
+def prepare_sum(tv: TaskVectors) -> dict:
+    return {"sum": {k: v.sum(0) for k, v in tv.stacked.items()}, "T": tv.num_tasks}
+
+
+def apply_average(prepared: dict) -> dict:
+    inv = 1.0 / prepared["T"]
+    return {k: s * inv for k, s in prepared["sum"].items()}
+
+
+def apply_task_arithmetic(prepared: dict, lam: float) -> dict:
+    return {k: s * lam for k, s in prepared["sum"].items()}
+
+
+register(Method(
+    name="weight_averaging",
+    display_name="Weight averaging",
+    paper=Paper("Model soups: averaging weights of multiple fine-tuned models improves accuracy "
+                "without increasing inference time", "2203.05482"),
+    description="θavg = mean of the experts (task arithmetic with λ = 1/T).",
+    params=(),
+    prepare=prepare_sum,
+    apply=apply_average,
+))
+
+register(Method(
+    name="task_arithmetic",
+    display_name="Task arithmetic",
+    paper=Paper("Editing models with task arithmetic", "2212.04089"),
+    description="θ0 + λ Σ τt; λ ≈ 0.3 for 8 tasks, negative λ negates tasks.",
+    params=(with_default(LAM, 0.3),),
+    prepare=prepare_sum,
+    apply=apply_task_arithmetic,
+))

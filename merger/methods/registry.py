@@ -1,0 +1,154 @@
+"""The method registry: one record per method drives the API, the CLI flags and the UI controls.
+
+A method has ``prepare(task_vectors, **prepare_params)`` (everything no slider changes: SVDs,
+thresholds, masks, sums) and ``apply(prepared, **params) -> {key: Δ}`` (cheap). Merged weights
+are θ0 + Δ on the merged keys.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ..errors import MethodError
+
+# The parameter vocabulary shared by every method, the CLI and the UI.
+PARAM_NAMES = ("lam", "rank_ratio", "sparsity", "seed")
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    default: float | int | None  # None: resolved from the number of experts (see Method.defaults)
+    min: float
+    max: float
+    step: float
+    kind: str = "float"  # "float" or "int"
+    min_open: bool = False  # True: the minimum itself is not allowed
+    max_open: bool = False
+    help: str = ""
+
+    def range_text(self) -> str:
+        lo = "(" if self.min_open else "["
+        hi = ")" if self.max_open else "]"
+        fmt = (lambda v: str(int(v))) if self.kind == "int" else (lambda v: f"{v:g}")
+        return f"{lo}{fmt(self.min)}, {fmt(self.max)}{hi}"
+
+    def check(self, value: Any, method: str) -> float | int:
+        if isinstance(value, bool) or value is None:
+            raise MethodError(f"{method}: parameter {self.name}={value!r} is not a number")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise MethodError(f"{method}: parameter {self.name}={value!r} is not a number") from None
+        if not math.isfinite(number):
+            raise MethodError(f"{method}: parameter {self.name}={value!r} is not a finite number")
+        if self.kind == "int":
+            if number != int(number):
+                raise MethodError(f"{method}: parameter {self.name}={value!r} must be a whole number")
+            number = int(number)
+        below = number < self.min or (self.min_open and number == self.min)
+        above = number > self.max or (self.max_open and number == self.max)
+        if below or above:
+            raise MethodError(
+                f"{method}: parameter {self.name}={value!r} is out of range {self.range_text()}"
+            )
+        return number
+
+
+@dataclass(frozen=True)
+class Paper:
+    title: str
+    arxiv: str
+
+    def __str__(self) -> str:
+        return f"{self.title} (arXiv:{self.arxiv})" if self.arxiv else self.title
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    display_name: str
+    paper: Paper
+    description: str
+    params: tuple[Param, ...]
+    prepare: Callable[..., Any]
+    apply: Callable[..., Mapping[str, Any]]
+    prepare_params: tuple[str, ...] = ()  # parameters that change prepare's result (e.g. seed)
+    # A one-line remark for the current setting (e.g. "λ has no effect at full rank"), or None.
+    note: Callable[[Mapping[str, Any], Any], str | None] | None = None
+    defaults_for: Callable[[int], dict[str, Any]] | None = None  # defaults that depend on T
+    kind: str = "static"
+    extra: dict = field(default_factory=dict)
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise MethodError(f"{self.name}: has no parameter {name}")
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
+    def resolve(self, given: Mapping[str, Any], num_experts: int, strict: bool = True) -> dict[str, Any]:
+        """Defaults filled in, every value checked; unknown names refused when ``strict``."""
+        given = {k: v for k, v in given.items() if v is not None}
+        unknown = [k for k in given if k not in self.param_names]
+        if unknown and strict:
+            takes = ", ".join(self.param_names) or "no parameters"
+            raise MethodError(f"{self.name}: does not take {', '.join(unknown)} (it takes {takes})")
+        auto = self.defaults_for(num_experts) if self.defaults_for else {}
+        out = {}
+        for p in self.params:
+            value = given.get(p.name, auto.get(p.name, p.default))
+            out[p.name] = p.check(value, self.name)
+        return out
+
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    if method.name in _REGISTRY:
+        raise ValueError(f"method {method.name} registered twice")
+    for p in method.params:
+        if p.name not in PARAM_NAMES:
+            raise ValueError(f"{method.name}: parameter {p.name} is not in the shared vocabulary")
+    _REGISTRY[method.name] = method
+    return method
+
+
+def get(name: str) -> Method:
+    key = str(name).strip().lower().replace("-", "_")
+    if key not in _REGISTRY:
+        raise MethodError(f"unknown method '{name}'; known: {', '.join(_REGISTRY)}")
+    return _REGISTRY[key]
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def all_methods() -> list[Method]:
+    return list(_REGISTRY.values())
+
+
+# Parameter records reused by several methods (same name, range and step everywhere).
+LAM = Param("lam", 1.0, -3.0, 3.0, 0.05, help="merge coefficient λ (negative: task negation)")
+SPARSITY = Param(
+    "sparsity", 0.8, 0.0, 1.0, 0.01, max_open=True, help="fraction of task-vector entries removed"
+)
+RANK_RATIO = Param(
+    "rank_ratio", 0.08, 0.0, 1.0, 0.01, min_open=True,
+    help="kept rank k = max(1, floor(rank_ratio · min(m, n))) per matrix",
+)
+SEED = Param("seed", 0, 0, 2**31 - 1, 1, kind="int", help="random seed of the drop masks")
+
+
+def with_default(p: Param, default) -> Param:
+    return Param(p.name, default, p.min, p.max, p.step, p.kind, p.min_open, p.max_open, p.help)
+
+
+def kept_rank(rank_ratio: float, m: int, n: int) -> int:
+    return max(1, math.floor(rank_ratio * min(m, n) + 1e-9))

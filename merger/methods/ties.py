@@ -1,0 +1,233 @@
+"""TIES-merging and DARE (linear and TIES variants).
+
+Both reduce over the task axis entry by entry. The reductions run over chunks of a few
+thousand entries so every temporary stays in cache: a [T, n] temporary the size of a ViT-B/32
+task-vector stack costs more in page faults than in arithmetic.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import torch
+
+from ..task_vectors import TaskVectors
+from .registry import LAM, SEED, SPARSITY, Method, Paper, register, with_default
+
+CHUNK = 1 << 14
+GRID = 100  # sparsity thresholds precomputed at steps of 1/GRID (the slider step)
+_U16 = 1 << 16
+
+
+def _n_keep(numel: int, sparsity: float) -> int:
+    return max(1, math.floor((1.0 - sparsity) * numel + 1e-6))
+
+
+def _thresholds_on_grid(magnitudes: torch.Tensor) -> torch.Tensor:
+    """Exact keep-thresholds for sparsity j/GRID, j = 0..GRID-1 (one multi-k selection)."""
+    n = magnitudes.numel()
+    kth = np.array([n - _n_keep(n, j / GRID) for j in range(GRID)])
+    part = np.partition(magnitudes.numpy(), kth)
+    return torch.from_numpy(part[kth].copy())
+
+
+def prepare_ties(tv: TaskVectors) -> dict:
+    """Thresholds at every slider step of sparsity, and a per-entry segment table.
+
+    An entry's merged value depends on which tasks survive trimming. Task t survives at grid
+    step j iff its level (how many step thresholds its |τ| clears) is ≥ j, so sorting the tasks
+    of each entry by level makes "the survivors at step j" a suffix of that order. The table
+    holds the disjoint mean of every suffix; a sparsity change is then a count and a gather.
+    """
+    thresholds = []
+    for i in range(tv.num_tasks):
+        mags = torch.cat([v[i].reshape(-1).abs().cpu() for v in tv.stacked.values()])
+        thresholds.append(_thresholds_on_grid(mags))
+    grid = torch.stack(thresholds, 1).to(tv.device)  # [GRID, T]
+    tables = {}
+    for k, v in tv.stacked.items():
+        flat = v.reshape(tv.num_tasks, -1)
+        levels = torch.empty(flat.shape, dtype=torch.uint8, device=tv.device)
+        for i in range(tv.num_tasks):
+            levels[i] = torch.bucketize(flat[i].abs(), grid[1:, i].contiguous(), right=True)
+        tables[k] = _segment_table(flat, levels)
+    return {"tv": tv, "grid": grid.cpu(), "exact": {}, "tables": tables}
+
+
+def _segment_table(flat: torch.Tensor, levels: torch.Tensor):
+    """(levels sorted per entry [T, n] uint8, disjoint mean of each suffix [T + 1, n])."""
+    T, n = flat.shape
+    sorted_levels = torch.empty_like(levels)
+    table = torch.zeros((T + 1, n), dtype=flat.dtype, device=flat.device)
+    step = 1 << 18
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        lv, order = levels[:, s:e].sort(dim=0, stable=True)
+        sorted_levels[:, s:e] = lv
+        vals = flat[:, s:e].gather(0, order)
+        suffix = lambda x: x.flip(0).cumsum(0).flip(0)  # noqa: E731  Σ over the kept tasks r ≥ d
+        pos, neg = suffix(vals.clamp(min=0)), suffix(vals.clamp(max=0))
+        n_pos, n_neg = suffix((vals > 0).to(flat.dtype)), suffix((vals < 0).to(flat.dtype))
+        total = pos + neg
+        table[:T, s:e] = torch.where(total > 0, pos / n_pos.clamp(min=1),
+                                     torch.where(total < 0, neg / n_neg.clamp(min=1), 0.0))
+    return sorted_levels, table
+
+
+def _grid_step(sparsity: float) -> int | None:
+    j = sparsity * GRID
+    return int(round(j)) if abs(j - round(j)) < 1e-9 else None
+
+
+def _thresholds(prepared: dict, sparsity: float) -> torch.Tensor:
+    """Per-task magnitude threshold: keep entries with |τ| ≥ threshold (TIES' top-k rule)."""
+    j = _grid_step(sparsity)
+    if j is not None:
+        return prepared["grid"][j]
+    if sparsity not in prepared["exact"]:
+        tv = prepared["tv"]
+        out = []
+        for i in range(tv.num_tasks):
+            mags = torch.cat([v[i].reshape(-1).abs().cpu() for v in tv.stacked.values()])
+            n = mags.numel()
+            out.append(mags.kthvalue(n - _n_keep(n, sparsity) + 1).values)
+        prepared["exact"][sparsity] = torch.stack(out)
+    return prepared["exact"][sparsity]
+
+
+def _disjoint_merge(tau: torch.Tensor, keep=None) -> torch.Tensor:
+    """Elect s = sign(Σ τ̂t), then average the τ̂t whose sign is s (zeros excluded).
+
+    ``tau`` is [T, n]; ``keep(chunk, start, stop)`` returns the trimmed/dropped chunk.
+    """
+    T, n = tau.shape
+    out = torch.empty(n, dtype=tau.dtype, device=tau.device)
+    for s in range(0, n, CHUNK):
+        e = min(n, s + CHUNK)
+        t = tau[:, s:e] if keep is None else keep(tau[:, s:e], s, e)
+        elected = t.sum(0).sign_()
+        agree = (t * elected) > 0
+        total = torch.where(agree, t, 0.0).sum(0)
+        out[s:e] = total.div_(agree.sum(0).clamp_(min=1))
+    return out
+
+
+def _lookup(sorted_levels: torch.Tensor, table: torch.Tensor, j: int) -> torch.Tensor:
+    """The table row for the number of tasks trimmed at grid step j (level < j)."""
+    n = table.shape[1]
+    out = torch.empty(n, dtype=table.dtype, device=table.device)
+    step = 1 << 18
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        # a uint8 count is several times faster than the default int64 reduction of bools
+        dropped = (sorted_levels[:, s:e] < j).sum(0, keepdim=True, dtype=torch.uint8)
+        out[s:e] = table[:, s:e].gather(0, dropped.long())[0]
+    return out
+
+
+def apply_ties(prepared: dict, lam: float, sparsity: float) -> dict:
+    tv = prepared["tv"]
+    j = _grid_step(sparsity)
+    delta = {}
+    if j is not None:  # on the slider grid: a lookup in the segment table
+        for k, v in tv.stacked.items():
+            delta[k] = _lookup(*prepared["tables"][k], j).mul_(lam).reshape(v.shape[1:])
+        return delta
+    thr = _thresholds(prepared, sparsity).to(tv.device)[:, None]
+    for k, v in tv.stacked.items():
+        flat = v.reshape(tv.num_tasks, -1)
+        merged = _disjoint_merge(flat, lambda c, s, e: torch.where(c.abs() >= thr, c, 0.0))
+        delta[k] = merged.mul_(lam).reshape(v.shape[1:])
+    return delta
+
+
+register(Method(
+    name="ties",
+    display_name="TIES-merging",
+    paper=Paper("TIES-Merging: Resolving interference when merging models", "2306.01708"),
+    description="Trim each τt to its top (1 − sparsity) by magnitude, elect signs, disjoint mean; θ0 + λ·that.",
+    params=(LAM, SPARSITY),
+    prepare=prepare_ties,
+    apply=apply_ties,
+))
+
+
+# ---- DARE ---------------------------------------------------------------------------------
+
+def _task_seed(seed: int, task: str) -> int:
+    # Seeded by task name, so a task's mask does not change when the expert subset does.
+    return (int(seed) * 1_000_003 + zlib.crc32(task.encode())) % (2**63 - 1)
+
+
+def prepare_dare(tv: TaskVectors, seed: int) -> dict:
+    """One uniform draw per entry (16-bit): the drop mask for rate p is draw < p · 2¹⁶."""
+    draws = {}
+    gens = [torch.Generator().manual_seed(_task_seed(seed, t)) for t in tv.tasks]
+    for k, v in tv.stacked.items():
+        d = torch.empty(v.shape, dtype=torch.int32)
+        for i, g in enumerate(gens):
+            d[i] = torch.randint(0, _U16, v.shape[1:], generator=g, dtype=torch.int32)
+        draws[k] = d.to(torch.uint16).to(tv.device)
+    return {"tv": tv, "draws": draws}
+
+
+def _dare_keep(prepared: dict, key: str, p: float):
+    level = int(round(p * _U16))
+    draws = prepared["draws"][key].reshape(prepared["tv"].num_tasks, -1)
+    scale = 1.0 / (1.0 - p)
+
+    def keep(chunk, s, e):
+        return torch.where(draws[:, s:e].to(torch.int32) >= level, chunk * scale, 0.0)
+
+    return keep
+
+
+def apply_dare_linear(prepared: dict, lam: float, sparsity: float, seed: int) -> dict:
+    tv = prepared["tv"]
+    delta = {}
+    for k, v in tv.stacked.items():
+        flat = v.reshape(tv.num_tasks, -1)
+        keep = _dare_keep(prepared, k, sparsity)
+        out = torch.empty(flat.shape[1], device=tv.device)
+        for s in range(0, flat.shape[1], CHUNK):
+            e = min(flat.shape[1], s + CHUNK)
+            out[s:e] = keep(flat[:, s:e], s, e).sum(0)
+        delta[k] = out.mul_(lam).reshape(v.shape[1:])
+    return delta
+
+
+def apply_dare_ties(prepared: dict, lam: float, sparsity: float, seed: int) -> dict:
+    tv = prepared["tv"]
+    delta = {}
+    for k, v in tv.stacked.items():
+        merged = _disjoint_merge(v.reshape(tv.num_tasks, -1), _dare_keep(prepared, k, sparsity))
+        delta[k] = merged.mul_(lam).reshape(v.shape[1:])
+    return delta
+
+
+DARE_PAPER = Paper("Language models are Super Mario: absorbing abilities from homologous models "
+                   "as a free lunch", "2311.03099")
+DARE_P = with_default(SPARSITY, 0.9)
+
+register(Method(
+    name="dare_linear",
+    display_name="DARE (linear)",
+    paper=DARE_PAPER,
+    description="Drop each τ entry with probability p = sparsity, rescale by 1/(1 − p), then task arithmetic.",
+    params=(with_default(LAM, 0.3), DARE_P, SEED),
+    prepare=prepare_dare,
+    apply=apply_dare_linear,
+    prepare_params=("seed",),
+))
+
+register(Method(
+    name="dare_ties",
+    display_name="DARE (TIES)",
+    paper=DARE_PAPER,
+    description="Drop and rescale as DARE, then TIES' sign election and disjoint mean; θ0 + λ·that.",
+    params=(LAM, DARE_P, SEED),
+    prepare=prepare_dare,
+    apply=apply_dare_ties,
+    prepare_params=("seed",),
+))

@@ -1,0 +1,220 @@
+"""Pool: an architecture, a base θ0, experts θ1..θT (one per task) and the tasks.
+
+A pool is described by a YAML file (paths relative to it)::
+
+    name: my-pool
+    architecture: ViT-B-32            # an open_clip model name, or {config: {...inline open_clip config...}}
+    base: base.safetensors
+    experts:
+      cars: experts/cars.safetensors  # short form, or {path: ..., trajectory: folder, hparams: {...}}
+    tasks:                            # optional until you evaluate
+      cars: {classes: [...], templates: [...], data: {...}}
+
+``open_pool("demo")`` opens the built-in demo pool.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import yaml
+
+from . import checkpoints
+from .errors import CheckpointError, PoolError
+from .task_vectors import TaskVectors
+
+TOP_KEYS = {"name", "description", "architecture", "tokenizer", "preprocess", "base", "experts", "tasks"}
+ARCH_KEYS = {"model", "config"}
+EXPERT_KEYS = {"path", "trajectory", "hparams"}
+TASK_KEYS = {"classes", "classes_file", "templates", "data"}
+DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
+
+
+def _check_keys(where: str, given: Mapping, allowed: set[str], source: str) -> None:
+    unknown = sorted(set(given) - allowed)
+    if unknown:
+        raise PoolError(f"{source}: unknown key(s) {', '.join(unknown)} in {where}; allowed: {', '.join(sorted(allowed))}")
+
+
+class Pool:
+    """An opened pool. Experts are validated against the base when the pool opens."""
+
+    def __init__(self, spec: Mapping[str, Any], root: Path, source: str, device: str | torch.device = "cpu"):
+        self.source = source
+        self.root = root
+        self.device = torch.device(device)
+        if not isinstance(spec, Mapping):
+            raise PoolError(f"{source}: expected a mapping at the top level")
+        _check_keys("the pool", spec, TOP_KEYS, source)
+        for required in ("architecture", "base", "experts"):
+            if required not in spec:
+                raise PoolError(f"{source}: missing required key '{required}'")
+        self.name = str(spec.get("name") or Path(source).stem)
+        self.architecture = self._architecture(spec["architecture"])
+        self.tokenizer_name = spec.get("tokenizer")
+        self.preprocess_cfg = dict(spec.get("preprocess") or {})
+        self.base_path = self._path(spec["base"], "base")
+        self.expert_info = self._experts(spec["experts"])
+        self.tasks: list[str] = list(self.expert_info)
+        self.task_info = self._tasks(spec.get("tasks") or {})
+        self.base: dict[str, torch.Tensor] = checkpoints.load_state_dict(self.base_path)
+        self.base = checkpoints.strip_prefixes(self.base)
+        checkpoints.validate_base(self.base, str(self.base_path))
+        self._check_architecture()
+        experts = {
+            t: checkpoints.validate_expert(
+                checkpoints.load_state_dict(info["path"]), self.base, f"{info['path']} (expert '{t}')"
+            )
+            for t, info in self.expert_info.items()
+        }
+        self.task_vectors = TaskVectors(self.base, experts, device=self.device)
+        self._hashes: dict[str, str] = {}
+        self._prepared: OrderedDict = OrderedDict()
+
+    # ---- parsing ------------------------------------------------------------------------
+    def _path(self, value: Any, field: str) -> Path:
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            raise PoolError(f"{self.source}: {field} must be a file path")
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else (self.root / p)
+
+    def _architecture(self, arch: Any) -> dict:
+        if isinstance(arch, str):
+            return {"model": arch}
+        if isinstance(arch, Mapping):
+            _check_keys("architecture", arch, ARCH_KEYS, self.source)
+            if ("model" in arch) == ("config" in arch):
+                raise PoolError(f"{self.source}: architecture needs exactly one of 'model' or 'config'")
+            if "config" in arch and not isinstance(arch["config"], Mapping):
+                raise PoolError(f"{self.source}: architecture.config must be an open_clip config mapping")
+            return dict(arch)
+        raise PoolError(f"{self.source}: architecture must be an open_clip model name or {{config: ...}}")
+
+    def _experts(self, experts: Any) -> dict[str, dict]:
+        if not isinstance(experts, Mapping) or not experts:
+            raise PoolError(f"{self.source}: experts must map task names to checkpoint paths (zero experts given)")
+        out = {}
+        for task, value in experts.items():
+            task = str(task)
+            if isinstance(value, Mapping):
+                _check_keys(f"experts.{task}", value, EXPERT_KEYS, self.source)
+                if "path" not in value:
+                    raise PoolError(f"{self.source}: experts.{task} has no 'path'")
+                info = dict(value)
+            else:
+                info = {"path": value}
+            info["path"] = self._path(info["path"], f"experts.{task}")
+            if info.get("trajectory"):
+                info["trajectory"] = self._path(info["trajectory"], f"experts.{task}.trajectory")
+            out[task] = info
+        return out
+
+    def _tasks(self, tasks: Any) -> dict[str, dict]:
+        if not isinstance(tasks, Mapping):
+            raise PoolError(f"{self.source}: tasks must be a mapping of task names")
+        out = {}
+        for task, value in tasks.items():
+            task = str(task)
+            if task not in self.expert_info:
+                raise PoolError(f"{self.source}: tasks.{task} has no expert (experts: {', '.join(self.expert_info)})")
+            if not isinstance(value, Mapping):
+                raise PoolError(f"{self.source}: tasks.{task} must be a mapping")
+            _check_keys(f"tasks.{task}", value, TASK_KEYS, self.source)
+            out[task] = dict(value)
+        return out
+
+    def _check_architecture(self) -> None:
+        """Compare the base with the architecture's own state dict (built on the meta device)."""
+        with torch.device("meta"):
+            model = self.build_model(load_base=False)
+        ref = model.state_dict()
+        missing = [k for k in ref if k not in self.base]
+        extra = [k for k in self.base if k not in ref]
+        shaped = [k for k in ref if k in self.base and ref[k].shape != self.base[k].shape]
+        if missing or extra or shaped:
+            parts = []
+            for label, keys in (("missing", missing), ("unexpected", extra), ("mis-shaped", shaped)):
+                if keys:
+                    parts.append(f"{label} keys: {checkpoints._names(keys)}")
+            raise CheckpointError(
+                f"{self.base_path}: does not match architecture {self.architecture_name}: " + "; ".join(parts)
+            )
+
+    # ---- models -------------------------------------------------------------------------
+    @property
+    def architecture_name(self) -> str:
+        return self.architecture.get("model") or "inline config"
+
+    def build_model(self, load_base: bool = True) -> torch.nn.Module:
+        """A fresh open_clip model of the pool's architecture, with the base weights."""
+        from ._compat import open_clip
+
+        oc = open_clip()
+        if "config" in self.architecture:
+            model = oc.CLIP(**self.architecture["config"])
+        else:
+            try:
+                model = oc.create_model(self.architecture["model"], pretrained=None)
+            except RuntimeError as exc:
+                raise PoolError(f"{self.source}: architecture {self.architecture['model']!r}: {exc}") from None
+        if load_base:
+            model.load_state_dict(self.base)
+        return model.eval()
+
+    # ---- merging ------------------------------------------------------------------------
+    def prepared(self, method, experts: tuple[str, ...], prepare_args: dict) -> Any:
+        """Prepared state of a method for an expert subset (small LRU: preparations are large)."""
+        key = (method.name, experts, tuple(sorted(prepare_args.items())))
+        if key in self._prepared:
+            self._prepared.move_to_end(key)
+            return self._prepared[key]
+        value = method.prepare(self.task_vectors.subset(experts), **prepare_args)
+        self._prepared[key] = value
+        while len(self._prepared) > 3:
+            self._prepared.popitem(last=False)
+        return value
+
+    def file_hashes(self) -> dict[str, str]:
+        """Content hashes of the base and every expert file (computed once)."""
+        if not self._hashes:
+            self._hashes["base"] = checkpoints.content_hash(self.base_path)
+            for t, info in self.expert_info.items():
+                self._hashes[t] = checkpoints.content_hash(info["path"])
+        return dict(self._hashes)
+
+    def __repr__(self) -> str:
+        return f"Pool({self.name!r}, {self.architecture_name}, tasks={self.tasks})"
+
+
+def read_pool_yaml(path: str | os.PathLike) -> tuple[dict, Path]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "pool.yaml"
+    if not path.exists():
+        raise PoolError(f"{path}: pool file not found")
+    try:
+        spec = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise PoolError(f"{path}: not valid YAML ({exc})") from None
+    return spec, path
+
+
+def open_pool(path: str | os.PathLike = "demo", device: str | torch.device = "cpu") -> Pool:
+    """Open a pool from a YAML file (or a folder holding pool.yaml); "demo" is the built-in pool."""
+    if str(path) == "demo":
+        path = demo_pool_path()
+    spec, yaml_path = read_pool_yaml(path)
+    return Pool(spec, yaml_path.parent, str(yaml_path), device=device)
+
+
+def demo_pool_path() -> Path:
+    override = os.environ.get("MERGER_DEMO_DIR")
+    root = Path(override) if override else DEMO_DIR
+    if not (root / "pool.yaml").exists():
+        raise PoolError(
+            f"{root}: the demo pool is not there; build it with `python -m merger demo build --out {root}`"
+        )
+    return root / "pool.yaml"

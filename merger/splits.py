@@ -1,0 +1,28 @@
+"""The split protocol shared by the demo builder, the evaluator and the tuner.
+
+Validation is 10 % of the train split chosen with seed 0 (never seen by experts when they are
+fine-tuned here); "live" is a fixed small subset of the test split for the sliders.
+"""
+from __future__ import annotations
+
+import torch
+
+SPLITS = ("train", "val", "test", "live")
+VAL_FRACTION = 0.1
+LIVE_SIZE = 128
+
+
+def _perm(n: int, seed: int) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+
+
+def train_val_indices(n_train: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train indices without validation, validation indices), both sorted."""
+    perm = _perm(n_train, 0)
+    n_val = max(1, int(round(VAL_FRACTION * n_train))) if n_train > 1 else 0
+    return perm[n_val:].sort().values, perm[:n_val].sort().values
+
+
+def live_indices(n_test: int, size: int = LIVE_SIZE) -> torch.Tensor:
+    """A fixed subset of the test split (seed 0), sorted."""
+    return _perm(n_test, 0)[: min(size, n_test)].sort().values

@@ -1,0 +1,51 @@
+"""Small random CLIP pools for tests (open_clip's own CLIP class, a tiny config)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+
+from merger._compat import open_clip
+from merger.checkpoints import save_safetensors
+
+TINY_CONFIG = {
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 16, "patch_size": 8, "width": 32, "layers": 2, "head_width": 16, "mlp_ratio": 2},
+    "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 32, "heads": 2, "layers": 1},
+}
+
+
+def tiny_model(seed: int = 0):
+    torch.manual_seed(seed)
+    return open_clip().CLIP(**TINY_CONFIG).eval()
+
+
+def base_and_experts(n_experts: int = 3, scale: float = 0.05, seed: int = 0):
+    """A full CLIP base and image-tower experts: base + random perturbations."""
+    base = tiny_model(seed).state_dict()
+    g = torch.Generator().manual_seed(seed + 1)
+    experts = []
+    for _ in range(n_experts):
+        sd = {}
+        for k, v in base.items():
+            if k.startswith("visual."):
+                sd[k] = v + scale * torch.randn(v.shape, generator=g) if v.is_floating_point() else v.clone()
+        experts.append(sd)
+    return base, experts
+
+
+def write_pool(root: Path, n_experts: int = 3, scale: float = 0.05, tasks=None) -> Path:
+    base, experts = base_and_experts(n_experts, scale)
+    tasks = tasks or [f"task{i}" for i in range(n_experts)]
+    save_safetensors(base, root / "base.safetensors")
+    for t, sd in zip(tasks, experts):
+        save_safetensors(sd, root / "experts" / f"{t}.safetensors")
+    spec = {
+        "name": "tiny",
+        "architecture": {"config": TINY_CONFIG},
+        "base": "base.safetensors",
+        "experts": {t: f"experts/{t}.safetensors" for t in tasks},
+    }
+    (root / "pool.yaml").write_text(yaml.safe_dump(spec))
+    return root / "pool.yaml"

@@ -1,0 +1,191 @@
+"""Bad input to the engine: each gets a merger exception naming the file/key and the reason."""
+import os
+import pickle
+
+import pytest
+import torch
+import yaml
+
+import merger
+from merger import checkpoints
+from merger.errors import CheckpointError, MergerError, MethodError, PoolError
+from helpers import base_and_experts, write_pool
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(CheckpointError, match="nope.safetensors: file not found"):
+        checkpoints.load_state_dict(tmp_path / "nope.safetensors")
+
+
+def test_truncated_safetensors(tmp_path):
+    base, _ = base_and_experts(1)
+    path = checkpoints.save_safetensors(base, tmp_path / "base.safetensors")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="base.safetensors: truncated or corrupt"):
+        checkpoints.load_state_dict(path)
+
+
+def test_garbage_safetensors(tmp_path):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(b"\x00\x01 not a tensor file")
+    with pytest.raises(CheckpointError, match="x.safetensors: truncated or corrupt"):
+        checkpoints.load_state_dict(path)
+
+
+class Payload:
+    """Unpickling this would create a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickled_object_is_refused_without_executing(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "expert.pt"
+    with open(path, "wb") as fh:
+        pickle.dump({"visual.proj": Payload(str(marker))}, fh)
+    with pytest.raises(CheckpointError, match="expert.pt: refused: .*pickled objects"):
+        checkpoints.load_state_dict(path)
+    assert not marker.exists()
+
+
+def test_weights_only_torch_file_loads(tmp_path):
+    path = tmp_path / "w.pt"
+    torch.save({"state_dict": {"module.a": torch.ones(2)}}, path)
+    sd = checkpoints.strip_prefixes(checkpoints.load_state_dict(path))
+    assert list(sd) == ["a"]
+
+
+@pytest.fixture
+def pair():
+    base, experts = base_and_experts(2)
+    return base, experts
+
+
+def test_expert_missing_extra_misshaped_keys_are_named(pair):
+    base, (e1, _) = pair
+    bad = dict(e1)
+    bad.pop("visual.proj")
+    bad["visual.extra_weight"] = torch.zeros(3)
+    bad["visual.conv1.weight"] = torch.zeros(2, 2)
+    with pytest.raises(CheckpointError) as err:
+        checkpoints.validate_expert(bad, base, "e1.safetensors")
+    msg = str(err.value)
+    assert "e1.safetensors" in msg
+    assert "missing keys: visual.proj" in msg
+    assert "unexpected keys: visual.extra_weight" in msg
+    assert "mis-shaped keys: visual.conv1.weight" in msg
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_expert(pair, value):
+    base, (e1, _) = pair
+    bad = dict(e1)
+    bad["visual.proj"] = bad["visual.proj"].clone()
+    bad["visual.proj"][0, 0] = value
+    with pytest.raises(CheckpointError, match="key visual.proj holds 1 non-finite"):
+        checkpoints.validate_expert(bad, base, "e1")
+
+
+def test_non_floating_weight(pair):
+    base, (e1, _) = pair
+    bad = dict(e1)
+    bad["visual.proj"] = bad["visual.proj"].to(torch.int64)
+    with pytest.raises(CheckpointError, match="visual.proj is torch.int64, expected a floating-point"):
+        checkpoints.validate_expert(bad, base, "e1")
+
+
+def test_expert_prefixes_and_tower_only_are_accepted(pair):
+    base, (e1, _) = pair
+    tower_only = {"module." + k[len("visual."):]: v for k, v in e1.items()}
+    aligned = checkpoints.validate_expert(tower_only, base, "e1")
+    assert set(aligned) == {k for k in base if k.startswith("visual.")}
+
+
+def test_zero_experts(pair, tmp_path):
+    base, _ = pair
+    with pytest.raises(MergerError, match="no experts"):
+        merger.merge_state_dicts(base, [], "task_arithmetic")
+    path = write_pool(tmp_path, 1)
+    spec = yaml.safe_load(path.read_text())
+    spec["experts"] = {}
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(PoolError, match="zero experts"):
+        merger.open_pool(path)
+
+
+def test_unknown_method(pair):
+    base, experts = pair
+    with pytest.raises(MethodError, match="unknown method 'magic'; known: weight_averaging"):
+        merger.merge_state_dicts(base, experts, "magic")
+
+
+@pytest.mark.parametrize(
+    "method, params, match",
+    [
+        ("cart", {"rank_ratio": 0.0}, r"rank_ratio=0.0 is out of range \(0, 1\]"),
+        ("cart", {"rank_ratio": 1.5}, r"rank_ratio=1.5 is out of range \(0, 1\]"),
+        ("ties", {"sparsity": 1.0}, r"sparsity=1.0 is out of range \[0, 1\)"),
+        ("ties", {"sparsity": -0.1}, r"sparsity=-0.1 is out of range"),
+        ("ties", {"sparsity": "lots"}, r"sparsity='lots' is not a number"),
+        ("task_arithmetic", {"lam": float("nan")}, r"lam=nan is not a finite number"),
+        ("dare_linear", {"seed": 1.5}, r"seed=1.5 must be a whole number"),
+        ("task_arithmetic", {"sparsity": 0.5}, r"task_arithmetic: does not take sparsity"),
+    ],
+)
+def test_parameters_out_of_range(pair, method, params, match):
+    base, experts = pair
+    with pytest.raises(MethodError, match=match):
+        merger.merge_state_dicts(base, experts, method, **params)
+
+
+def test_negative_lambda_is_valid(pair):
+    base, experts = pair
+    merger.merge_state_dicts(base, experts, "task_arithmetic", lam=-1.0)
+
+
+def test_unknown_expert_subset(tiny_pool):
+    pool = merger.open_pool(tiny_pool)
+    with pytest.raises(MergerError, match="experts: unknown task.*cars; known: task0, task1, task2"):
+        merger.merge(pool, "task_arithmetic", experts=["task0", "cars"])
+    with pytest.raises(MergerError, match="empty subset"):
+        merger.merge(pool, "task_arithmetic", experts=[])
+
+
+def test_pool_yaml_typo_and_bad_expert_file(tmp_path):
+    path = write_pool(tmp_path, 2)
+    spec = yaml.safe_load(path.read_text())
+    spec["expertz"] = spec.pop("experts")
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(PoolError, match="unknown key.*expertz"):
+        merger.open_pool(path)
+    spec["experts"] = spec.pop("expertz")
+    spec["experts"]["task1"] = "experts/missing.safetensors"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(CheckpointError, match="missing.safetensors: file not found"):
+        merger.open_pool(path)
+
+
+def test_base_of_another_architecture_is_named(tmp_path):
+    path = write_pool(tmp_path, 1)
+    spec = yaml.safe_load(path.read_text())
+    spec["architecture"]["config"]["vision_cfg"]["width"] = 64
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(CheckpointError, match="base.safetensors: does not match architecture.*mis-shaped"):
+        merger.open_pool(path)
+
+
+def test_atomic_write_leaves_nothing_on_failure(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    with pytest.raises(OSError):
+        checkpoints.save_safetensors({"a": torch.ones(1)}, tmp_path / "out.safetensors")
+    assert os.listdir(tmp_path) == []

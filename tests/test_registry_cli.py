@@ -1,0 +1,94 @@
+"""The registry drives the CLI; merge → spec → replay gives identical tensors."""
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import merger
+from merger.cli import build_parser
+from merger.methods.registry import PARAM_NAMES
+
+EXPECTED = ["weight_averaging", "task_arithmetic", "ties", "dare_linear", "dare_ties", "cart", "tsv_m", "iso_c"]
+
+
+def test_registry_is_complete():
+    assert merger.methods.names()[: len(EXPECTED)] == EXPECTED
+    for m in merger.methods.all_methods():
+        assert m.display_name and m.description and m.paper.title and m.paper.arxiv
+        for p in m.params:
+            assert p.name in PARAM_NAMES
+            assert p.min < p.max and p.step > 0
+            default = p.default if p.default is not None else m.defaults_for(4)[p.name]
+            p.check(default, m.name)  # defaults are in range
+        assert callable(m.prepare) and callable(m.apply)
+
+
+def test_cli_flags_come_from_the_registry():
+    merge = build_parser()._subparsers._group_actions[0].choices["merge"]
+    flags = {a.dest for a in merge._actions}
+    used = {p.name for m in merger.methods.all_methods() for p in m.params}
+    assert used <= flags
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "merger", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_methods_command_lists_every_method():
+    out = run_cli("methods")
+    assert out.returncode == 0
+    for name in EXPECTED:
+        assert name in out.stdout
+    assert "--rank-ratio" in out.stdout and "(0, 1]" in out.stdout
+
+
+@pytest.mark.parametrize("method, flags", [("ties", ["--lam", "0.9", "--sparsity", "0.7"]),
+                                           ("cart", ["--lam", "1.5", "--rank-ratio", "0.25"]),
+                                           ("dare_ties", ["--seed", "7", "--experts", "task0,task2"])])
+def test_merge_spec_replay_round_trip(tiny_pool, tmp_path, method, flags):
+    out = tmp_path / "merged.safetensors"
+    res = run_cli("merge", "--pool", str(tiny_pool), "--method", method, *flags, "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    spec = yaml.safe_load((tmp_path / "merged.yaml").read_text())
+    assert spec["method"] == method and spec["merger_version"] == merger.__version__
+    assert len(spec["base"]["sha256"]) == 64
+    assert set(spec["expert_files"]) == set(spec["experts"])
+    again = tmp_path / "again.safetensors"
+    res = run_cli("merge", "--spec", str(tmp_path / "merged.yaml"), "--out", str(again))
+    assert res.returncode == 0, res.stderr
+    a, b = load_file(out), load_file(again)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the written weights are what the API returns
+    pool = merger.open_pool(tiny_pool)
+    api = merger.merge(pool, method, experts=spec["experts"], **spec["params"])
+    assert all(torch.equal(api[k], a[k]) for k in a)
+
+
+def test_replay_refuses_a_changed_expert(tiny_pool, tmp_path):
+    out = tmp_path / "m.safetensors"
+    assert run_cli("merge", "--pool", str(tiny_pool), "--method", "task_arithmetic", "--out", str(out)).returncode == 0
+    expert = tiny_pool.parent / "experts" / "task1.safetensors"
+    sd = load_file(expert)
+    sd["visual.proj"] = sd["visual.proj"] * 2
+    merger.checkpoints.save_safetensors(sd, expert)
+    res = run_cli("merge", "--spec", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "x.safetensors"))
+    assert res.returncode == 2 and "expert 'task1' file changed" in res.stderr
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--method", "cart", "--rank-ratio", "2"], "rank_ratio='2' is out of range"),
+    (["--method", "ties", "--sparsity", "abc"], "sparsity='abc' is not a number"),
+    (["--method", "nope"], "unknown method 'nope'"),
+    (["--method", "ties", "--experts", "task9"], "unknown task(s) task9"),
+])
+def test_failed_merge_writes_nothing(tiny_pool, tmp_path, flags, message):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    res = run_cli("merge", "--pool", str(tiny_pool), *flags, "--out", str(out_dir / "bad.safetensors"))
+    assert res.returncode == 2
+    assert message in res.stderr
+    assert list(out_dir.iterdir()) == []
