@@ -106,4 +106,91 @@ def run(what: str, args) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if what == "merge":
         return bench_merge(args)
+    if what == "live":
+        return bench_live(args)
     raise SystemExit(f"unknown benchmark {what}")
+
+
+# ---- live: slider → result on the demo pool ------------------------------------------------
+
+LIVE_METHODS = ("task_arithmetic", "ties", "cart")
+
+
+def _percentile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def naive_evaluation(pool_path, method: str, params: dict, split: str = "live"):
+    """What a tool without our caches does per slider move: open the pool, deepcopy a model,
+    merge from scratch, re-read and preprocess the inputs, build the heads, forward."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from . import data as data_mod
+    from .evaluation import tokenizer_for
+    from .heads import STANDARD_TEMPLATES, zero_shot_head
+    from .merging import merge
+    from .pool import open_pool
+
+    data_mod._GENERATED.clear()
+    pool = open_pool(pool_path)
+    model = copy.deepcopy(pool.build_model())
+    model.load_state_dict(merge(pool, method, **params))
+    store = data_mod.TaskDataStore(pool)
+    tok = tokenizer_for(pool)
+    acc = {}
+    with torch.inference_mode():
+        for t in pool.tasks:
+            d = store.split(t, split)
+            x = data_mod.preprocess(d.images, pool.preprocess_cfg)
+            head = zero_shot_head(model, tok, store.classes(t), pool.task_info[t].get("templates") or STANDARD_TEMPLATES)
+            feats = F.normalize(model.encode_image(x).float(), dim=-1)
+            logits = model.logit_scale.exp() * feats @ head.T
+            acc[t] = float((logits.argmax(-1) == d.labels).float().mean())
+    return acc
+
+
+def bench_live(args) -> int:
+    from .explorer import Explorer
+    from .pool import open_pool
+
+    pool = open_pool(args.pool)
+    t0 = time.perf_counter()
+    ex = Explorer(pool)
+    ex.base("live")
+    ex.experts("live")
+    for m in LIVE_METHODS:  # preparations are per method and expert subset, not per slider move
+        ex.delta(ex.spec(m))
+    setup = time.perf_counter() - t0
+    n_images = sum(x.shape[0] for x, _ in ex.evaluator.inputs("live"))
+    print(f"demo pool: {len(pool.tasks)} tasks, live split {n_images} distinct images "
+          f"({sum(len(m) for _, m in ex.evaluator.inputs('live'))} task evaluations); "
+          f"explorer set-up {setup:.1f} s; torch threads {torch.get_num_threads()}")
+    lams = [round(0.05 * i, 2) for i in range(1, args.moves + 1)]
+    rows, worst = [], 0
+    for m in LIVE_METHODS:
+        times = []
+        for lam in lams:
+            spec = ex.spec(m, lam=lam)
+            assert ex.cached(spec) is None, "bench must measure cache misses"
+            t = time.perf_counter()
+            ex.preview(spec)
+            times.append(time.perf_counter() - t)
+        naive = []
+        for lam in lams[: args.naive]:
+            t = time.perf_counter()
+            naive_evaluation(pool.source, m, {"lam": lam})
+            naive.append(time.perf_counter() - t)
+        p50, p95, n50 = statistics.median(times), _percentile(times, 0.95), statistics.median(naive)
+        rows.append((m, p50, p95, n50, n50 / p50))
+    print(f"\n{'method':<18}{'preview p50 ms':>15}{'p95 ms':>9}{'naive p50 ms':>14}{'ratio':>8}")
+    ok = True
+    for m, p50, p95, n50, ratio in rows:
+        print(f"{m:<18}{1e3 * p50:15.1f}{1e3 * p95:9.1f}{1e3 * n50:14.0f}{ratio:7.0f}x")
+        ok &= p50 <= 0.150 and p95 <= 0.400 and ratio >= 20
+    print(f"\n{args.moves} distinct λ values per method, every one a cache miss (merge + in-place load + "
+          f"forward of all tasks); naive = {args.naive} of the same evaluations done from scratch.")
+    print("goals: p50 <= 150 ms, p95 <= 400 ms, ratio >= 20x: " + ("met" if ok else "MISSED"))
+    return 0 if ok else 1

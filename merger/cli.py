@@ -65,6 +65,46 @@ def cmd_merge(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    import json
+
+    from .explorer import Explorer
+    from .pool import open_pool
+
+    if not args.method:
+        raise MergerError(f"eval: give --method (one of {', '.join(methods.names())})")
+    pool = open_pool(args.pool, device=args.device)
+    ex = Explorer(pool)
+    spec = ex.spec(args.method, experts=args.experts, **method_params(args))
+    # Exact parameters (not snapped to slider steps): merge, then evaluate.
+    result = ex.evaluator.evaluate(delta=ex.delta(spec), split=args.split)
+    if args.json:
+        print(json.dumps({"spec": spec.as_dict(), **result.to_dict()}, indent=2))
+        return 0
+    print(f"{spec.label()} over {', '.join(spec.experts)}; {args.split} split")
+    print(f"{'task':<14}{'accuracy %':>11}{'loss':>9}{'normalised %':>14}")
+    for t in result.tasks:
+        print(f"{t:<14}{100 * result.accuracy[t]:11.1f}{result.loss[t]:9.3f}{100 * result.normalized[t]:14.1f}")
+    print(f"{'average':<14}{100 * result.average_accuracy:11.1f}{result.average_loss:9.3f}"
+          f"{100 * result.normalized_accuracy:14.1f}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    if args.action == "build":
+        from .demo.build import DemoConfig, build
+        from .pool import DEMO_DIR
+
+        out = build(args.out or DEMO_DIR, DemoConfig.small() if args.small else DemoConfig())
+        print(f"built the demo pool in {out}")
+        return 0
+    from .pool import open_pool
+    from .reports import demo_numbers, format_demo_report
+
+    print(format_demo_report(demo_numbers(open_pool(args.pool), split=args.split)))
+    return 0
+
+
 def cmd_bench(args) -> int:
     from . import bench
 
@@ -85,11 +125,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_merge)
 
+    p = sub.add_parser("eval", help="merge and evaluate per task")
+    p.add_argument("--pool", default="demo", help='pool YAML (or "demo")')
+    add_method_args(p)
+    p.add_argument("--split", default="test", help="train, val, test or live")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("demo", help="build or report the built-in demo pool")
+    p.add_argument("action", choices=["build", "report"])
+    p.add_argument("--out", default=None, help="build: output folder (default: the shipped assets/demo)")
+    p.add_argument("--small", action="store_true", help="build: the reduced configuration used in CI")
+    p.add_argument("--pool", default="demo", help="report: which pool")
+    p.add_argument("--split", default="test")
+    p.set_defaults(func=cmd_demo)
+
     p = sub.add_parser("bench", help="benchmarks (medians and ratios in one run)")
-    p.add_argument("what", choices=["merge"], help="merge: prepare/apply per method on ViT-B-32")
+    p.add_argument("what", choices=["merge", "live"],
+                   help="merge: prepare/apply per method on ViT-B-32; live: slider → result on the demo pool")
     p.add_argument("--arch", default="ViT-B-32")
+    p.add_argument("--pool", default="demo")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--moves", type=int, default=30, help="live: distinct λ values per method")
+    p.add_argument("--naive", type=int, default=30, help="live: how many of them to repeat naively")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods")
     p.set_defaults(func=cmd_bench)
     return ap

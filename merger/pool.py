@@ -207,7 +207,31 @@ def open_pool(path: str | os.PathLike = "demo", device: str | torch.device = "cp
     if str(path) == "demo":
         path = demo_pool_path()
     spec, yaml_path = read_pool_yaml(path)
+    verify_manifest(yaml_path.parent)
     return Pool(spec, yaml_path.parent, str(yaml_path), device=device)
+
+
+def verify_manifest(root: Path) -> None:
+    """A built pool (the demo zoo) lists every file's sha256 in manifest.json: check them all,
+    so a corrupt or edited zoo is refused instead of silently used."""
+    import json
+
+    manifest = root / "manifest.json"
+    if not manifest.exists():
+        return
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PoolError(f"{manifest}: unreadable manifest ({exc}); rebuild with `python -m merger demo build`") from None
+    for rel, sha in files.items():
+        path = root / rel
+        if not path.exists():
+            raise PoolError(f"{path}: listed in {manifest.name} but missing; rebuild with `python -m merger demo build`")
+        if checkpoints.content_hash(path) != sha:
+            raise PoolError(
+                f"{path}: sha256 differs from {manifest.name}: the zoo is corrupt or was modified; "
+                f"refusing to use it. Rebuild with `python -m merger demo build --out {root}`"
+            )
 
 
 def demo_pool_path() -> Path:

@@ -1,7 +1,7 @@
 """The demo world: procedurally drawn 32x32 scenes with many independent attributes.
 
-Every image shows one main object (shape, colour, size, fill, quadrant) on a coloured, textured
-background, plus a number of small black-or-white dots. Each attribute is one classification
+Every image shows one main object (shape, colour, size, quadrant) on a coloured, textured
+background, plus one to four small dots, all black or all white. Each attribute is one classification
 task, and all tasks share the SAME images, so the experts fine-tuned on different tasks pull one
 image tower towards different features (local form, hue, extent, location, counting, high
 frequency texture, background hue): that is what makes merging them non-trivial.
@@ -18,14 +18,14 @@ SIZE = 32  # image side in pixels
 
 # Task name -> class names, in label order. Class names are plain words used in prompts.
 TASKS: dict[str, tuple[str, ...]] = {
-    "shape": ("circle", "square", "triangle", "diamond", "cross"),
+    "shape": ("circle", "square", "triangle", "cross"),
     "colour": ("red", "green", "blue", "yellow", "purple", "orange"),
     "size": ("small", "medium", "large"),
     "position": ("top left", "top right", "bottom left", "bottom right"),
     "count": ("one", "two", "three", "four"),
     "texture": ("plain", "striped", "checkered", "speckled"),
     "background": ("pink", "brown", "grey", "teal"),
-    "fill": ("solid", "hollow"),
+    "dots": ("black", "white"),
 }
 
 # Per task prompt templates ("{}" is the class name). Worded like the pretraining captions,
@@ -41,16 +41,15 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
                 "a shape on a {} background."),
     "background": ("a {} background.", "a picture on a {} background.", "the background is {}.",
                    "a shape on a {} background."),
-    "fill": ("a {} object.", "a picture of a {} shape.", "the object is {}.", "a {} thing."),
+    "dots": ("{} dots.", "a picture with {} dots.", "the dots are {}.", "an object with {} dots."),
 }
 
 # RGB palettes (0..255). Background hues are deliberately muted and distinct from object hues.
 _OBJ_RGB = np.array([[220, 40, 40], [40, 180, 60], [50, 80, 230],
                      [230, 210, 40], [150, 60, 200], [240, 140, 30]], dtype=np.float32)
 _BG_RGB = np.array([[225, 150, 170], [125, 85, 50], [128, 128, 128], [40, 130, 130]], dtype=np.float32)
-_RADIUS = np.array([3.0, 4.5, 6.0], dtype=np.float32)  # small / medium / large half extent
+_RADIUS = np.array([3.5, 5.0, 6.5], dtype=np.float32)  # small / medium / large half extent
 _QUAD_CENTRE = np.array([[8, 8], [24, 8], [8, 24], [24, 24]], dtype=np.float32)  # (x, y)
-_HOLLOW_PX = 1.6  # outline thickness of hollow objects
 
 
 def _eval_case(k: int, dx: np.ndarray, dy: np.ndarray, r: np.ndarray) -> np.ndarray:
@@ -62,8 +61,6 @@ def _eval_case(k: int, dx: np.ndarray, dy: np.ndarray, r: np.ndarray) -> np.ndar
         return np.maximum(ax, ay) / (0.85 * r)
     if k == 2:
         return np.maximum(-(up - 0.15 * r) / (0.6 * r), (up + 1.73 * ax) / (1.15 * r))
-    if k == 3:
-        return (ax + ay) / (1.2 * r)
     return np.minimum(np.maximum(ax / (0.38 * r), ay / r), np.maximum(ax / r, ay / (0.38 * r)))
 
 
@@ -103,18 +100,14 @@ def generate(n: int, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     tex = np.where((t == 3)[:, None, None], speckle * 1.3, tex)
     img = bg[:, :, None, None] + (amp * tex)[:, None]
 
-    # --- main object: shape, colour, size, fill, quadrant; small rotation / jitter as nuisances
+    # --- main object: shape, colour, size, quadrant; small rotation / jitter as nuisances
     r = (_RADIUS[labels["size"]] + rng.uniform(-0.3, 0.3, size=n).astype(f32))[:, None, None]
-    centre = _QUAD_CENTRE[labels["position"]] + rng.uniform(-2.2, 2.2, size=(n, 2)).astype(f32)
-    rot = rng.uniform(-0.25, 0.25, size=n).astype(f32)[:, None, None]  # radians, keeps square != diamond
+    centre = _QUAD_CENTRE[labels["position"]] + rng.uniform(-1.5, 1.5, size=(n, 2)).astype(f32)
+    rot = rng.uniform(-0.25, 0.25, size=n).astype(f32)[:, None, None]  # radians: small, so a square stays a square
     px, py = xx[None] - centre[:, 0, None, None], yy[None] - centre[:, 1, None, None]
     dx = px * np.cos(rot) + py * np.sin(rot)
     dy = -px * np.sin(rot) + py * np.cos(rot)
     alpha = _coverage(labels["shape"], dx, dy, r[:, 0, 0])
-    # the inner cut-out of a hollow object is the same shape with a smaller extent, same centre
-    inner = _coverage(labels["shape"], dx, dy, np.maximum(r[:, 0, 0] - _HOLLOW_PX, 0.5))
-    hollow = (labels["fill"] == 1)[:, None, None]
-    alpha = np.where(hollow, alpha * (1.0 - inner), alpha)
     obj = _OBJ_RGB[labels["colour"]] + rng.uniform(-22, 22, size=(n, 3)).astype(f32)
     img = img * (1 - alpha[:, None]) + obj[:, :, None, None] * alpha[:, None]
 
@@ -124,7 +117,7 @@ def generate(n: int, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     jit = rng.integers(1, 6, size=(n, 4, 2))
     dot_x = (cells % 4) * 8 + jit[..., 0]
     dot_y = (cells // 4) * 8 + jit[..., 1]
-    dot_val = np.where(rng.random(n) < 0.5, 15.0, 240.0).astype(f32)  # black or white dots
+    dot_val = np.where(labels["dots"] == 0, 15.0, 240.0).astype(f32)  # black or white dots
     dmask = np.zeros((n, SIZE, SIZE), dtype=bool)
     rows = np.arange(n)
     for j in range(4):
@@ -143,11 +136,6 @@ def generate(n: int, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 # ---------------------------------------------------------------- captions (pretraining text)
 # Each caption mentions only SOME attributes (each kept with probability p), so the contrastive
 # base learns a partial, noisy alignment: zero-shot works, but clearly below fine-tuned experts.
-_PHRASES: dict[str, tuple[str, ...]] = {
-    "count": ("with {} dots", "and {} dots"),
-    "position": ("in the {}", "at the {}"),
-    "texture": ("on a {} background",),
-}
 CAPTION_WORDS = ("a", "an", "the", "picture", "of", "object", "shape", "with", "and", "dots", "in",
                  "at", "on", "background", "thing", "something", "there", "are", "is")
 
@@ -155,8 +143,8 @@ CAPTION_WORDS = ("a", "an", "the", "picture", "of", "object", "shape", "with", "
 def captions(labels: dict[str, torch.Tensor], seed: int, p: float = 0.5) -> list[str]:
     """One caption per image naming a random subset of its attributes (at least one).
 
-    Noun phrase: "[size] [colour] [fill] <shape|object>"; then optional "in the <position>",
-    "on a [background] [texture] background", "with <count> dots".
+    Noun phrase: "[size] [colour] <shape|object>"; then optional "in the <position>",
+    "on a [background] [texture] background", "with [count] [dots] dots".
     """
     rng = np.random.default_rng(seed)
     names = {t: [TASKS[t][i] for i in labels[t].tolist()] for t in TASKS}
@@ -168,7 +156,7 @@ def captions(labels: dict[str, torch.Tensor], seed: int, p: float = 0.5) -> list
     out = []
     for i in range(n):
         words = ["a"]
-        for t in ("size", "colour", "fill"):
+        for t in ("size", "colour"):
             if keep[t][i]:
                 words.append(names[t][i])
         words.append(names["shape"][i] if keep["shape"][i] else "object")
@@ -179,8 +167,10 @@ def captions(labels: dict[str, torch.Tensor], seed: int, p: float = 0.5) -> list
             bgw = [names["background"][i]] if keep["background"][i] else []
             bgw += [names["texture"][i]] if keep["texture"][i] else []
             tail.append("on a " + " ".join(bgw) + " background")
-        if keep["count"][i]:
-            tail.append("with " + names["count"][i] + " dots")
+        if keep["count"][i] or keep["dots"][i]:
+            dw = [names["count"][i]] if keep["count"][i] else []
+            dw += [names["dots"][i]] if keep["dots"][i] else []
+            tail.append("with " + " ".join(dw) + " dots")
         rng.shuffle(tail)
         out.append(" ".join(words + tail) + ".")
     return out

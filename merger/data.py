@@ -1,0 +1,130 @@
+"""Task data: images and labels per split, as tensors.
+
+Two sources, one shape: the demo world (``data: {demo: {train: {n, seed}, test: {n, seed}}}``,
+regenerated deterministically) and, for real pools, image folders. Tasks whose data entries are
+identical share one image tensor, so the evaluator forwards those images once for all of them.
+Splits: train (without validation), val (10 % of train, seed 0), test, live (fixed subset of test).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from . import splits as split_rules
+from .errors import DataError, PoolError
+
+DATA_KINDS = ("demo", "folder")
+
+
+@dataclass
+class SplitData:
+    images: torch.Tensor  # uint8 [N, 3, H, W] on the CPU (shared between tasks with the same source)
+    labels: torch.Tensor  # int64 [N]
+    source: tuple  # identical for tasks that share images
+
+
+def _demo_split(entry: Mapping, split: str, task: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], tuple]:
+    from .demo import world
+
+    base_split = "test" if split in ("test", "live") else "train"
+    cfg = entry.get(base_split)
+    if not isinstance(cfg, Mapping) or "n" not in cfg or "seed" not in cfg:
+        raise PoolError(f"tasks.{task}.data.demo.{base_split}: expected {{n: ..., seed: ...}}")
+    n, seed = int(cfg["n"]), int(cfg["seed"])
+    if n <= 0:
+        raise DataError(f"tasks.{task}: the {base_split} split has no images (n = {n})")
+    images, labels = _generate_cached(n, seed)
+    if task not in labels:
+        raise DataError(f"tasks.{task}: the demo world has no task '{task}' (it has {', '.join(labels)})")
+    return images, labels, ("demo", n, seed)
+
+
+_GENERATED: dict[tuple[int, int], tuple] = {}
+
+
+def _generate_cached(n: int, seed: int):
+    if (n, seed) not in _GENERATED:
+        from .demo import world
+
+        _GENERATED[(n, seed)] = world.generate(n, seed)
+    return _GENERATED[(n, seed)]
+
+
+def _select(split: str, n: int) -> torch.Tensor | None:
+    if split == "train":
+        return split_rules.train_val_indices(n)[0]
+    if split == "val":
+        return split_rules.train_val_indices(n)[1]
+    if split == "live":
+        return split_rules.live_indices(n)
+    return None
+
+
+class TaskDataStore:
+    """Loads each (task, split) once; checks classes and labels."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self._cache: dict[tuple[str, str], SplitData] = {}
+
+    def classes(self, task: str) -> list[str]:
+        info = self.pool.task_info.get(task)
+        if not info or not info.get("classes"):
+            raise DataError(f"task '{task}' has no class names (tasks.{task}.classes in {self.pool.source})")
+        return [str(c) for c in info["classes"]]
+
+    def split(self, task: str, split: str) -> SplitData:
+        if split not in split_rules.SPLITS:
+            raise DataError(f"unknown split '{split}'; known: {', '.join(split_rules.SPLITS)}")
+        key = (task, split)
+        if key not in self._cache:
+            self._cache[key] = self._load(task, split)
+        return self._cache[key]
+
+    def _load(self, task: str, split: str) -> SplitData:
+        info = self.pool.task_info.get(task)
+        if not info or not info.get("data"):
+            raise DataError(f"task '{task}' has an expert but no data (add tasks.{task}.data to {self.pool.source})")
+        data = info["data"]
+        if not isinstance(data, Mapping) or len(data) != 1 or next(iter(data)) not in DATA_KINDS:
+            raise PoolError(f"tasks.{task}.data: expected one of {', '.join(DATA_KINDS)}")
+        kind, entry = next(iter(data.items()))
+        if kind == "demo":
+            images, labels, source = _demo_split(entry, split, task)
+            labels = labels[task]
+        else:
+            from .folders import load_folder_split
+
+            images, labels, source = load_folder_split(self.pool, task, entry, split, self.classes(task))
+        idx = _select(split, images.shape[0])
+        if idx is not None:
+            images, labels = images[idx], labels[idx]
+            source = source + (split,)
+        self._check(task, split, labels)
+        return SplitData(images, labels, source)
+
+    def _check(self, task: str, split: str, labels: torch.Tensor) -> None:
+        n_classes = len(self.classes(task))
+        if labels.numel() == 0:
+            raise DataError(f"task '{task}': the {split} split has no images")
+        if int(labels.min()) < 0 or int(labels.max()) >= n_classes:
+            raise DataError(f"task '{task}': labels outside 0..{n_classes - 1} in the {split} split")
+        if split in ("train", "test"):
+            counts = torch.bincount(labels, minlength=n_classes)
+            empty = [self.classes(task)[i] for i in range(n_classes) if counts[i] == 0]
+            if empty:
+                raise DataError(f"task '{task}': class(es) {', '.join(empty)} have no images in the {split} split")
+
+
+def preprocess(images: torch.Tensor, cfg: Mapping) -> torch.Tensor:
+    """uint8 images -> float, resized to the model's input size, normalised (mean/std per channel)."""
+    x = images.float().div_(255.0)
+    size = cfg.get("image_size")
+    if size and tuple(x.shape[-2:]) != (int(size), int(size)):
+        x = F.interpolate(x, size=(int(size), int(size)), mode="bicubic", align_corners=False).clamp_(0, 1)
+    mean = torch.tensor(cfg.get("mean", (0.48145466, 0.4578275, 0.40821073)), dtype=x.dtype).view(1, 3, 1, 1)
+    std = torch.tensor(cfg.get("std", (0.26862954, 0.26130258, 0.27577711)), dtype=x.dtype).view(1, 3, 1, 1)
+    return (x - mean) / std

@@ -1,0 +1,197 @@
+"""Evaluator: one resident model, device-resident inputs and heads, weights written in place.
+
+Per task: top-1 accuracy and mean cross-entropy of the zero-shot head (METHODS.md protocol).
+Tasks whose images are the same tensor (the demo's tasks label one image set) are forwarded
+once and scored with each head.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import heads as heads_mod
+from .data import TaskDataStore, preprocess
+from .errors import DataError
+from .splits import SPLITS
+
+
+@dataclass
+class Result:
+    """Per-task accuracy (in [0, 1]) and mean cross-entropy on one split."""
+
+    split: str
+    accuracy: dict[str, float]
+    loss: dict[str, float]
+    expert_accuracy: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(self.accuracy)
+
+    @property
+    def average_accuracy(self) -> float:
+        return sum(self.accuracy.values()) / len(self.accuracy)
+
+    @property
+    def average_loss(self) -> float:
+        return sum(self.loss.values()) / len(self.loss)
+
+    @property
+    def normalized(self) -> dict[str, float]:
+        """Merged accuracy ÷ the task's own expert accuracy, per task."""
+        return {t: a / self.expert_accuracy[t] if self.expert_accuracy.get(t) else float("nan")
+                for t, a in self.accuracy.items()}
+
+    @property
+    def normalized_accuracy(self) -> float:
+        vals = list(self.normalized.values())
+        return sum(vals) / len(vals)
+
+    def to_dict(self) -> dict:
+        return {
+            "split": self.split,
+            "accuracy": self.accuracy,
+            "loss": self.loss,
+            "normalized": self.normalized if self.expert_accuracy else {},
+            "average_accuracy": self.average_accuracy,
+            "average_loss": self.average_loss,
+            "normalized_accuracy": self.normalized_accuracy if self.expert_accuracy else None,
+            "counts": self.counts,
+        }
+
+
+def tokenizer_for(pool):
+    if pool.tokenizer_name == "demo":
+        from .demo.tokenizer import DemoTokenizer
+
+        return DemoTokenizer()
+    from ._compat import open_clip
+
+    return open_clip().get_tokenizer(pool.architecture.get("model", "ViT-B-32"))
+
+
+class Evaluator:
+    """Built once per pool; ``evaluate(weights, split)`` copies weights in place and forwards."""
+
+    def __init__(self, pool, device: str | torch.device | None = None, batch_size: int = 1024):
+        self.pool = pool
+        self.device = torch.device(device) if device else pool.device
+        self.batch_size = batch_size
+        self.data = TaskDataStore(pool)
+        missing = [t for t in pool.tasks if not (pool.task_info.get(t) or {}).get("data")]
+        if missing:
+            raise DataError(
+                f"task(s) {', '.join(missing)} have an expert but no data (tasks.<name>.data in {pool.source})"
+            )
+        self.model = pool.build_model().to(self.device)
+        self.model.requires_grad_(False)
+        state = self.model.state_dict()
+        self._targets = {k: state[k] for k in pool.task_vectors.keys}  # storage shared with the model
+        self.logit_scale = float(self.model.logit_scale.exp())
+        self.heads = self._build_heads()
+        self._inputs: dict[str, list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]] = {}
+        self._expert_acc: dict[str, dict[str, float]] = {}
+
+    def _build_heads(self) -> dict[str, torch.Tensor]:
+        tok = tokenizer_for(self.pool)
+        out = {}
+        for t in self.pool.tasks:
+            info = self.pool.task_info[t]
+            templates = info.get("templates") or heads_mod.STANDARD_TEMPLATES
+            out[t] = heads_mod.zero_shot_head(self.model, tok, self.data.classes(t), templates).to(self.device)
+        return out
+
+    def inputs(self, split: str):
+        """Preprocessed inputs on the device, grouped by shared image source (built once)."""
+        if split not in SPLITS:
+            raise DataError(f"unknown split '{split}'; known: {', '.join(SPLITS)}")
+        if split not in self._inputs:
+            groups: dict[tuple, tuple[torch.Tensor, list]] = {}
+            for t in self.pool.tasks:
+                d = self.data.split(t, split)
+                if d.source not in groups:
+                    x = preprocess(d.images, self.pool.preprocess_cfg).to(self.device)
+                    groups[d.source] = (x, [])
+                groups[d.source][1].append((t, d.labels.to(self.device)))
+            self._inputs[split] = list(groups.values())
+        return self._inputs[split]
+
+    @torch.no_grad()
+    def load(self, weights: Mapping[str, torch.Tensor] | None) -> None:
+        """Write merged-key weights into the resident model in place (None: the base)."""
+        tv = self.pool.task_vectors
+        for k, target in self._targets.items():
+            target.copy_(tv.base[k] if weights is None else weights[k])
+
+    @torch.no_grad()
+    def load_delta(self, delta: Mapping[str, torch.Tensor]) -> None:
+        """θ0 + Δ written straight into the model's tensors (no intermediate copy)."""
+        base = self.pool.task_vectors.base
+        for k, target in self._targets.items():
+            torch.add(base[k], delta[k], out=target)
+
+    @torch.inference_mode()
+    def forward(self, split: str, tasks: Sequence[str] | None = None) -> tuple[dict, dict, dict]:
+        acc, loss, counts = {}, {}, {}
+        for x, members in self.inputs(split):
+            members = [(t, y) for t, y in members if tasks is None or t in tasks]
+            if not members:
+                continue
+            feats = torch.cat([self.model.encode_image(x[i: i + self.batch_size])
+                               for i in range(0, x.shape[0], self.batch_size)])
+            feats = F.normalize(feats.float(), dim=-1)
+            for t, y in members:
+                logits = self.logit_scale * feats @ self.heads[t].T
+                acc[t] = float((logits.argmax(-1) == y).float().mean())
+                loss[t] = float(F.cross_entropy(logits, y))
+                counts[t] = int(y.numel())
+        order = [t for t in self.pool.tasks if t in acc]
+        return {t: acc[t] for t in order}, {t: loss[t] for t in order}, {t: counts[t] for t in order}
+
+    def evaluate(self, weights: Mapping[str, torch.Tensor] | None = None, split: str = "live",
+                 *, delta: Mapping[str, torch.Tensor] | None = None, with_experts: bool = True) -> Result:
+        """Evaluate merged weights (full or merged-key dict), a Δ, or the base (neither)."""
+        t0 = time.perf_counter()
+        self.inputs(split)  # unknown split fails before any weight is touched
+        if delta is not None:
+            self.load_delta(delta)
+        else:
+            self.load(None if weights is None else {k: weights[k] for k in self._targets})
+        acc, loss, counts = self.forward(split)
+        seconds = time.perf_counter() - t0
+        experts = self.expert_accuracy(split) if with_experts else {}
+        return Result(split, acc, loss, experts, counts, seconds)
+
+    def expert_accuracy(self, split: str) -> dict[str, float]:
+        """Each task's accuracy under its own expert (cached per split)."""
+        if split not in self._expert_acc:
+            tv = self.pool.task_vectors
+            out = {}
+            for i, t in enumerate(tv.tasks):
+                self.load_delta({k: tv.stacked[k][i] for k in tv.keys})
+                out[t] = self.forward(split, tasks=[t])[0][t]
+            self._expert_acc[split] = out
+        return self._expert_acc[split]
+
+    def base_result(self, split: str) -> Result:
+        return self.evaluate(None, split)
+
+
+def evaluator_for(pool) -> Evaluator:
+    """The pool's shared evaluator (built on first use)."""
+    ev = getattr(pool, "_evaluator", None)
+    if ev is None:
+        ev = Evaluator(pool)
+        pool._evaluator = ev
+    return ev
+
+
+def evaluate(pool, merged: Mapping[str, torch.Tensor] | None, split: str = "live") -> Result:
+    """Public entry: evaluate a merged state dict (as returned by ``merger.merge``) on a split."""
+    return evaluator_for(pool).evaluate(merged, split)

@@ -1,0 +1,59 @@
+"""Printed reports of measured numbers (``python -m merger demo report``)."""
+from __future__ import annotations
+
+from .explorer import Explorer
+
+TA_GRID = tuple(round(0.05 * i, 2) for i in range(1, 31))
+DEFAULT_METHODS = ("weight_averaging", "ties", "dare_ties", "cart", "tsv_m", "iso_c")
+
+
+def demo_numbers(pool, split: str = "test") -> dict:
+    """Chance, base, experts, task arithmetic over its λ grid and the other methods at defaults."""
+    ex = Explorer(pool)
+    classes = {t: len(ex.evaluator.data.classes(t)) for t in pool.tasks}
+    base = ex.base(split)
+    experts = ex.experts(split)
+    ta = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), split) for lam in TA_GRID}
+    best = max(ta, key=lambda lam: ta[lam].average_accuracy)
+    others = {m: ex.preview(ex.spec(m), split) for m in DEFAULT_METHODS}
+    return {"split": split, "chance": {t: 1.0 / c for t, c in classes.items()}, "base": base,
+            "experts": experts, "ta": ta, "best_lam": best, "others": others}
+
+
+def demo_targets(n: dict) -> list[tuple[str, bool, str]]:
+    """The issue's targets: (name, met, measured)."""
+    mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
+    e, b = mean(n["experts"]), n["base"].average_accuracy
+    ta, chance = n["ta"][n["best_lam"]].average_accuracy, mean(n["chance"])
+    return [
+        ("experts >= 85 % on their own tasks", e >= 0.85, f"{100 * e:.1f} %"),
+        ("base >= 25 points below the experts", e - b >= 0.25, f"{100 * (e - b):.1f} points"),
+        ("base well above chance", b - chance >= 0.10, f"{100 * b:.1f} % vs chance {100 * chance:.1f} %"),
+        ("best TA >= 10 points below the experts", e - ta >= 0.10, f"{100 * (e - ta):.1f} points"),
+        ("best TA >= 10 points above the base", ta - b >= 0.10, f"{100 * (ta - b):.1f} points"),
+    ]
+
+
+def format_demo_report(n: dict) -> str:
+    tasks = list(n["experts"])
+    best = n["ta"][n["best_lam"]]
+    cols = ["chance", "base", "expert", f"TA λ={n['best_lam']:g}"] + list(n["others"])
+    lines = [f"demo pool, {n['split']} split, accuracy %", f"{'task':<12}" + "".join(f"{c[:12]:>13}" for c in cols)]
+
+    def row(name, vals):
+        return f"{name:<12}" + "".join(f"{100 * v:13.1f}" for v in vals)
+
+    for t in tasks:
+        lines.append(row(t, [n["chance"][t], n["base"].accuracy[t], n["experts"][t], best.accuracy[t]]
+                         + [r.accuracy[t] for r in n["others"].values()]))
+    mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
+    lines.append(row("average", [mean(n["chance"]), n["base"].average_accuracy, mean(n["experts"]),
+                                 best.average_accuracy] + [r.average_accuracy for r in n["others"].values()]))
+    lines.append("")
+    lines.append("task arithmetic, average accuracy % against λ:")
+    lines.append("  " + "  ".join(f"{lam:g}:{100 * r.average_accuracy:.1f}" for lam, r in n["ta"].items()))
+    lines.append("")
+    lines.append("targets:")
+    for name, ok, measured in demo_targets(n):
+        lines.append(f"  [{'met' if ok else 'MISSED'}] {name}: {measured}")
+    return "\n".join(lines)

@@ -1,0 +1,179 @@
+"""Evaluator and explorer on a random pool over demo-world data."""
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+import merger
+from merger.data import preprocess
+from merger.errors import DataError, PoolError
+from merger.evaluation import tokenizer_for
+from helpers import write_pool
+
+
+@pytest.fixture(scope="module")
+def demo_like(tmp_path_factory):
+    path = write_pool(tmp_path_factory.mktemp("pool"), n_experts=3, scale=0.2, demo_data=True)
+    pool = merger.open_pool(path)
+    return path, pool, merger.Explorer(pool)
+
+
+def test_heads_follow_the_protocol(demo_like):
+    _, pool, ex = demo_like
+    model, tok = ex.evaluator.model, tokenizer_for(pool)
+    for t in pool.tasks:
+        info = pool.task_info[t]
+        rows = []
+        for c in info["classes"]:
+            with torch.no_grad():
+                e = model.encode_text(tok([tpl.format(c) for tpl in info["templates"]]))
+            rows.append(F.normalize(F.normalize(e, dim=-1).mean(0), dim=-1))
+        assert torch.allclose(ex.evaluator.heads[t], torch.stack(rows), atol=1e-6)
+
+
+def reference_accuracy(pool, state_dict, split="live"):
+    """A fresh model, no caches: load the weights, preprocess, forward, score."""
+    model = pool.build_model()
+    model.load_state_dict(state_dict)
+    ev = merger.Evaluator(pool)  # only for its data store and heads
+    out = {}
+    with torch.no_grad():
+        for t in pool.tasks:
+            d = ev.data.split(t, split)
+            f = F.normalize(model.encode_image(preprocess(d.images, pool.preprocess_cfg)), dim=-1)
+            logits = model.logit_scale.exp() * f @ ev.heads[t].T
+            out[t] = (float((logits.argmax(-1) == d.labels).float().mean()), float(F.cross_entropy(logits, d.labels)))
+    return out
+
+
+def test_evaluate_matches_a_fresh_model(demo_like):
+    _, pool, _ = demo_like
+    merged = merger.merge(pool, "ties", lam=1.0, sparsity=0.8)
+    res = merger.evaluate(pool, merged, split="live")
+    ref = reference_accuracy(pool, merged)
+    for t in pool.tasks:
+        assert res.accuracy[t] == pytest.approx(ref[t][0], abs=1e-6)
+        assert res.loss[t] == pytest.approx(ref[t][1], rel=1e-4)
+    assert res.average_accuracy == pytest.approx(sum(r[0] for r in ref.values()) / 3)
+
+
+def test_expert_weights_reproduce_expert_accuracy(demo_like):
+    _, pool, ex = demo_like
+    experts = ex.experts("live")
+    for i, t in enumerate(pool.tasks):
+        full = dict(pool.base)
+        full.update({k: v for k, v in pool.task_vectors.expert(i).items()})
+        res = merger.evaluate(pool, full, split="live")
+        assert res.accuracy[t] == experts[t]
+        assert res.normalized[t] == pytest.approx(1.0)
+
+
+def test_in_place_loading_leaves_nothing_stale(demo_like):
+    _, pool, _ = demo_like
+    a = merger.merge(pool, "task_arithmetic", lam=0.3)
+    b = merger.merge(pool, "cart", lam=2.0, rank_ratio=0.25)
+    ra1 = merger.evaluate(pool, a).to_dict()
+    rb = merger.evaluate(pool, b).to_dict()
+    ra2 = merger.evaluate(pool, a).to_dict()
+    assert ra1 == ra2
+    assert ra1 != rb
+
+
+def test_preview_cache(demo_like):
+    _, pool, ex = demo_like
+    s1 = ex.spec("task_arithmetic", lam=0.3)
+    r1 = ex.preview(s1)
+    assert ex.preview(ex.spec("task_arithmetic", lam=0.3)) is r1
+    assert ex.preview(ex.spec("task_arithmetic", lam=0.31)) is r1  # snapped to the 0.05 slider step
+    r2 = ex.preview(ex.spec("task_arithmetic", lam=0.5))
+    assert r2 is not r1 and r2.accuracy != r1.accuracy
+    assert ex.preview(ex.spec("task_arithmetic", lam=0.3, experts=pool.tasks[:2])) is not r1
+    # a preview equals evaluating the merged weights of the snapped spec
+    res = merger.evaluate(pool, merger.merge(pool, "task_arithmetic", lam=0.3))
+    assert res.accuracy == r1.accuracy
+
+
+def test_normalized_accuracy_is_mean_of_ratios(demo_like):
+    _, pool, ex = demo_like
+    r = ex.preview(ex.spec("weight_averaging"))
+    ratios = [r.accuracy[t] / r.expert_accuracy[t] for t in pool.tasks]
+    assert r.normalized_accuracy == pytest.approx(sum(ratios) / len(ratios))
+
+
+def test_splits_protocol(demo_like):
+    _, pool, ex = demo_like
+    t = pool.tasks[0]
+    train, val = ex.evaluator.data.split(t, "train"), ex.evaluator.data.split(t, "val")
+    test, live = ex.evaluator.data.split(t, "test"), ex.evaluator.data.split(t, "live")
+    assert val.labels.numel() == 40 and train.labels.numel() == 360  # 10 % of 400
+    assert live.labels.numel() == 128 and test.labels.numel() == 300
+
+
+def test_unknown_split(demo_like):
+    _, pool, ex = demo_like
+    with pytest.raises(DataError, match="unknown split 'dev'; known: train, val, test, live"):
+        ex.preview(ex.spec("task_arithmetic"), split="dev")
+    assert ex.preview(ex.spec("task_arithmetic"), split="live")  # still works
+
+
+def _edit(path, fn):
+    spec = yaml.safe_load(path.read_text())
+    fn(spec)
+    path.write_text(yaml.safe_dump(spec))
+    return merger.open_pool(path)
+
+
+def test_task_with_no_images(tmp_path):
+    path = write_pool(tmp_path, n_experts=2, demo_data=True)
+    t = None
+
+    def empty(spec):
+        nonlocal t
+        t = next(iter(spec["tasks"]))
+        spec["tasks"][t]["data"]["demo"]["test"]["n"] = 0
+
+    pool = _edit(path, empty)
+    with pytest.raises(DataError, match=f"tasks.{t}: the test split has no images"):
+        merger.Evaluator(pool).evaluate(None, "test")
+
+
+def test_class_with_no_images(tmp_path):
+    path = write_pool(tmp_path, n_experts=2, demo_data=True)
+
+    def extra_class(spec):
+        t = next(iter(spec["tasks"]))
+        spec["tasks"][t]["classes"].append("unicorn")
+
+    pool = _edit(path, extra_class)
+    with pytest.raises(DataError, match="class\\(es\\) unicorn have no images in the test split"):
+        merger.Evaluator(pool).evaluate(None, "test")
+
+
+def test_expert_without_data(tmp_path):
+    path = write_pool(tmp_path, n_experts=2, demo_data=True)
+    pool = _edit(path, lambda spec: spec["tasks"].pop(next(iter(spec["tasks"]))))
+    with pytest.raises(DataError, match="have an expert but no data"):
+        merger.Evaluator(pool)
+
+
+def test_task_without_expert_is_refused(tmp_path):
+    path = write_pool(tmp_path, n_experts=2, demo_data=True)
+    with pytest.raises(PoolError, match="tasks.ghost has no expert"):
+        _edit(path, lambda spec: spec["tasks"].update(ghost={"classes": ["a"]}))
+
+
+def test_corrupt_zoo_is_refused(tmp_path):
+    import json
+
+    from merger.checkpoints import content_hash
+
+    path = write_pool(tmp_path, n_experts=2, demo_data=True)
+    files = {str(p.relative_to(tmp_path)): content_hash(p) for p in tmp_path.rglob("*.safetensors")}
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": files}))
+    merger.open_pool(path)  # intact: opens
+    victim = sorted(tmp_path.glob("experts/*.safetensors"))[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(PoolError, match=f"{victim.name}: sha256 differs from manifest.json.*refusing"):
+        merger.open_pool(path)
