@@ -1,0 +1,57 @@
+"""Start the merge explorer: ``python app.py [--pool demo|POOL.yaml] [--host 127.0.0.1] [--port 7860]``."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description="merger: interactive model-merging explorer")
+    ap.add_argument("--pool", default="demo", help='pool YAML, or "demo" (the built-in pool)')
+    ap.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    ap.add_argument("--port", type=int, default=7860)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--history", default=str(Path.home() / ".merger" / "history.sqlite"),
+                    help="SQLite file of evaluated specs ('' to turn history off)")
+    ap.add_argument("--share", action="store_true", help="ask Gradio for a public share link (off by default)")
+    ap.add_argument("--auth", default=None, help="user:password required to open the app")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    import merger
+    from merger.store import History
+    from merger.ui import build_app
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    try:
+        pool = merger.open_pool(args.pool, device=args.device)
+        explorer = merger.Explorer(pool)
+    except merger.MergerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    history = History(args.history) if args.history else None
+    auth = None
+    if args.auth:
+        user, sep, password = args.auth.partition(":")
+        if not sep or not user or not password:
+            print("error: --auth must be user:password", file=sys.stderr)
+            return 2
+        auth = (user, password)
+    app = build_app(explorer, history)
+    app.queue(default_concurrency_limit=1)
+    app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
+               footer_links=["api"], css=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Auto-tuning (grid search on validation, report on test) and sweeps. Engine code: no UI."""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from typing import Callable, Sequence
+
+from . import methods
+from .errors import MergerError
+
+Progress = Callable[[float, str], None] | None
+
+
+def _frange(lo: float, hi: float, step: float) -> list[float]:
+    n = int(round((hi - lo) / step))
+    return [round(lo + i * step, 4) for i in range(n + 1)]
+
+
+# The grids searched per method (the papers' grids, shortened where a slider step would do).
+TUNE_GRIDS: dict[str, dict[str, list]] = {
+    "weight_averaging": {},
+    "task_arithmetic": {"lam": _frange(0.05, 1.5, 0.05)},
+    "ties": {"lam": _frange(0.4, 1.5, 0.1), "sparsity": [0.5, 0.7, 0.8, 0.9]},
+    "dare_linear": {"lam": _frange(0.1, 1.0, 0.1), "sparsity": [0.5, 0.7, 0.9]},
+    "dare_ties": {"lam": _frange(0.4, 1.5, 0.1), "sparsity": [0.5, 0.7, 0.9]},
+    "cart": {"lam": _frange(0.5, 3.0, 0.25), "rank_ratio": [0.04, 0.08, 0.16, 0.32]},
+    "tsv_m": {"lam": _frange(0.5, 2.0, 0.1)},
+    "iso_c": {"lam": _frange(0.5, 2.0, 0.1)},
+}
+MAX_GRID_POINTS = 400  # a sweep or grid larger than this is refused (it would hold the queue)
+
+
+def grid_points(method: str) -> list[dict]:
+    grid = TUNE_GRIDS.get(methods.get(method).name, {})
+    names = list(grid)
+    return [dict(zip(names, values)) for values in itertools.product(*grid.values())] or [{}]
+
+
+def auto_tune(explorer, method_names: Sequence[str], experts=None, progress: Progress = None) -> list[dict]:
+    """For each method: best parameters on the validation split, then that setting on test."""
+    plans = [(m, grid_points(m)) for m in method_names]
+    total = sum(len(p) for _, p in plans) + len(plans)
+    done, rows = 0, []
+    for m, points in plans:
+        best, best_spec = None, None
+        for params in points:
+            spec = explorer.spec(m, experts=experts, **params)
+            res = explorer.preview(spec, split="val")
+            if best is None or res.average_accuracy > best.average_accuracy:
+                best, best_spec = res, spec
+            done += 1
+            if progress:
+                progress(done / total, f"{m}: {spec.label()}")
+        test = explorer.preview(best_spec, split="test")
+        done += 1
+        rows.append({"method": m, "spec": best_spec, "params": best_spec.kwargs, "grid_points": len(points),
+                     "val_accuracy": best.average_accuracy, "test_accuracy": test.average_accuracy,
+                     "test_normalized": test.normalized_accuracy, "test": test})
+    return rows
+
+
+SWEEP_AXES = {
+    "lam": ("λ", None),
+    "rank_ratio": ("rank ratio", ("cart", "tsv_m")),
+    "sparsity": ("sparsity", ("ties", "dare_linear", "dare_ties")),
+}
+
+
+def sweep(explorer, method_names: Sequence[str], axis: str, values: Sequence[float], split: str = "live",
+          experts=None, fixed: dict | None = None, progress: Progress = None) -> dict:
+    """Accuracy against one parameter: {method: {"x": [...], "average": [...], "per_task": {task: [...]}}}."""
+    if axis not in SWEEP_AXES:
+        raise MergerError(f"sweep axis '{axis}' unknown; one of {', '.join(SWEEP_AXES)}")
+    if len(values) * len(method_names) > MAX_GRID_POINTS:
+        raise MergerError(f"sweep of {len(values) * len(method_names)} points is too large (at most {MAX_GRID_POINTS})")
+    out, total, done = {}, len(values) * len(method_names), 0
+    for m in method_names:
+        if axis not in methods.get(m).param_names:
+            raise MergerError(f"{m} has no parameter {axis}: it cannot be swept along {SWEEP_AXES[axis][0]}")
+        xs, avg, per = [], [], {t: [] for t in explorer.tasks}
+        for v in values:
+            params = {k: val for k, val in (fixed or {}).get(m, {}).items() if k != axis}
+            params[axis] = v
+            res = explorer.preview(explorer.spec(m, experts=experts, **params), split=split)
+            xs.append(v)
+            avg.append(res.average_accuracy)
+            for t in res.tasks:
+                per[t].append(res.accuracy[t])
+            done += 1
+            if progress:
+                progress(done / total, f"{m} {axis}={v:g}")
+        out[m] = {"x": xs, "average": avg, "per_task": per}
+    return out
+
+
+def sweep_num_tasks(explorer, method: str, params: dict | None = None, subsets: int = 5, split: str = "live",
+                    seed: int = 0, progress: Progress = None) -> dict:
+    """Average accuracy over the merged tasks against how many are merged (random subsets)."""
+    tasks = list(explorer.tasks)
+    rng = random.Random(seed)
+    xs, means, ses = [], [], []
+    for n in range(1, len(tasks) + 1):
+        combos = list(itertools.combinations(tasks, n))
+        chosen = combos if len(combos) <= subsets else rng.sample(combos, subsets)
+        scores = []
+        for subset in chosen:
+            res = explorer.preview(explorer.spec(method, experts=list(subset), **(params or {})), split=split)
+            scores.append(sum(res.accuracy[t] for t in subset) / n)
+        mean = sum(scores) / len(scores)
+        var = sum((s - mean) ** 2 for s in scores) / (len(scores) - 1) if len(scores) > 1 else 0.0
+        xs.append(n)
+        means.append(mean)
+        ses.append(math.sqrt(var / len(scores)))
+        if progress:
+            progress(n / len(tasks), f"{n} tasks")
+    return {"x": xs, "mean": means, "se": ses}

@@ -1,0 +1,122 @@
+"""Layout of the app: Merge, Compare and History tabs, built from the method registry."""
+from __future__ import annotations
+
+import gradio as gr
+
+from .. import methods
+from ..methods.registry import PARAM_NAMES
+from ..tuning import TUNE_GRIDS
+from .callbacks import SPLITS_SHOWN, Controller
+
+ENGINE = "engine"  # one queue for the resident model: evaluations run one at a time
+
+CSS = """
+#summary h3 {margin: 0.2em 0;}
+"""
+
+
+def _param_control(name: str):
+    users = [m for m in methods.all_methods() if name in m.param_names]
+    p = users[0].param(name)
+    label = {"lam": "λ (merge coefficient)", "rank_ratio": "rank ratio", "sparsity": "sparsity",
+             "seed": "seed"}[name]
+    if p.kind == "int":
+        return gr.Number(value=p.default, label=label, precision=0, minimum=p.min, maximum=p.max,
+                         elem_id=f"ctl-{name}", info=p.help)
+    return gr.Slider(minimum=p.min, maximum=p.max, step=p.step, value=p.default, label=label,
+                     elem_id=f"ctl-{name}", info=p.help)
+
+
+def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
+    ctl = Controller(explorer, history)
+    pool = explorer.pool
+    default_method = "task_arithmetic"
+
+    with gr.Blocks(title=title) as app:
+        pins = gr.State([])
+        gr.Markdown(f"# merger · model-merging explorer\nPool **{pool.name}** ({pool.architecture_name}): "
+                    f"{len(pool.tasks)} experts: {', '.join(pool.tasks)}.")
+        with gr.Tabs():
+            with gr.Tab("Merge", id="merge"):
+                with gr.Row():
+                    with gr.Column(scale=1, min_width=300):
+                        experts = gr.CheckboxGroup(pool.tasks, value=list(pool.tasks), label="experts to merge",
+                                                   elem_id="ctl-experts")
+                        method = gr.Dropdown([(m.display_name, m.name) for m in methods.all_methods()],
+                                             value=default_method, label="method", elem_id="ctl-method")
+                        about = gr.Markdown()
+                        controls = [_param_control(n) for n in PARAM_NAMES]
+                        with gr.Row():
+                            pin_btn = gr.Button("Pin", elem_id="pin")
+                            export_btn = gr.Button("Export", elem_id="export")
+                        pins_md = gr.Markdown(Controller.pins_text([]))
+                        files = gr.File(label="exported files", file_count="multiple", interactive=False)
+                        export_msg = gr.Markdown()
+                    with gr.Column(scale=3):
+                        summary = gr.Markdown(elem_id="summary")
+                        acc_plot = gr.Plot(label="accuracy per task", elem_id="acc-plot")
+                        with gr.Row():
+                            loss_plot = gr.Plot(label="loss per task")
+                            radar_plot = gr.Plot(label="normalised accuracy")
+                inputs = [experts, method, *controls]
+                outputs = [acc_plot, loss_plot, radar_plot, summary]
+                method.change(ctl.method_controls, [method, experts], [*controls, about], queue=False)
+                for c in [experts, method, *controls]:
+                    c.change(ctl.preview, inputs, outputs, trigger_mode="always_last",
+                             concurrency_id=ENGINE, concurrency_limit=1, show_progress="hidden", api_visibility="private")
+                pin_btn.click(ctl.pin, [pins, *inputs], [pins, pins_md], api_visibility="private")
+                export_btn.click(ctl.export, inputs, [files, export_msg], concurrency_id=ENGINE, api_visibility="private")
+
+            with gr.Tab("Compare", id="compare"):
+                with gr.Row():
+                    cmp_split = gr.Dropdown(list(SPLITS_SHOWN), value="live", label="split")
+                    cmp_btn = gr.Button("Compare pinned merges")
+                cmp_table = gr.Dataframe(headers=ctl.compare_headers(), interactive=False)
+                with gr.Row():
+                    cmp_bars = gr.Plot()
+                    cmp_radar = gr.Plot()
+                cmp_btn.click(ctl.compare, [pins, cmp_split], [cmp_table, cmp_bars, cmp_radar],
+                              concurrency_id=ENGINE, api_visibility="private")
+                gr.Markdown("### Auto-tune\nGrid search on the validation split, then the best setting on the test split.")
+                tune_methods = gr.CheckboxGroup(list(TUNE_GRIDS), value=["task_arithmetic", "ties", "cart"],
+                                                label="methods")
+                tune_btn = gr.Button("Auto-tune")
+                tune_table = gr.Dataframe(headers=["method", "best parameters", "grid points", "val acc %",
+                                                   "test acc %", "test normalised %"], interactive=False)
+                with gr.Row():
+                    tune_bars = gr.Plot()
+                    tune_radar = gr.Plot()
+                tune_btn.click(ctl.auto_tune, [tune_methods, experts], [tune_table, tune_bars, tune_radar],
+                               concurrency_id=ENGINE, api_visibility="private")
+                gr.Markdown("### Sweeps")
+                with gr.Row():
+                    sweep_axis = gr.Radio([("λ", "lam"), ("rank ratio", "rank_ratio"), ("sparsity", "sparsity"),
+                                           ("number of tasks", "tasks")], value="lam", label="against")
+                    sweep_methods = gr.CheckboxGroup(methods.names(), value=["task_arithmetic", "ties", "cart"],
+                                                     label="methods")
+                    sweep_split = gr.Dropdown(list(SPLITS_SHOWN), value="live", label="split")
+                sweep_btn = gr.Button("Sweep")
+                sweep_plot = gr.Plot()
+                sweep_btn.click(ctl.sweep, [sweep_axis, sweep_methods, sweep_split, experts], sweep_plot,
+                                concurrency_id=ENGINE, api_visibility="private")
+
+            with gr.Tab("History", id="history"):
+                with gr.Row():
+                    hist_method = gr.Dropdown([""] + methods.names(), value="", label="method")
+                    hist_text = gr.Textbox(label="filter (method, parameters or experts contain)")
+                    hist_refresh = gr.Button("Refresh")
+                hist_table = gr.Dataframe(headers=Controller.HISTORY_HEADERS, interactive=False)
+                with gr.Row():
+                    hist_id = gr.Number(label="row id to reload into the Merge tab", precision=0)
+                    hist_reload = gr.Button("Reload")
+                    hist_csv_btn = gr.Button("Export CSV")
+                hist_file = gr.File(label="history CSV", interactive=False)
+                for trig in (hist_refresh.click, hist_method.change, hist_text.submit):
+                    trig(ctl.history_rows, [hist_method, hist_text], hist_table, api_visibility="private")
+                hist_reload.click(ctl.reload, hist_id, [experts, method, *controls], api_visibility="private")
+                hist_csv_btn.click(ctl.history_csv, [hist_method, hist_text], hist_file, api_visibility="private")
+
+        gr.api(ctl.api_evaluate, api_name="evaluate", concurrency_id=ENGINE, concurrency_limit=1)
+        app.load(ctl.method_controls, [method, experts], [*controls, about], api_visibility="private")
+        app.load(ctl.preview, inputs, outputs, concurrency_id=ENGINE, api_visibility="private")
+    return app

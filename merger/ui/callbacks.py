@@ -1,0 +1,246 @@
+"""Callbacks of the app, as plain methods (tested without a browser).
+
+Per-session state (pins) lives in a ``gr.State`` the callbacks receive and return; caches are
+the shared explorer's. Bad input becomes a message, never a crash: the server stays up.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import uuid
+from pathlib import Path
+
+import gradio as gr
+
+from .. import methods, plots
+from ..errors import MergerError
+from ..export import export_merge, pool_reference
+from ..methods.registry import PARAM_NAMES
+from ..tuning import SWEEP_AXES, auto_tune, sweep, sweep_num_tasks
+
+SPLITS_SHOWN = ("live", "val", "test")
+EXPORT_ROOT = Path(tempfile.gettempdir()) / "merger-exports"
+
+
+def _fmt(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+class Controller:
+    def __init__(self, explorer, history=None):
+        self.explorer = explorer
+        self.pool = explorer.pool
+        self.history = history
+        self.pool_ref = pool_reference(self.pool)
+
+    # ---- specs --------------------------------------------------------------------------
+    def spec_from_controls(self, experts, method, lam, rank_ratio, sparsity, seed):
+        """The spec the controls describe: only the parameters the method uses are read."""
+        m = methods.get(method)
+        values = {"lam": lam, "rank_ratio": rank_ratio, "sparsity": sparsity, "seed": seed}
+        params = {k: values[k] for k in m.param_names if values[k] is not None}
+        if not experts:
+            raise MergerError("experts: empty subset, tick at least one expert")
+        return self.explorer.spec(m.name, experts=list(experts), **params)
+
+    def method_controls(self, method, experts):
+        """Slider updates for a method: used ones enabled with its range/default, others disabled."""
+        m = methods.get(method)
+        n = max(1, len(experts or self.pool.tasks))
+        auto = m.defaults_for(n) if m.defaults_for else {}
+        updates = []
+        for name in PARAM_NAMES:
+            if name in m.param_names:
+                p = m.param(name)
+                default = auto.get(name, p.default)
+                updates.append(gr.update(interactive=True, value=default, minimum=p.min, maximum=p.max,
+                                         step=p.step, info=p.help))
+            else:
+                updates.append(gr.update(interactive=False, info=f"not used by {m.display_name}"))
+        about = f"**{m.display_name}**: {m.description}  \n*{m.paper}*"
+        return (*updates, about)
+
+    # ---- merge tab ----------------------------------------------------------------------
+    def preview(self, experts, method, lam, rank_ratio, sparsity, seed, split="live"):
+        """(accuracy bars, loss bars, radar, summary markdown) for the controls' spec."""
+        try:
+            spec = self.spec_from_controls(experts, method, lam, rank_ratio, sparsity, seed)
+            cached = self.explorer.cached(spec, split) is not None
+            result = self.explorer.preview(spec, split)
+        except MergerError as exc:
+            return gr.skip(), gr.skip(), gr.skip(), f"⚠️ {exc}"
+        if self.history is not None and not cached:
+            self.history.record(self.pool_ref, spec.rounded(), result)
+        base = self.explorer.base(split)
+        experts_acc = self.explorer.experts(split)
+        return (plots.accuracy_bars(result, base, experts_acc),
+                plots.loss_bars(result, base),
+                plots.radar({spec.label(): result}),
+                self.summary(spec, result, cached))
+
+    def summary(self, spec, result, cached: bool) -> str:
+        m = methods.get(spec.method)
+        rounded = spec.rounded()
+        note = m.note(rounded.kwargs, None) if m.note else None
+        timing = "cached" if cached else f"{1000 * result.seconds:.0f} ms"
+        images = sorted(set(result.counts.values()))
+        lines = [
+            f"### Average accuracy <span id='avg-acc'>{100 * result.average_accuracy:.2f}</span> % · "
+            f"normalised <span id='norm-acc'>{100 * result.normalized_accuracy:.2f}</span> % · "
+            f"loss {result.average_loss:.3f}",
+            f"`{rounded.label()}` over {len(spec.experts)} of {len(self.pool.tasks)} experts · "
+            f"{result.split} split ({'/'.join(map(str, images))} images per task) · {timing}",
+        ]
+        if note:
+            lines.append(f"ℹ️ {note}")
+        return "\n\n".join(lines)
+
+    def pin(self, pins, experts, method, lam, rank_ratio, sparsity, seed):
+        try:
+            spec = self.spec_from_controls(experts, method, lam, rank_ratio, sparsity, seed).rounded()
+        except MergerError as exc:
+            gr.Warning(str(exc))
+            return pins, self.pins_text(pins)
+        pins = list(pins or [])
+        if spec not in pins:
+            pins.append(spec)
+        return pins, self.pins_text(pins)
+
+    @staticmethod
+    def pins_text(pins) -> str:
+        if not pins:
+            return "No pinned merges yet."
+        return "Pinned: " + "; ".join(f"`{s.label()}`" for s in pins)
+
+    def export(self, experts, method, lam, rank_ratio, sparsity, seed):
+        """Merged safetensors + spec YAML (the CLI's files), offered as downloads."""
+        try:
+            spec = self.spec_from_controls(experts, method, lam, rank_ratio, sparsity, seed).rounded()
+            out = EXPORT_ROOT / uuid.uuid4().hex / f"merged-{spec.method}.safetensors"
+            with self.explorer.lock:
+                weights, spec_yaml = export_merge(self.pool, spec, out)
+        except (MergerError, OSError) as exc:
+            gr.Warning(f"export failed: {exc}")
+            return None, f"⚠️ export failed: {exc}"
+        return [str(weights), str(spec_yaml)], f"Exported `{spec.label()}`."
+
+    # ---- compare tab --------------------------------------------------------------------
+    def compare(self, pins, split):
+        if not pins:
+            empty = plots.empty("Pin merges in the Merge tab to compare them here.")
+            return [], empty, empty
+        try:
+            results = {s.label(): self.explorer.preview(s, split) for s in pins}
+        except MergerError as exc:
+            raise gr.Error(str(exc))
+        table = [[label, ", ".join(s.experts), round(100 * r.average_accuracy, 2),
+                  round(100 * r.normalized_accuracy, 2), round(r.average_loss, 4)]
+                 + [round(100 * r.accuracy[t], 1) for t in self.pool.tasks]
+                 for (label, r), s in zip(results.items(), pins)]
+        return table, plots.grouped_bars(results), plots.radar(results)
+
+    def compare_headers(self) -> list[str]:
+        return ["spec", "experts", "avg acc %", "normalised %", "loss"] + list(self.pool.tasks)
+
+    def auto_tune(self, method_names, experts, progress=gr.Progress()):
+        if not method_names:
+            raise gr.Error("tick at least one method to auto-tune")
+        try:
+            rows = auto_tune(self.explorer, method_names, experts=list(experts) if experts else None,
+                             progress=lambda f, msg: progress(f, desc=msg))
+        except MergerError as exc:
+            raise gr.Error(str(exc))
+        table = [[r["method"], ", ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items()) or "-",
+                  r["grid_points"], round(100 * r["val_accuracy"], 2), round(100 * r["test_accuracy"], 2),
+                  round(100 * r["test_normalized"], 2)] for r in rows]
+        results = {f"{r['method']} (best)": r["test"] for r in rows}
+        return table, plots.grouped_bars(results, "Auto-tuned: test accuracy per task"), plots.radar(results)
+
+    def sweep(self, axis, method_names, split, experts, progress=gr.Progress()):
+        experts = list(experts) if experts else None
+        try:
+            if axis == "tasks":
+                if not method_names:
+                    raise MergerError("tick at least one method")
+                curves, errors = {}, {}
+                for m in method_names:
+                    r = sweep_num_tasks(self.explorer, m, split=split, progress=lambda f, msg: progress(f, desc=f"{m}: {msg}"))
+                    curves[m], errors[m] = (r["x"], r["mean"]), r["se"]
+                return plots.sweep_curves(curves, "number of merged tasks",
+                                          "Average accuracy over the merged tasks (mean ± s.e. over random subsets)",
+                                          errors=errors)
+            label, only = SWEEP_AXES[axis]
+            chosen = [m for m in method_names if axis in methods.get(m).param_names]
+            if not chosen:
+                raise MergerError(f"none of the ticked methods has {label}" + (f" (try {', '.join(only)})" if only else ""))
+            p = methods.get(chosen[0]).param(axis)
+            values = {"lam": [round(0.1 * i, 2) for i in range(0, 31)],
+                      "rank_ratio": [0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.16, 0.24, 0.32, 0.5, 0.75, 1.0],
+                      "sparsity": [round(0.1 * i, 2) for i in range(0, 10)] + [0.95, 0.99]}[axis]
+            values = [v for v in values if p.min <= v <= p.max and not (p.min_open and v == p.min)]
+            data = sweep(self.explorer, chosen, axis, values, split=split, experts=experts,
+                         progress=lambda f, msg: progress(f, desc=msg))
+        except MergerError as exc:
+            raise gr.Error(str(exc))
+        curves, dashed = {}, []
+        for m, d in data.items():
+            curves[f"{m} (average)"] = (d["x"], d["average"])
+        for m, d in data.items():
+            for t, ys in d["per_task"].items():
+                curves[f"{m} · {t}"] = (d["x"], ys)
+                dashed.append(f"{m} · {t}")
+        return plots.sweep_curves(curves, label, f"Accuracy against {label} ({split} split; per-task curves in the legend)",
+                                  dashed=dashed)
+
+    # ---- history tab --------------------------------------------------------------------
+    HISTORY_HEADERS = ["id", "time", "method", "params", "experts", "split", "avg acc %", "normalised %", "loss"]
+
+    def history_rows(self, method_filter="", text=""):
+        if self.history is None:
+            return []
+        rows = self.history.rows(method=method_filter or None, pool=self.pool_ref, text=text or None)
+        return [[r["id"], r["time"], r["method"], r["params"], r["experts"], r["split"],
+                 round(100 * r["average_accuracy"], 2),
+                 None if r["normalized_accuracy"] is None else round(100 * r["normalized_accuracy"], 2),
+                 round(r["average_loss"], 4)] for r in rows]
+
+    def reload(self, row_id):
+        """Controls of the Merge tab set from a history row (method, parameters, experts)."""
+        row = self.history.get(int(row_id)) if (self.history is not None and row_id not in (None, "")) else None
+        if row is None:
+            raise gr.Error(f"history: no row with id {row_id}")
+        params = json.loads(row["params"])
+        experts = [e for e in row["experts"].split(",") if e]
+        m = methods.get(row["method"])
+        updates = []
+        for name in PARAM_NAMES:
+            if name in m.param_names:
+                updates.append(gr.update(value=params.get(name), interactive=True))
+            else:
+                updates.append(gr.update(interactive=False, info=f"not used by {m.display_name}"))
+        return (gr.update(value=experts), gr.update(value=m.name), *updates)
+
+    def history_csv(self, method_filter="", text=""):
+        if self.history is None:
+            raise gr.Error("history is off")
+        out = EXPORT_ROOT / uuid.uuid4().hex / "history.csv"
+        return str(self.history.export_csv(out, method=method_filter or None, pool=self.pool_ref, text=text or None))
+
+    # ---- scripting ----------------------------------------------------------------------
+    def api_evaluate(self, method: str, lam: float | None = None, rank_ratio: float | None = None,
+                     sparsity: float | None = None, seed: int | None = None,
+                     experts: list[str] | str | None = None, split: str = "live") -> dict:
+        """Evaluate a spec; returns per-task accuracy and loss, averages and normalised accuracy."""
+        try:
+            params = {k: v for k, v in {"lam": lam, "rank_ratio": rank_ratio, "sparsity": sparsity,
+                                        "seed": seed}.items() if v is not None}
+            if experts is not None and not isinstance(experts, str) and len(experts) == 0:
+                raise MergerError("experts: empty subset, pick at least one expert")
+            spec = self.explorer.spec(method, experts=experts, **params)
+            cached = self.explorer.cached(spec, split) is not None
+            result = self.explorer.preview(spec, split)
+        except MergerError as exc:
+            raise gr.Error(str(exc))
+        if self.history is not None and not cached:
+            self.history.record(self.pool_ref, spec.rounded(), result)
+        return {"spec": spec.rounded().as_dict(), **result.to_dict()}

@@ -1,0 +1,175 @@
+"""The app's callbacks and plot builders, without a browser."""
+import csv
+import re
+
+import gradio as gr
+import pytest
+
+import merger
+from merger import plots
+from merger.store import History
+from merger.ui.callbacks import Controller
+from helpers import write_pool
+
+
+@pytest.fixture(scope="module")
+def ctl(tmp_path_factory):
+    root = tmp_path_factory.mktemp("uipool")
+    pool = merger.open_pool(write_pool(root, n_experts=3, scale=0.2, demo_data=True))
+    return Controller(merger.Explorer(pool), History(root / "history.sqlite"))
+
+
+def controls(ctl, method="task_arithmetic", lam=0.3, rank_ratio=0.08, sparsity=0.8, seed=0, experts=None):
+    return [experts if experts is not None else list(ctl.pool.tasks), method, lam, rank_ratio, sparsity, seed]
+
+
+def shown_average(summary: str) -> float:
+    return float(re.search(r"id='avg-acc'>([0-9.]+)<", summary).group(1))
+
+
+def test_method_controls_disable_unused_with_a_reason(ctl):
+    *updates, about = ctl.method_controls("cart", ctl.pool.tasks)
+    lam, rank, sparsity, seed = updates
+    assert lam["interactive"] and rank["interactive"] and rank["value"] == 0.08
+    assert sparsity["interactive"] is False and "not used by CART" in sparsity["info"]
+    assert seed["interactive"] is False
+    assert "CART" in about and "2412.12153" in about
+    *updates, _ = ctl.method_controls("tsv_m", ctl.pool.tasks)
+    assert updates[1]["value"] == pytest.approx(1 / 3, abs=1e-6)  # TSV-M's default rank is 1/T
+
+
+def test_preview_shows_what_evaluate_computes(ctl):
+    acc, loss, radar, summary = ctl.preview(*controls(ctl, "ties", lam=0.7, sparsity=0.6))
+    expected = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "ties", lam=0.7, sparsity=0.6))
+    assert shown_average(summary) == pytest.approx(100 * expected.average_accuracy, abs=0.005)
+    bars = acc.data[0]
+    assert list(bars.x) == ctl.pool.tasks
+    assert list(bars.y) == pytest.approx([100 * expected.accuracy[t] for t in ctl.pool.tasks])
+    assert {t.name for t in acc.data} == {"merged", "base", "expert"}
+    assert list(loss.data[0].y) == pytest.approx([expected.loss[t] for t in ctl.pool.tasks])
+
+
+def test_cart_says_lambda_has_no_effect_at_full_rank(ctl):
+    *_, summary = ctl.preview(*controls(ctl, "cart", lam=2.0, rank_ratio=1.0))
+    assert "λ has no effect" in summary
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(method="ties", sparsity=1.0), "sparsity=1.0 is out of range"),
+    (dict(method="cart", rank_ratio="x"), "rank_ratio='x' is not a number"),
+    (dict(experts=[]), "empty subset"),
+    (dict(method="nope"), "unknown method 'nope'"),
+])
+def test_preview_bad_input_is_a_message(ctl, bad, message):
+    *figs, summary = ctl.preview(*controls(ctl, **bad))
+    assert message in summary and summary.startswith("⚠️")
+    *_, ok = ctl.preview(*controls(ctl))  # the next valid request works
+    assert "Average accuracy" in ok
+
+
+def test_pin_and_compare(ctl):
+    pins, _ = ctl.pin([], *controls(ctl, lam=0.3))
+    pins, _ = ctl.pin(pins, *controls(ctl, lam=0.3))
+    pins, text = ctl.pin(pins, *controls(ctl, "cart", lam=1.5, rank_ratio=0.1))
+    assert len(pins) == 2 and "cart" in text
+    table, bars, radar = ctl.compare(pins, "live")
+    assert len(table) == 2 and len(bars.data) == 2 and len(radar.data) == 2
+    ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "cart", lam=1.5, rank_ratio=0.1))
+    assert table[1][2] == pytest.approx(round(100 * ref.average_accuracy, 2))
+
+
+def test_export_offers_the_cli_files(ctl):
+    paths, msg = ctl.export(*controls(ctl, "ties", lam=1.0, sparsity=0.8))
+    weights, spec = paths
+    assert weights.endswith(".safetensors") and spec.endswith(".yaml")
+    from safetensors.torch import load_file
+    sd = load_file(weights)
+    ref = merger.merge(ctl.pool, "ties", lam=1.0, sparsity=0.8)
+    assert all((sd[k] == ref[k]).all() for k in ref)
+
+
+def test_failed_export_leaves_no_partial_file(ctl, monkeypatch, tmp_path):
+    import safetensors.torch
+
+    from merger.ui import callbacks
+
+    monkeypatch.setattr(callbacks, "EXPORT_ROOT", tmp_path)
+
+    def boom(tensors, filename, metadata=None):
+        with open(filename, "wb") as fh:
+            fh.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    files, msg = ctl.export(*controls(ctl))
+    assert files is None and "export failed: disk full" in msg
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_auto_tune_picks_the_best_on_validation(ctl, monkeypatch):
+    from merger import tuning
+
+    monkeypatch.setitem(tuning.TUNE_GRIDS, "task_arithmetic", {"lam": [0.1, 0.5, 1.0]})
+    table, bars, radar = ctl.auto_tune(["task_arithmetic"], ctl.pool.tasks, progress=lambda *a, **k: None)
+    ex = ctl.explorer
+    vals = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "val").average_accuracy for lam in (0.1, 0.5, 1.0)}
+    best = max(vals, key=vals.get)
+    assert table[0][1] == f"lam={best:g}"
+    assert table[0][4] == pytest.approx(round(100 * ex.preview(ex.spec("task_arithmetic", lam=best), "test").average_accuracy, 2))
+
+
+def test_sweeps(ctl):
+    fig = ctl.sweep("lam", ["task_arithmetic", "ties"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
+    names = [t.name for t in fig.data]
+    assert "task_arithmetic (average)" in names and "ties (average)" in names
+    ta = next(t for t in fig.data if t.name == "task_arithmetic (average)")
+    ex = ctl.explorer
+    assert ta.y[3] == pytest.approx(100 * ex.preview(ex.spec("task_arithmetic", lam=ta.x[3])).average_accuracy)
+    fig = ctl.sweep("rank_ratio", ["task_arithmetic", "cart"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
+    assert [t.name for t in fig.data][0] == "cart (average)"
+    fig = ctl.sweep("tasks", ["task_arithmetic"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
+    assert list(fig.data[0].x) == [1, 2, 3]
+    with pytest.raises(gr.Error, match="none of the ticked methods has sparsity"):
+        ctl.sweep("sparsity", ["cart"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
+
+
+def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch):
+    ctl.preview(*controls(ctl, "iso_c", lam=1.25))
+    rows = ctl.history_rows("iso_c", "")
+    assert rows and rows[0][2] == "iso_c" and '"lam": 1.25' in rows[0][3]
+    experts, method, lam, rank, sparsity, seed = ctl.reload(rows[0][0])
+    assert method["value"] == "iso_c" and lam["value"] == 1.25 and rank["interactive"] is False
+    with pytest.raises(gr.Error, match="no row with id 999999"):
+        ctl.reload(999999)
+    from merger.ui import callbacks
+
+    monkeypatch.setattr(callbacks, "EXPORT_ROOT", tmp_path)
+    path = ctl.history_csv("iso_c", "")
+    with open(path) as fh:
+        data = list(csv.DictReader(fh))
+    assert data and all(r["method"] == "iso_c" for r in data)
+
+
+def test_api_evaluate(ctl):
+    out = ctl.api_evaluate("cart", lam=1.5, rank_ratio=0.25, experts=ctl.pool.tasks[:2], split="live")
+    ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "cart", lam=1.5, rank_ratio=0.25, experts=ctl.pool.tasks[:2]))
+    assert out["average_accuracy"] == pytest.approx(ref.average_accuracy)
+    assert out["spec"]["experts"] == ctl.pool.tasks[:2]
+    for kwargs, message in [
+        (dict(method="nope"), "unknown method"),
+        (dict(method="ties", sparsity=1.5), "out of range"),
+        (dict(method="task_arithmetic", lam="abc"), "is not a number"),
+        (dict(method="task_arithmetic", experts=[]), "empty subset"),
+        (dict(method="task_arithmetic", experts=["ghost"]), "unknown task"),
+        (dict(method="task_arithmetic", split="dev"), "unknown split 'dev'"),
+    ]:
+        with pytest.raises(gr.Error, match=message):
+            ctl.api_evaluate(**kwargs)
+    assert ctl.api_evaluate("task_arithmetic", lam=0.3)["average_accuracy"] >= 0
+
+
+def test_radar_closes_polygons():
+    r = merger.Result("live", {"a": 0.5, "b": 1.0}, {"a": 1, "b": 2}, {"a": 1.0, "b": 0.5})
+    fig = plots.radar({"x": r})
+    assert list(fig.data[0].r) == [50.0, 200.0, 50.0]
+    assert list(fig.data[0].theta) == ["a", "b", "a"]
