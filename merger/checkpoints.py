@@ -159,11 +159,18 @@ def save_safetensors(
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, _umask_mode())  # mkstemp makes 0600; exports are ordinary files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
@@ -173,6 +180,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -105,6 +105,34 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_landscape(args) -> int:
+    import time
+
+    from .explorer import Explorer
+    from .landscape import Landscape
+    from .landscape_report import write_landscape
+    from .pool import open_pool
+
+    t0 = time.perf_counter()
+    land = Landscape(Explorer(open_pool(args.pool, device=args.device)))
+    html, js = write_landscape(land, args.out, args.plane, args.points.split(","), args.grid, args.metric,
+                               task=args.task, tasks=[t for t in (args.tasks or "").split(",") if t],
+                               split=args.split, path_names=(args.paths or "").split(","), view=args.view)
+    print(f"wrote {html} and {js} ({args.grid}×{args.grid}, {time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def cmd_screenshot(args) -> int:
+    from .ui.browser import browser_missing, screenshot
+
+    missing = browser_missing()
+    if missing:
+        raise MergerError(f"screenshot: {missing}")
+    shown = screenshot(args.pool, args.out)
+    print(f"wrote {args.out}: {shown['text'].splitlines()[0]}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from . import bench
 
@@ -141,9 +169,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test")
     p.set_defaults(func=cmd_demo)
 
+    p = sub.add_parser("landscape", help="loss/accuracy surface on a plane, as standalone HTML + JSON grid")
+    p.add_argument("--pool", default="demo")
+    p.add_argument("--plane", default="pca", help="pca (of --points), tasks (base + two task vectors), points (three)")
+    p.add_argument("--points", default="base,experts",
+                   help="comma list: base, experts, a task, file:PATH, METHOD:param=value (ta = task_arithmetic)")
+    p.add_argument("--tasks", default=None, help="the two tasks of --plane tasks")
+    p.add_argument("--grid", type=int, default=21)
+    p.add_argument("--metric", default="loss", choices=["loss", "accuracy"])
+    p.add_argument("--task", default=None, help="one task's metric (default: mean over tasks)")
+    p.add_argument("--split", default="live")
+    p.add_argument("--paths", default=None, help="comma list: TASK (fine-tuning path) or METHOD@lam|rank_ratio|sparsity")
+    p.add_argument("--view", default="contour", choices=["contour", "surface"])
+    p.add_argument("--out", required=True, help="output .html (the grid goes beside it as .json)")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_landscape)
+
+    p = sub.add_parser("screenshot", help="start the app, drag λ in Chromium, save a screenshot of the Merge tab")
+    p.add_argument("--pool", default="demo")
+    p.add_argument("--out", default="assets/screenshot-merge.png")
+    p.set_defaults(func=cmd_screenshot)
+
     p = sub.add_parser("bench", help="benchmarks (medians and ratios in one run)")
-    p.add_argument("what", choices=["merge", "live"],
-                   help="merge: prepare/apply per method on ViT-B-32; live: slider → result on the demo pool")
+    p.add_argument("what", choices=["merge", "live", "api", "landscape"],
+                   help="merge: prepare/apply per method on ViT-B-32; live: slider → result on the demo pool; "
+                        "api: the app's evaluate endpoint through gradio_client")
+    p.add_argument("--url", default=None, help="api: a running app to target (default: start one)")
+    p.add_argument("--grid", type=int, default=21, help="landscape: grid points per side")
     p.add_argument("--arch", default="ViT-B-32")
     p.add_argument("--pool", default="demo")
     p.add_argument("--experts", type=int, default=8)

@@ -87,3 +87,77 @@ def empty(message: str) -> go.Figure:
     fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
     fig.update_layout(xaxis=dict(visible=False), yaxis=dict(visible=False), **_LAYOUT)
     return fig
+
+
+MARKERS = {"base": ("square", "#222"), "expert": ("diamond", PALETTE[3]), "merge": ("circle", PALETTE[0]),
+           "pinned": ("circle-open", PALETTE[2]), "live": ("star", "#FFD700")}
+
+
+def _hover(label, x, y, off):
+    return f"{label}<br>plane ({x:.3g}, {y:.3g})<br>off-plane distance {off:.3g}"
+
+
+def _nearest(xs, ys, z, x, y):
+    j = min(range(len(xs)), key=lambda k: abs(xs[k] - x))
+    i = min(range(len(ys)), key=lambda k: abs(ys[k] - y))
+    return z[i][j]
+
+
+def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), paths: Mapping[str, tuple] = (),
+              live: tuple | None = None, view: str = "contour", title: str = "") -> go.Figure:
+    """Contour (or 3-D surface) of a metric on a plane.
+
+    points: label -> (x, y, off_plane, kind) with kind in MARKERS; paths: name -> (xs, ys, labels);
+    live: (label, x, y, off_plane) for the live merge marker. Hover texts give off-plane distances.
+    """
+    fig = go.Figure()
+    points = dict(points or {})
+    paths = dict(paths or {})
+    if view == "surface":
+        fig.add_trace(go.Surface(x=xs, y=ys, z=z, colorscale="Viridis", opacity=0.9, name=metric_label,
+                                 colorbar=dict(title=metric_label)))
+        for label, (x, y, off, kind) in points.items():
+            sym, col = MARKERS.get(kind, MARKERS["merge"])
+            fig.add_trace(go.Scatter3d(x=[x], y=[y], z=[_nearest(xs, ys, z, x, y)], mode="markers+text", text=[label],
+                                       name=label, marker=dict(size=5, color=col), hovertext=_hover(label, x, y, off)))
+        if live is not None:
+            label, x, y, off = live
+            fig.add_trace(go.Scatter3d(x=[x], y=[y], z=[_nearest(xs, ys, z, x, y)], mode="markers", name="live merge",
+                                       marker=dict(size=8, color=MARKERS["live"][1]), hovertext=_hover(label, x, y, off)))
+        fig.update_layout(title=title, scene=dict(zaxis_title=metric_label), template="plotly_white",
+                          height=560, margin=dict(l=0, r=0, t=40, b=0))
+        return fig
+    fig.add_trace(go.Contour(x=xs, y=ys, z=z, colorscale="Viridis", ncontours=24, name=metric_label,
+                             colorbar=dict(title=metric_label), hovertemplate="(%{x:.3g}, %{y:.3g}): %{z:.4g}<extra></extra>"))
+    for i, (name, (pxs, pys, labels)) in enumerate(paths.items()):
+        fig.add_trace(go.Scatter(x=list(pxs), y=list(pys), mode="lines+markers", name=name,
+                                 line=dict(color=PALETTE[(i + 4) % len(PALETTE)], width=2),
+                                 marker=dict(symbol="arrow", angleref="previous", size=11),
+                                 hovertext=list(labels), hoverinfo="text+name"))
+    for label, (x, y, off, kind) in points.items():
+        sym, col = MARKERS.get(kind, MARKERS["merge"])
+        fig.add_trace(go.Scatter(x=[x], y=[y], mode="markers+text", text=[label], textposition="top center",
+                                 name=label, marker=dict(symbol=sym, size=13, color=col, line=dict(width=1, color="white")),
+                                 hovertext=_hover(label, x, y, off), hoverinfo="text", showlegend=False))
+    if live is not None:
+        label, x, y, off = live
+        fig.add_trace(go.Scatter(x=[x], y=[y], mode="markers", name="live merge",
+                                 marker=dict(symbol="star", size=20, color=MARKERS["live"][1], line=dict(width=1.5, color="black")),
+                                 hovertext=_hover("live: " + label, x, y, off), hoverinfo="text"))
+    fig.update_layout(title=title, xaxis=dict(title="direction 1"), yaxis=dict(title="direction 2", scaleanchor="x"),
+                      template="plotly_white", height=560, margin=dict(l=50, r=20, t=40, b=40),
+                      legend=dict(orientation="h", y=-0.15))
+    return fig
+
+
+def trajectory_curves(curves: Mapping[str, dict], metric: str, x_title: str = "step / parameter") -> go.Figure:
+    """curves: name -> {"steps": [...], "accuracy": [...], "loss": [...]}."""
+    fig = go.Figure()
+    for i, (name, c) in enumerate(curves.items()):
+        ys = _pct(c["accuracy"]) if metric == "accuracy" else c["loss"]
+        fig.add_trace(go.Scatter(x=c["steps"], y=ys, mode="lines+markers", name=name,
+                                 line=dict(color=PALETTE[i % len(PALETTE)])))
+    fig.update_layout(title=f"{'Average accuracy %' if metric == 'accuracy' else 'Average loss'} along trajectories",
+                      xaxis=dict(title=x_title), yaxis=dict(title="accuracy %" if metric == "accuracy" else "loss"),
+                      **_LAYOUT)
+    return fig

@@ -29,7 +29,7 @@ from .task_vectors import TaskVectors
 TOP_KEYS = {"name", "description", "architecture", "tokenizer", "preprocess", "base", "experts", "tasks"}
 ARCH_KEYS = {"model", "config"}
 EXPERT_KEYS = {"path", "trajectory", "hparams"}
-TASK_KEYS = {"classes", "classes_file", "templates", "data"}
+TASK_KEYS = {"classes", "templates", "data"}
 DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
 
 

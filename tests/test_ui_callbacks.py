@@ -173,3 +173,24 @@ def test_radar_closes_polygons():
     fig = plots.radar({"x": r})
     assert list(fig.data[0].r) == [50.0, 200.0, 50.0]
     assert list(fig.data[0].theta) == ["a", "b", "a"]
+
+
+def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
+    from merger.ui.landscape_tab import LandscapeController
+
+    lc = LandscapeController(ctl)
+    frames = list(lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 11, "contour",
+                             ["λ path (current method)"], *controls(ctl, lam=0.3), progress=lambda *a, **k: None))
+    assert len(frames) == 2
+    (coarse_state, _), (state, fig) = frames
+    assert len(coarse_state["surface"].xs) == 6 and len(state["surface"].xs) == 11
+    live = next(t for t in fig.data if t.name == "live merge")
+    n = lc.land.cached_points()
+    moved = lc.move_live(state, *controls(ctl, lam=0.9))
+    live2 = next(t for t in moved.data if t.name == "live merge")
+    assert (live.x[0], live.y[0]) != (live2.x[0], live2.y[0])
+    assert lc.land.cached_points() == n  # the surface was not recomputed
+    x, y, _ = state["plane"].coords(lc.land.spec_point(ctl.explorer.spec("task_arithmetic", lam=0.9)))
+    assert (live2.x[0], live2.y[0]) == pytest.approx((x, y))
+    curves = lc.curves(["λ path (current method)"], "accuracy", "live", *controls(ctl))
+    assert len(curves.data) == 1 and len(curves.data[0].x) == 16

@@ -136,20 +136,27 @@ def generate(n: int, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 # ---------------------------------------------------------------- captions (pretraining text)
 # Each caption mentions only SOME attributes (each kept with probability p), so the contrastive
 # base learns a partial, noisy alignment: zero-shot works, but clearly below fine-tuned experts.
+# How often each attribute is named. Salient attributes (hues, texture) are named rarely: if
+# every caption named them, they alone would tell images apart within a batch and contrastive
+# pretraining would never learn the small, spatial ones (position, dots, shape).
+CAPTION_P: dict[str, float] = {"shape": 0.9, "colour": 0.3, "size": 0.5, "position": 0.9,
+                               "count": 0.9, "texture": 0.3, "background": 0.3, "dots": 0.9}
 CAPTION_WORDS = ("a", "an", "the", "picture", "of", "object", "shape", "with", "and", "dots", "in",
                  "at", "on", "background", "thing", "something", "there", "are", "is")
 
 
-def captions(labels: dict[str, torch.Tensor], seed: int, p: float = 0.5) -> list[str]:
+def captions(labels: dict[str, torch.Tensor], seed: int, p: float | dict[str, float] | None = None) -> list[str]:
     """One caption per image naming a random subset of its attributes (at least one).
 
     Noun phrase: "[size] [colour] <shape|object>"; then optional "in the <position>",
     "on a [background] [texture] background", "with [count] [dots] dots".
     """
+    p = CAPTION_P if p is None else p
+    probs = p if isinstance(p, dict) else {t: p for t in TASKS}
     rng = np.random.default_rng(seed)
     names = {t: [TASKS[t][i] for i in labels[t].tolist()] for t in TASKS}
     n = len(names["shape"])
-    keep = {t: rng.random(n) < p for t in TASKS}
+    keep = {t: rng.random(n) < probs.get(t, 0.5) for t in TASKS}
     forced = rng.integers(0, len(TASKS), size=n)  # guarantee at least one attribute per caption
     for j, t in enumerate(TASKS):
         keep[t] |= forced == j

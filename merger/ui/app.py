@@ -7,6 +7,7 @@ from .. import methods
 from ..methods.registry import PARAM_NAMES
 from ..tuning import TUNE_GRIDS
 from .callbacks import SPLITS_SHOWN, Controller
+from .landscape_tab import build_landscape_tabs
 
 ENGINE = "engine"  # one queue for the resident model: evaluations run one at a time
 
@@ -99,6 +100,11 @@ def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
                 sweep_plot = gr.Plot()
                 sweep_btn.click(ctl.sweep, [sweep_axis, sweep_methods, sweep_split, experts], sweep_plot,
                                 concurrency_id=ENGINE, api_visibility="private")
+
+            lc, land_state, land_plot = build_landscape_tabs(ctl, pins, inputs, ENGINE)
+            for c in [experts, method, *controls]:
+                c.change(lc.move_live, [land_state, *inputs], land_plot, trigger_mode="always_last",
+                         concurrency_id=ENGINE, show_progress="hidden", api_visibility="private")
 
             with gr.Tab("History", id="history"):
                 with gr.Row():

@@ -1,0 +1,68 @@
+"""Task data from image folders: ``<root>/<split>/<class>/*.png|jpg``.
+
+Class folders must match the task's class names (a class-names file can rename them: one name
+per line, in label order, matched to the sorted folder names). Unreadable images are skipped
+and counted, never a crash.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from .errors import DataError, PoolError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+log = logging.getLogger(__name__)
+SKIPPED: dict[str, int] = {}  # folder -> unreadable images skipped (shown by the loader's caller)
+
+
+def _entry_root(pool, task: str, entry) -> tuple[Path, int]:
+    if isinstance(entry, (str, Path)):
+        entry = {"root": entry}
+    if not isinstance(entry, Mapping) or "root" not in entry:
+        raise PoolError(f"tasks.{task}.data.folder: expected a path or {{root: path, image_size: N}}")
+    root = Path(entry["root"]).expanduser()
+    root = root if root.is_absolute() else pool.root / root
+    if not root.is_dir():
+        raise DataError(f"tasks.{task}.data.folder: {root} is not a folder")
+    return root, int(entry.get("image_size", pool.preprocess_cfg.get("image_size", 224)))
+
+
+def load_folder_split(pool, task: str, entry, split: str, classes: list[str]):
+    """(uint8 images [N, 3, S, S], labels [N], source key) for train/test (val/live come from them)."""
+    from PIL import Image
+
+    root, size = _entry_root(pool, task, entry)
+    base_split = "test" if split in ("test", "live") else "train"
+    folder = root / base_split
+    if not folder.is_dir():
+        present = ", ".join(sorted(p.name for p in root.iterdir() if p.is_dir())) or "nothing"
+        raise DataError(f"tasks.{task}: {folder} is missing (expected <root>/{base_split}/<class>/*.png; found {present})")
+    found = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    missing = [c for c in classes if c not in found]
+    extra = [c for c in found if c not in classes]
+    if missing or extra:
+        raise DataError(f"tasks.{task}: class folders in {folder} do not match the class names"
+                        + (f"; missing: {', '.join(missing)}" if missing else "")
+                        + (f"; unexpected: {', '.join(extra)}" if extra else ""))
+    images, labels, skipped = [], [], 0
+    for label, c in enumerate(classes):
+        files = sorted(p for p in (folder / c).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        for f in files:
+            try:
+                with Image.open(f) as im:
+                    im = im.convert("RGB").resize((size, size), Image.BICUBIC)
+                    images.append(np.asarray(im, dtype=np.uint8).transpose(2, 0, 1).copy())
+                labels.append(label)
+            except (OSError, ValueError, SyntaxError):
+                skipped += 1
+    if skipped:
+        SKIPPED[str(folder)] = skipped
+        log.warning("%s: skipped %d unreadable image(s)", folder, skipped)
+    if not images:
+        raise DataError(f"tasks.{task}: no readable images in {folder}")
+    return torch.from_numpy(np.stack(images)), torch.tensor(labels, dtype=torch.int64), ("folder", str(folder), size)

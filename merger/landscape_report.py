@@ -1,0 +1,93 @@
+"""Building a landscape figure from names (shared by the CLI and the app)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from . import plots, trajectories
+from .checkpoints import write_text_atomic
+from .errors import MergerError
+from .landscape import Landscape, extent_of, pca_plane, task_vector_plane, three_point_plane
+
+PLANES = ("pca", "tasks", "points")
+METRICS = ("loss", "accuracy")
+
+
+def make_plane(land: Landscape, kind: str, points: dict, tasks: Sequence[str] = ()):
+    if kind == "pca":
+        return pca_plane(points)
+    if kind == "tasks":
+        if len(tasks) != 2:
+            raise MergerError("the task-vector plane needs exactly two tasks (e.g. --tasks shape,colour)")
+        base = land.base_point()
+        return task_vector_plane(base, land.expert_point(tasks[0]) - base, land.expert_point(tasks[1]) - base, tasks)
+    if kind == "points":
+        names = list(points)
+        if len(names) != 3:
+            raise MergerError(f"the plane through points needs exactly three points (got {len(names)})")
+        return three_point_plane(*(points[n] for n in names), names=names)
+    raise MergerError(f"unknown plane '{kind}'; one of {', '.join(PLANES)}")
+
+
+def point_kind(label: str, pool) -> str:
+    return "base" if label == "base" else "expert" if label in pool.tasks else "merge"
+
+
+def resolve_paths(land: Landscape, names: Sequence[str]) -> list:
+    """'TASK' = its fine-tuning path; 'METHOD@AXIS' = that parameter's path (λ, rank_ratio, sparsity)."""
+    out = []
+    for name in names:
+        name = name.strip()
+        if not name:
+            continue
+        if "@" in name:
+            method, axis = name.split("@", 1)
+            method = {"ta": "task_arithmetic"}.get(method, method)
+            out.append(trajectories.parameter_path(land, method, axis, trajectories.default_values(axis)))
+        else:
+            out.append(trajectories.finetune_trajectory(land, name))
+    return out
+
+
+def landscape_figure(land: Landscape, plane, surface, metric: str, task: str | None, points: dict,
+                     paths: list, view: str = "contour", live=None):
+    coords = {label: (*plane.coords(v), point_kind(label, land.pool)) for label, v in points.items()}
+    drawn = {}
+    for tr in paths:
+        xs, ys, offs = trajectories.project(plane, tr)
+        drawn[tr.name] = (xs, ys, [f"{lab} (off-plane {o:.3g})" for lab, o in zip(tr.labels, offs)])
+    label = f"{'mean ' if task is None else task + ' '}{metric}"
+    z = surface.values(metric, task)
+    if metric == "accuracy":
+        z = [[100 * v for v in row] for row in z]
+    return plots.landscape(surface.xs, surface.ys, z, label, coords, drawn, live, view,
+                           title=f"{label} on {plane.label} ({surface.split} split)")
+
+
+def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_names: Sequence[str], grid: int,
+                    metric: str, task: str | None = None, tasks: Sequence[str] = (), split: str = "live",
+                    path_names: Sequence[str] = (), view: str = "contour") -> tuple[Path, Path]:
+    if metric not in METRICS:
+        raise MergerError(f"unknown metric '{metric}'; one of {', '.join(METRICS)}")
+    out = Path(out)
+    if out.suffix != ".html":
+        raise MergerError(f"{out}: the output must end in .html")
+    points = land.named_points(point_names)
+    plane = make_plane(land, plane_kind, points, tasks)
+    paths = resolve_paths(land, path_names)
+    coords = [plane.coords(v)[:2] for v in points.values()]
+    for tr in paths:
+        xs, ys, _ = trajectories.project(plane, tr)
+        coords += list(zip(xs, ys))
+    extent = extent_of(coords)
+    surface = None
+    for surface in land.progressive(plane, extent, grid, split):
+        pass
+    fig = landscape_figure(land, plane, surface, metric, task, points, paths, view)
+    html = write_text_atomic(out, fig.to_html(include_plotlyjs=True, full_html=True))
+    data = surface.to_dict()
+    data["points"] = {label: dict(zip(("x", "y", "off_plane"), plane.coords(v))) for label, v in points.items()}
+    data["plane_label"] = plane.label
+    js = write_text_atomic(out.with_suffix(".json"), json.dumps(data))
+    return html, js

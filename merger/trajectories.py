@@ -1,0 +1,118 @@
+"""Trajectories: ordered weight-space points (fine-tuning checkpoints, λ / rank / sparsity paths,
+optimiser iterates), loaded or recorded, projected onto planes and evaluated along the way."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from . import checkpoints, methods
+from .errors import MergerError
+from .merging import Spec
+
+CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+
+
+@dataclass
+class Trajectory:
+    name: str
+    kind: str  # finetune | lam | rank_ratio | sparsity | iterates
+    steps: list[float]  # the x of its curves: epoch/step or parameter value
+    points: list[torch.Tensor] = field(repr=False)  # flattened weights, same order
+    labels: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.points:
+            raise MergerError(f"trajectory {self.name}: no points")
+        if not self.labels:
+            self.labels = [f"{self.kind}={s:g}" for s in self.steps]
+
+
+def _step_of(path: Path) -> int:
+    numbers = re.findall(r"\d+", path.stem)
+    return int(numbers[-1]) if numbers else -1
+
+
+def checkpoint_files(folder: str | Path) -> list[Path]:
+    """Checkpoint files of a folder, sorted by the last number in their names (the step)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise MergerError(f"{folder}: trajectory folder not found")
+    files = [p for p in folder.iterdir() if p.suffix.lower() in CHECKPOINT_SUFFIXES]
+    if not files:
+        raise MergerError(f"{folder}: no checkpoints in this trajectory folder "
+                          f"(expected files ending in {', '.join(CHECKPOINT_SUFFIXES)})")
+    return sorted(files, key=lambda p: (_step_of(p), p.name))
+
+
+def load_folder(landscape, folder: str | Path, name: str, start_at_base: bool = True) -> Trajectory:
+    """A folder of checkpoints (one expert's fine-tuning), each checked against the pool's base."""
+    files = checkpoint_files(folder)
+    points, steps, labels = [], [], []
+    if start_at_base:
+        points.append(landscape.base_point())
+        steps.append(0)
+        labels.append("base")
+    for f in files:
+        sd = checkpoints.validate_expert(checkpoints.load_state_dict(f), landscape.pool.base, str(f))
+        points.append(landscape.space.flatten(sd))
+        steps.append(_step_of(f))
+        labels.append(f.stem)
+    return Trajectory(name, "finetune", steps, points, labels)
+
+
+def finetune_trajectory(landscape, task: str) -> Trajectory:
+    info = landscape.pool.expert_info.get(task)
+    if info is None:
+        raise MergerError(f"unknown task '{task}'")
+    if not info.get("trajectory"):
+        raise MergerError(f"expert '{task}' has no trajectory (experts.{task}.trajectory in {landscape.pool.source})")
+    return load_folder(landscape, info["trajectory"], f"fine-tuning {task}")
+
+
+def parameter_path(landscape, method: str, axis: str, values: Sequence[float], fixed: dict | None = None,
+                   experts=None) -> Trajectory:
+    """Merged points as one parameter sweeps (λ path, CART's rank path, TIES/DARE sparsity path)."""
+    m = methods.get(method)
+    if axis not in m.param_names:
+        raise MergerError(f"{m.name} has no parameter {axis}")
+    points, steps = [], []
+    for v in values:
+        params = dict(fixed or {})
+        params[axis] = v
+        spec = Spec.make(m.name, params, experts, landscape.pool.tasks)
+        points.append(landscape.spec_point(spec))
+        steps.append(float(v))
+    return Trajectory(f"{m.name} {axis} path", axis, steps, points)
+
+
+def default_values(axis: str) -> list[float]:
+    return {"lam": [round(0.1 * i, 2) for i in range(0, 16)],
+            "rank_ratio": [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.75, 1.0],
+            "sparsity": [0.0, 0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99]}[axis]
+
+
+def project(plane, trajectory: Trajectory) -> tuple[list[float], list[float], list[float]]:
+    xs, ys, offs = [], [], []
+    for p in trajectory.points:
+        x, y, o = plane.coords(p)
+        xs.append(x)
+        ys.append(y)
+        offs.append(o)
+    return xs, ys, offs
+
+
+def evaluate_along(landscape, trajectory: Trajectory, split: str = "live") -> dict:
+    """Average accuracy and loss at every point of the trajectory."""
+    ev, space = landscape.explorer.evaluator, landscape.space
+    acc, loss = [], []
+    for p in trajectory.points:
+        with landscape.explorer.lock:
+            ev.load(space.unflatten(p))
+            a, lo, _ = ev.forward(split)
+        acc.append(sum(a.values()) / len(a))
+        loss.append(sum(lo.values()) / len(lo))
+    return {"steps": trajectory.steps, "accuracy": acc, "loss": loss}

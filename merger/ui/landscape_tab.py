@@ -1,0 +1,135 @@
+"""Landscape and Trajectories tabs: callbacks and layout."""
+from __future__ import annotations
+
+import gradio as gr
+
+from .. import methods, plots, trajectories
+from ..errors import MergerError
+from ..landscape import Landscape, extent_of
+from ..landscape_report import landscape_figure, make_plane, point_kind
+
+PLANE_CHOICES = [("PCA of base, experts and pinned merges", "pca"), ("base + two task vectors", "tasks"),
+                 ("three points (named below)", "points")]
+PATH_AXES = {"λ path (current method)": "lam", "rank path (CART / TSV-M)": "rank_ratio",
+             "sparsity path (TIES / DARE)": "sparsity"}
+
+
+class LandscapeController:
+    def __init__(self, controller):
+        self.ctl = controller
+        self.land = Landscape(controller.explorer)
+        self.pool = controller.pool
+
+    def path_choices(self) -> list[str]:
+        ft = [f"fine-tuning: {t}" for t in self.pool.tasks if self.pool.expert_info[t].get("trajectory")]
+        return ft + list(PATH_AXES)
+
+    def _paths(self, chosen, method, spec_params):
+        out = []
+        for name in chosen or []:
+            if name.startswith("fine-tuning: "):
+                out.append(trajectories.finetune_trajectory(self.land, name[len("fine-tuning: "):]))
+                continue
+            axis = PATH_AXES[name]
+            m = method
+            if axis not in methods.get(m).param_names:
+                m = {"rank_ratio": "cart", "sparsity": "ties", "lam": m}[axis]
+            fixed = {k: v for k, v in spec_params.items() if k in methods.get(m).param_names and k != axis}
+            out.append(trajectories.parameter_path(self.land, m, axis, trajectories.default_values(axis), fixed))
+        return out
+
+    def _live(self, spec):
+        return spec.label(), self.land.spec_point(spec)
+
+    def compute(self, pins, plane_kind, task_a, task_b, three, metric, task, grid, view, chosen_paths,
+                experts, method, lam, rank_ratio, sparsity, seed, progress=gr.Progress()):
+        """Generator: the coarse surface first, then the full grid; the state keeps it for markers."""
+        try:
+            spec = self.ctl.spec_from_controls(experts, method, lam, rank_ratio, sparsity, seed).rounded()
+            names = ["base", "experts"] if plane_kind != "points" else [n.strip() for n in (three or "").split(",")]
+            points = self.land.named_points(names)
+            for s in pins or []:
+                points.setdefault(s.label(), self.land.spec_point(s))
+            plane_points = points if plane_kind != "points" else {k: points[k] for k in list(points)[:3]}
+            plane = make_plane(self.land, plane_kind, plane_points if plane_kind == "points" else points,
+                               [task_a, task_b])
+            paths = self._paths(chosen_paths, spec.method, spec.kwargs)
+            live_label, live_vec = self._live(spec)
+            coords = [plane.coords(v)[:2] for v in points.values()] + [plane.coords(live_vec)[:2]]
+            for tr in paths:
+                xs, ys, _ = trajectories.project(plane, tr)
+                coords += list(zip(xs, ys))
+            extent = extent_of(coords)
+            task = None if task in (None, "", "all tasks (mean)") else task
+            for surface in self.land.progressive(plane, extent, int(grid), progress=lambda f, m: progress(f, desc=m)):
+                state = {"plane": plane, "surface": surface, "points": points, "paths": paths,
+                         "metric": metric, "task": task, "view": view}
+                yield state, self.figure(state, spec)
+        except MergerError as exc:
+            raise gr.Error(str(exc))
+
+    def figure(self, state, spec=None):
+        live = None
+        if spec is not None:
+            label, vec = self._live(spec)
+            x, y, off = state["plane"].coords(vec)
+            live = (label, x, y, off)
+        return landscape_figure(self.land, state["plane"], state["surface"], state["metric"], state["task"],
+                                state["points"], state["paths"], state["view"], live)
+
+    def move_live(self, state, experts, method, lam, rank_ratio, sparsity, seed):
+        """The slider moved: only the live marker moves; the surface is not recomputed."""
+        if not state:
+            return gr.skip()
+        try:
+            spec = self.ctl.spec_from_controls(experts, method, lam, rank_ratio, sparsity, seed).rounded()
+        except MergerError:
+            return gr.skip()
+        return self.figure(state, spec)
+
+    def curves(self, chosen, metric, split, experts, method, lam, rank_ratio, sparsity, seed):
+        if not chosen:
+            raise gr.Error("tick at least one trajectory")
+        try:
+            spec = self.ctl.spec_from_controls(experts, method, lam, rank_ratio, sparsity, seed).rounded()
+            data = {tr.name: trajectories.evaluate_along(self.land, tr, split)
+                    for tr in self._paths(chosen, spec.method, spec.kwargs)}
+        except MergerError as exc:
+            raise gr.Error(str(exc))
+        return plots.trajectory_curves(data, metric)
+
+
+def build_landscape_tabs(ctl, pins, inputs, engine: str):
+    """Adds the two tabs; returns (state, plot) so the Merge tab can move the live marker."""
+    lc = LandscapeController(ctl)
+    tasks = ctl.pool.tasks
+    with gr.Tab("Landscape", id="landscape"):
+        state = gr.State(None)
+        with gr.Row():
+            plane = gr.Radio(PLANE_CHOICES, value="pca", label="plane")
+            task_a = gr.Dropdown(tasks, value=tasks[0], label="task vector A")
+            task_b = gr.Dropdown(tasks, value=tasks[min(1, len(tasks) - 1)], label="task vector B")
+            three = gr.Textbox(value=f"base,{tasks[0]},ta:lam=0.3", label="three points",
+                               info="base, a task, file:PATH, or METHOD:param=value")
+        with gr.Row():
+            metric = gr.Radio(["loss", "accuracy"], value="loss", label="metric")
+            task = gr.Dropdown(["all tasks (mean)"] + tasks, value="all tasks (mean)", label="of")
+            grid = gr.Dropdown([7, 15, 21, 31], value=21, label="resolution")
+            view = gr.Radio(["contour", "surface"], value="contour", label="view")
+        paths = gr.CheckboxGroup(lc.path_choices(), value=[], label="trajectories to draw")
+        go_btn = gr.Button("Compute landscape", variant="primary")
+        plot = gr.Plot(elem_id="landscape-plot")
+        gr.Markdown("Markers: ■ base · ◆ experts · ● pinned merges · ★ the live merge (moves with the Merge "
+                    "tab's sliders). Hover a point for its off-plane distance: a projection is not the real location.")
+        go_btn.click(lc.compute, [pins, plane, task_a, task_b, three, metric, task, grid, view, paths, *inputs],
+                     [state, plot], concurrency_id=engine, api_visibility="private")
+    with gr.Tab("Trajectories", id="trajectories"):
+        chosen = gr.CheckboxGroup(lc.path_choices(), value=lc.path_choices()[:2], label="trajectories")
+        with gr.Row():
+            t_metric = gr.Radio(["accuracy", "loss"], value="accuracy", label="metric")
+            t_split = gr.Dropdown(["live", "val", "test"], value="live", label="split")
+        t_btn = gr.Button("Evaluate along trajectories")
+        t_plot = gr.Plot()
+        t_btn.click(lc.curves, [chosen, t_metric, t_split, *inputs], t_plot, concurrency_id=engine,
+                    api_visibility="private")
+    return lc, state, plot

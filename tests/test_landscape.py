@@ -1,0 +1,152 @@
+"""Planes, surfaces and trajectories."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import merger
+from merger import trajectories
+from merger.checkpoints import save_safetensors
+from merger.errors import CheckpointError, MergerError
+from merger.landscape import Landscape, pca_plane, task_vector_plane, three_point_plane
+from helpers import base_and_experts, write_pool
+
+
+@pytest.fixture(scope="module")
+def land(tmp_path_factory):
+    path = write_pool(tmp_path_factory.mktemp("landpool"), n_experts=3, scale=0.2, demo_data=True)
+    pool = merger.open_pool(path)
+    return Landscape(merger.Explorer(pool))
+
+
+def test_pca_plane_of_three_points_contains_them(land):
+    pts = land.named_points(["base", land.pool.tasks[0], land.pool.tasks[1]])
+    plane = pca_plane(pts)
+    assert torch.allclose(plane.dirs @ plane.dirs.T, torch.eye(2), atol=1e-5)
+    for v in pts.values():
+        x, y, off = plane.coords(v)
+        assert off == pytest.approx(0.0, abs=1e-3 * float(v.norm()) / 1e3 + 1e-3)
+        assert torch.allclose(plane.point(x, y), v, atol=1e-4)
+
+
+def test_pca_directions_are_the_principal_directions(land):
+    pts = land.named_points(["base", "experts"])
+    plane = pca_plane(pts)
+    x = torch.stack(list(pts.values())).double()
+    xc = x - x.mean(0)
+    # the top right-singular vectors of the centred points span the same plane
+    _, _, vh = torch.linalg.svd(xc, full_matrices=False)
+    proj = plane.dirs.double() @ vh[:2].T
+    assert torch.allclose(proj.abs().det().abs(), torch.tensor(1.0, dtype=torch.float64), atol=1e-4)
+
+
+def test_value_at_a_grid_point_equals_evaluate(land):
+    pts = land.named_points(["base", "experts"])
+    plane = pca_plane(pts)
+    surface = land.surface(plane, (-1.0, 1.0, -2.0, 2.0), 3)
+    x, y = surface.xs[2], surface.ys[0]
+    weights = land.space.unflatten(plane.point(x, y))
+    full = dict(land.pool.base)
+    full.update(weights)
+    res = merger.evaluate(land.pool, full, split="live")
+    for t in land.pool.tasks:
+        assert surface.accuracy[t][0][2] == pytest.approx(res.accuracy[t], abs=1e-6)
+        assert surface.loss[t][0][2] == pytest.approx(res.loss[t], rel=1e-5)
+    mean = surface.values("loss")[0][2]
+    assert mean == pytest.approx(res.average_loss, rel=1e-5)
+
+
+def test_repeated_requests_hit_the_cache_and_coarse_points_are_reused(land):
+    pts = land.named_points(["base", "experts"])
+    plane = pca_plane(pts)
+    extent = (-3.0, 3.0, -3.0, 3.0)
+    coarse, fine = list(land.progressive(plane, extent, 11))
+    assert len(coarse.xs) == 6 and len(fine.xs) == 11  # (11 - 1) is a multiple of (6 - 1)
+    n = land.cached_points()
+    again = land.surface(plane, extent, 11)
+    assert land.cached_points() == n and again.loss == fine.loss
+    assert coarse.loss[land.pool.tasks[0]][0][1] == fine.loss[land.pool.tasks[0]][0][2]
+
+
+def test_task_vector_and_three_point_planes(land):
+    base = land.base_point()
+    a, b = land.pool.tasks[:2]
+    plane = task_vector_plane(base, land.expert_point(a) - base, land.expert_point(b) - base, (a, b))
+    assert plane.coords(base) == pytest.approx((0.0, 0.0, 0.0), abs=1e-4)
+    assert plane.coords(land.expert_point(a))[2] == pytest.approx(0.0, abs=1e-3)
+    p = three_point_plane(base, land.expert_point(a), land.expert_point(b))
+    assert p.coords(land.expert_point(b))[2] == pytest.approx(0.0, abs=1e-3)
+
+
+def test_trajectory_projection_matches_each_checkpoint(land, tmp_path):
+    tv = land.pool.task_vectors
+    for epoch, frac in enumerate((0.25, 0.5, 1.0), start=1):
+        sd = {k: tv.base[k] + frac * tv.stacked[k][0] for k in tv.keys}
+        save_safetensors(sd, tmp_path / f"epoch_{epoch:03d}.safetensors")
+    (tmp_path / "epoch_010.safetensors").write_bytes((tmp_path / "epoch_003.safetensors").read_bytes())
+    traj = trajectories.load_folder(land, tmp_path, "ft")
+    assert traj.steps == [0, 1, 2, 3, 10]  # sorted by step number, not by name
+    plane = pca_plane(land.named_points(["base", "experts"]))
+    xs, ys, offs = trajectories.project(plane, traj)
+    for i, f in enumerate(["epoch_001", "epoch_002", "epoch_003"], start=1):
+        own = plane.coords(land.file_point(str(tmp_path / f"{f}.safetensors")))
+        assert (xs[i], ys[i], offs[i]) == pytest.approx(own, abs=1e-4)
+    curves = trajectories.evaluate_along(land, traj)
+    assert len(curves["accuracy"]) == 5
+
+
+def test_parameter_paths(land):
+    traj = trajectories.parameter_path(land, "cart", "rank_ratio", [0.1, 1.0], {"lam": 1.5})
+    wa = land.spec_point(land.explorer.spec("weight_averaging"))
+    assert torch.allclose(traj.points[1], wa, atol=1e-5)  # full rank: the weight average
+    lam_path = trajectories.parameter_path(land, "task_arithmetic", "lam", [0.0, 0.5])
+    assert torch.allclose(lam_path.points[0], land.base_point())
+
+
+@pytest.mark.parametrize("names", [["base", "base", "base"], ["base"], ["base", "task_arithmetic:lam=0.5"]])
+def test_pca_needs_three_distinct_points(land, names):
+    pts = land.named_points(names)
+    with pytest.raises(MergerError, match="at least three distinct points"):
+        pca_plane(pts)
+
+
+def test_collinear_points_are_refused(land):
+    pts = land.named_points(["base", "ta:lam=0.5", "ta:lam=1.0"])
+    with pytest.raises(MergerError, match="at least three distinct points"):
+        pca_plane(pts)
+
+
+def test_grid_beyond_bound(land):
+    plane = pca_plane(land.named_points(["base", "experts"]))
+    with pytest.raises(MergerError, match="grid 500×500 is out of bounds"):
+        land.surface(plane, (-1, 1, -1, 1), 500)
+
+
+def test_point_from_another_architecture(land, tmp_path):
+    from helpers import TINY_CONFIG  # 16-pixel images: different positional embedding shape
+
+    base, experts = base_and_experts(1, config=TINY_CONFIG)
+    save_safetensors(experts[0], tmp_path / "other.safetensors")
+    with pytest.raises(CheckpointError, match="other.safetensors: does not match the base: mis-shaped"):
+        land.named_points([f"file:{tmp_path / 'other.safetensors'}"])
+
+
+def test_empty_trajectory_folder(land, tmp_path):
+    with pytest.raises(MergerError, match="no checkpoints in this trajectory folder"):
+        trajectories.load_folder(land, tmp_path, "empty")
+    with pytest.raises(MergerError, match="has no trajectory"):
+        trajectories.finetune_trajectory(land, land.pool.tasks[0])
+
+
+def test_cli_writes_html_and_grid(land, tmp_path):
+    out = tmp_path / "ls.html"
+    res = subprocess.run([sys.executable, "-m", "merger", "landscape", "--pool", land.pool.source, "--plane", "pca",
+                          "--points", "base,experts,ta:lam=0.3", "--grid", "5", "--metric", "loss",
+                          "--paths", "ta@lam", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "plotly" in out.read_text()[:5_000_000].lower()
+    grid = json.loads(out.with_suffix(".json").read_text())
+    assert len(grid["x"]) == 5 and len(grid["loss"][land.pool.tasks[0]]) == 5
+    assert grid["points"]["base"]["off_plane"] >= 0
