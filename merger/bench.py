@@ -134,7 +134,7 @@ def naive_evaluation(pool_path, method: str, params: dict, split: str = "live"):
 
     from . import data as data_mod
     from .evaluation import tokenizer_for
-    from .heads import STANDARD_TEMPLATES, zero_shot_head
+    from .heads import zero_shot_head
     from .merging import merge
     from .pool import open_pool
 
@@ -149,7 +149,7 @@ def naive_evaluation(pool_path, method: str, params: dict, split: str = "live"):
         for t in pool.tasks:
             d = store.split(t, split)
             x = data_mod.preprocess(d.images, pool.preprocess_cfg)
-            head = zero_shot_head(model, tok, store.classes(t), pool.task_info[t].get("templates") or STANDARD_TEMPLATES)
+            head = zero_shot_head(model, tok, store.classes(t), store.templates(t))
             feats = F.normalize(model.encode_image(x).float(), dim=-1)
             logits = model.logit_scale.exp() * feats @ head.T
             acc[t] = float((logits.argmax(-1) == d.labels).float().mean())

@@ -41,6 +41,21 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     )
 
 
+def load_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], str]:
+    """Any supported checkpoint, on open_clip names: (state dict, format).
+
+    Formats: an open_clip state dict (file), or a Hugging Face CLIP vision model (a folder with
+    model.safetensors / pytorch_model.bin, or such a file), converted to open_clip names.
+    """
+    from . import hf_clip
+
+    path = Path(path)
+    sd = hf_clip.load_hf_dir(path) if path.is_dir() else load_state_dict(path)
+    if hf_clip.is_hf_vision(sd):
+        return hf_clip.hf_to_open_clip(sd, str(path)), "hf_clip_vision"
+    return sd, "open_clip"
+
+
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -104,10 +119,16 @@ def align_to_base(sd: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tenso
 
 
 def validate_expert(
-    sd: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], name: str
+    sd: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], name: str,
+    fill_from_base: tuple[str, ...] = (),
 ) -> dict[str, torch.Tensor]:
-    """Align an expert to the base and check it; raise naming every offending key."""
+    """Align an expert to the base and check it; raise naming every offending key.
+
+    ``fill_from_base``: keys the expert's format cannot hold (a HF CLIPVisionModel has no
+    projection); they are taken from the base, so their task vector is zero.
+    """
     sd = align_to_base(sd, base)
+    sd.update({k: base[k] for k in fill_from_base if k not in sd and k in base})
     scope = merge_scope(base)
     missing = [k for k in scope if k not in sd]
     unexpected = [k for k in sd if k not in base]
@@ -124,7 +145,7 @@ def validate_expert(
     if shaped:
         problems.append(f"mis-shaped keys: {_names(shaped)}")
     if problems:
-        raise CheckpointError(f"{name}: does not match the base: " + "; ".join(problems))
+        raise CheckpointError(f"{name}: does not match the base{_architecture_hint(sd, base)}: " + "; ".join(problems))
     for k in scope:
         t, b = sd[k], base[k]
         if b.is_floating_point() and not t.is_floating_point():
@@ -133,6 +154,21 @@ def validate_expert(
             bad = int((~torch.isfinite(t)).sum())
             raise CheckpointError(f"{name}: key {k} holds {bad} non-finite values (NaN or Inf)")
     return {k: sd[k] for k in scope}
+
+
+def _architecture_hint(sd, base) -> str:
+    """Name the likely architecture mismatch (patch size, width, depth) when there is one."""
+    hints = []
+    a, b = sd.get("visual.conv1.weight"), base.get("visual.conv1.weight")
+    if a is not None and b is not None and a.dim() == b.dim() == 4:
+        if a.shape[-1] != b.shape[-1]:
+            hints.append(f"patch size {a.shape[-1]} vs the base's {b.shape[-1]}")
+        if a.shape[0] != b.shape[0]:
+            hints.append(f"width {a.shape[0]} vs the base's {b.shape[0]}")
+    depth = lambda d: len({k.split(".")[3] for k in d if k.startswith("visual.transformer.resblocks.")})  # noqa: E731
+    if depth(sd) and depth(base) and depth(sd) != depth(base):
+        hints.append(f"{depth(sd)} blocks vs the base's {depth(base)}")
+    return f" (another architecture? {', '.join(hints)})" if hints else ""
 
 
 def validate_base(base: Mapping[str, torch.Tensor], name: str) -> None:
@@ -189,9 +225,24 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
 
 def content_hash(path: str | os.PathLike) -> str:
-    """sha256 of the file's bytes (hex)."""
+    """sha256 of a file's bytes, or of a folder's files (names and bytes, sorted) (hex)."""
+    path = Path(path)
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
+        if path.is_dir():
+            h.update(str(f.relative_to(path)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def tensors_hash(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over names, shapes, dtypes and bytes of tensors (sorted by name)."""
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k].detach().contiguous().cpu()
+        h.update(f"{k}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()

@@ -8,6 +8,7 @@ Splits: train (without validation), val (10 % of train, seed 0), test, live (fix
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -71,10 +72,41 @@ class TaskDataStore:
         self._cache: dict[tuple[str, str], SplitData] = {}
 
     def classes(self, task: str) -> list[str]:
+        """Class names in label order: a list in the YAML, or a file with one name per line."""
         info = self.pool.task_info.get(task)
         if not info or not info.get("classes"):
             raise DataError(f"task '{task}' has no class names (tasks.{task}.classes in {self.pool.source})")
-        return [str(c) for c in info["classes"]]
+        classes = info["classes"]
+        if isinstance(classes, str):
+            path = Path(classes).expanduser()
+            path = path if path.is_absolute() else self.pool.root / path
+            if not path.is_file():
+                raise DataError(f"tasks.{task}.classes: class-names file {path} not found")
+            classes = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+            if not classes:
+                raise DataError(f"tasks.{task}.classes: {path} holds no class names")
+        if len(set(map(str, classes))) != len(classes):
+            raise DataError(f"tasks.{task}.classes: a class name appears twice")
+        return [str(c) for c in classes]
+
+    def templates(self, task: str) -> list[str]:
+        """Prompt templates: a list, a file (one per line), or the standard CLIP set (default)."""
+        from .heads import STANDARD_TEMPLATES
+
+        value = (self.pool.task_info.get(task) or {}).get("templates")
+        if value in (None, "standard"):
+            return list(STANDARD_TEMPLATES)
+        if isinstance(value, str):
+            path = Path(value).expanduser()
+            path = path if path.is_absolute() else self.pool.root / path
+            if not path.is_file():
+                raise DataError(f"tasks.{task}.templates: {path} not found (or use 'standard')")
+            value = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        bad = [t for t in value if "{}" not in str(t)]
+        if not value or bad:
+            raise DataError(f"tasks.{task}.templates: every template needs a '{{}}' for the class name"
+                            + (f" (not: {bad[0]!r})" if bad else ""))
+        return [str(t) for t in value]
 
     def split(self, task: str, split: str) -> SplitData:
         if split not in split_rules.SPLITS:

@@ -6,8 +6,12 @@ once and scored with each head.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
@@ -66,6 +70,10 @@ class Result:
         }
 
 
+def heads_cache_dir() -> Path:
+    return Path(os.environ.get("MERGER_CACHE_DIR", Path.home() / ".cache" / "merger")) / "heads"
+
+
 def tokenizer_for(pool):
     if pool.tokenizer_name == "demo":
         from .demo.tokenizer import DemoTokenizer
@@ -99,12 +107,33 @@ class Evaluator:
         self._expert_acc: dict[str, dict[str, float]] = {}
 
     def _build_heads(self) -> dict[str, torch.Tensor]:
-        tok = tokenizer_for(self.pool)
+        """Zero-shot heads, cached on disk keyed by the text tower's hash, classes and templates."""
+        from .checkpoints import save_safetensors, tensors_hash
+
+        text = {k: v for k, v in self.pool.base.items() if not k.startswith("visual.")}
+        tower = tensors_hash(text)
+        tok = None
         out = {}
         for t in self.pool.tasks:
-            info = self.pool.task_info[t]
-            templates = info.get("templates") or heads_mod.STANDARD_TEMPLATES
-            out[t] = heads_mod.zero_shot_head(self.model, tok, self.data.classes(t), templates).to(self.device)
+            classes, templates = self.data.classes(t), self.data.templates(t)
+            key = hashlib.sha256(json.dumps([tower, classes, templates]).encode()).hexdigest()[:32]
+            path = heads_cache_dir() / f"{key}.safetensors"
+            head = None
+            if path.exists():
+                try:
+                    from safetensors.torch import load_file
+
+                    head = load_file(str(path))["head"]
+                except Exception:  # a corrupt cache entry is recomputed, never trusted
+                    head = None
+            if head is None or head.shape[0] != len(classes):
+                tok = tok or tokenizer_for(self.pool)
+                head = heads_mod.zero_shot_head(self.model, tok, classes, templates).cpu()
+                try:
+                    save_safetensors({"head": head}, path)
+                except OSError:
+                    pass  # a read-only cache only costs time
+            out[t] = head.to(self.device)
         return out
 
     def inputs(self, split: str):

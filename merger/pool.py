@@ -56,20 +56,20 @@ class Pool:
         self.architecture = self._architecture(spec["architecture"])
         self.tokenizer_name = spec.get("tokenizer")
         self.preprocess_cfg = dict(spec.get("preprocess") or {})
+        self.preprocess_cfg.setdefault("image_size", self._image_size())
         self.base_path = self._path(spec["base"], "base")
         self.expert_info = self._experts(spec["experts"])
         self.tasks: list[str] = list(self.expert_info)
         self.task_info = self._tasks(spec.get("tasks") or {})
-        self.base: dict[str, torch.Tensor] = checkpoints.load_state_dict(self.base_path)
+        self.base, self.base_format = checkpoints.load_weights(self.base_path)
         self.base = checkpoints.strip_prefixes(self.base)
         checkpoints.validate_base(self.base, str(self.base_path))
         self._check_architecture()
-        experts = {
-            t: checkpoints.validate_expert(
-                checkpoints.load_state_dict(info["path"]), self.base, f"{info['path']} (expert '{t}')"
-            )
-            for t, info in self.expert_info.items()
-        }
+        experts = {}
+        for t, info in self.expert_info.items():
+            sd, info["format"] = checkpoints.load_weights(info["path"])
+            fill = ("visual.proj",) if info["format"] == "hf_clip_vision" else ()
+            experts[t] = checkpoints.validate_expert(sd, self.base, f"{info['path']} (expert '{t}')", fill)
         self.task_vectors = TaskVectors(self.base, experts, device=self.device)
         self._hashes: dict[str, str] = {}
         self._prepared: OrderedDict = OrderedDict()
@@ -142,6 +142,17 @@ class Pool:
             raise CheckpointError(
                 f"{self.base_path}: does not match architecture {self.architecture_name}: " + "; ".join(parts)
             )
+
+    def _image_size(self) -> int:
+        """The architecture's input size (inline config, or open_clip's config of the model name)."""
+        if "config" in self.architecture:
+            size = self.architecture["config"].get("vision_cfg", {}).get("image_size", 224)
+        else:
+            from ._compat import open_clip
+
+            cfg = open_clip().get_model_config(self.architecture["model"]) or {}
+            size = cfg.get("vision_cfg", {}).get("image_size", 224)
+        return int(size[0] if isinstance(size, (list, tuple)) else size)
 
     # ---- models -------------------------------------------------------------------------
     @property

@@ -1,9 +1,11 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ["MERGER_CACHE_DIR"] = tempfile.mkdtemp(prefix="merger-test-cache-")  # no stale heads
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytest  # noqa: E402

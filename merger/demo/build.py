@@ -35,7 +35,7 @@ class DemoConfig:
     """Everything that determines the demo pool (stored in manifest.json)."""
 
     # world splits: (size, seed) of the images; pretraining images are a separate draw
-    n_pretrain: int = 10000
+    n_pretrain: int = 20000
     pretrain_data_seed: int = 0
     n_train: int = 5000
     train_seed: int = 1
@@ -46,11 +46,11 @@ class DemoConfig:
     pretrain_epochs: int = 6
     pretrain_batch_size: int = 128
     pretrain_lr: float = 2e-3
-    caption_p: float = 0.8
+    caption_p: dict = field(default_factory=lambda: dict(world.CAPTION_P))
     model_seed: int = 0
     # expert fine-tuning (image tower only, frozen zero-shot head)
     ft_lr: float = 1e-3
-    ft_epochs: int = 4
+    ft_epochs: int = 5
     ft_batch_size: int = 128
     ft_data_fraction: float = 1.0
     ft_seed: int = 0

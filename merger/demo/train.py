@@ -50,7 +50,7 @@ def visual_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------ pretraining
 def pretrain(images: torch.Tensor, labels: dict[str, torch.Tensor], *, epochs: int, batch_size: int,
-             lr: float, seed: int, caption_p: float = 0.5, weight_decay: float = 0.1,
+             lr: float, seed: int, caption_p: float | dict | None = None, weight_decay: float = 0.1,
              config: dict = CLIP_CONFIG, progress: Progress = None, cancel: Cancel = None
              ) -> dict[str, torch.Tensor]:
     """Contrastive (CLIP) pretraining of the whole tiny model on image-caption pairs.

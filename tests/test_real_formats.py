@@ -1,0 +1,211 @@
+"""Real-world formats on small random models: HF CLIP vision experts, image folders, heads cache.
+
+Needs the test-only dependency `transformers` (to build the HF reference model)."""
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+import merger
+from merger import checkpoints, folders, hf_clip
+from merger._compat import ensure_torchvision, open_clip
+from merger.checkpoints import save_safetensors
+from merger.errors import CheckpointError, DataError
+
+ensure_torchvision()  # transformers imports torchvision too
+transformers = pytest.importorskip("transformers")
+
+CONFIG = {  # open_clip tiny CLIP with OpenAI-style quick GELU, as HF CLIP uses
+    "embed_dim": 16, "quick_gelu": True,
+    "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 32, "layers": 2, "head_width": 16, "mlp_ratio": 2},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+}
+
+
+def hf_config():
+    v = CONFIG["vision_cfg"]
+    return transformers.CLIPVisionConfig(hidden_size=v["width"], intermediate_size=v["width"] * v["mlp_ratio"],
+                                         num_hidden_layers=v["layers"], num_attention_heads=v["width"] // v["head_width"],
+                                         image_size=v["image_size"], patch_size=v["patch_size"],
+                                         projection_dim=CONFIG["embed_dim"], hidden_act="quick_gelu")
+
+
+def test_hf_clip_vision_converts_to_the_same_features(tmp_path):
+    torch.manual_seed(0)
+    hf = transformers.CLIPVisionModelWithProjection(hf_config()).eval()
+    with torch.no_grad():  # non-trivial LayerNorm and embedding values
+        for p in hf.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "hf")
+    sd, fmt = checkpoints.load_weights(tmp_path / "hf")
+    assert fmt == "hf_clip_vision"
+    model = open_clip().CLIP(**CONFIG).eval()
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and all(not k.startswith("visual.") for k in missing)
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        ours = model.encode_image(x)
+        ref = hf(pixel_values=x).image_embeds
+    assert torch.allclose(ours, ref, atol=1e-5)
+
+
+@pytest.fixture
+def mixed_pool(tmp_path):
+    """Base: open_clip full CLIP; experts: HF folder (no projection), tower-only .pt, full safetensors."""
+    torch.manual_seed(1)
+    base = open_clip().CLIP(**CONFIG).state_dict()
+    save_safetensors(base, tmp_path / "base.safetensors")
+    g = torch.Generator().manual_seed(2)
+
+    def perturbed():
+        return {k: v + 0.01 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+                for k, v in base.items()}
+
+    # HF CLIPVisionModel expert: built from a perturbed open_clip tower, written in HF names
+    e1 = perturbed()
+    hf = transformers.CLIPVisionModel(hf_config())
+    inv = _open_clip_to_hf({k: v for k, v in e1.items() if k.startswith("visual.")})
+    own = set(hf.state_dict())
+    inv = {k if k in own else k.replace("vision_model.", "", 1): v for k, v in inv.items()}
+    missing, unexpected = hf.load_state_dict(inv, strict=False)
+    assert not unexpected and all("position_ids" in k for k in missing)
+    hf.save_pretrained(tmp_path / "experts" / "hf_expert")
+    e2 = perturbed()
+    torch.save({"state_dict": {"module." + k[7:]: v for k, v in e2.items() if k.startswith("visual.")}},
+               tmp_path / "experts" / "tower.pt")
+    e3 = perturbed()
+    save_safetensors(e3, tmp_path / "experts" / "full.safetensors")
+    spec = {"name": "mixed", "architecture": {"config": CONFIG}, "base": "base.safetensors",
+            "experts": {"a": "experts/hf_expert", "b": "experts/tower.pt", "c": "experts/full.safetensors"}}
+    (tmp_path / "pool.yaml").write_text(yaml.safe_dump(spec))
+    return tmp_path, base, (e1, e2, e3)
+
+
+def _open_clip_to_hf(sd):
+    """Inverse mapping, for building the HF fixture only."""
+    out = {}
+    inv = {v: k for k, v in hf_clip._RENAME.items()}
+    for k, v in sd.items():
+        if k in inv:
+            out[inv[k]] = v
+        elif k.startswith("visual.transformer.resblocks."):
+            i, rest = k.split(".")[3], ".".join(k.split(".")[4:])
+            pre = f"vision_model.encoder.layers.{i}."
+            if rest in ("attn.in_proj_weight", "attn.in_proj_bias"):
+                kind = "weight" if rest.endswith("weight") else "bias"
+                for c, part in zip("qkv", v.chunk(3, 0)):
+                    out[pre + f"self_attn.{c}_proj.{kind}"] = part
+            else:
+                out[pre + {b: a for a, b in hf_clip._LAYER_RENAME.items()}[rest]] = v
+    return out
+
+
+def test_mixed_formats_open_and_map_onto_open_clip(mixed_pool):
+    root, base, (e1, e2, e3) = mixed_pool
+    pool = merger.open_pool(root / "pool.yaml")
+    tv = pool.task_vectors
+    assert pool.expert_info["a"]["format"] == "hf_clip_vision"
+    for i, e in enumerate((e1, e2, e3)):
+        k = "visual.transformer.resblocks.1.attn.in_proj_weight"
+        assert torch.allclose(tv.stacked[k][i], e[k] - base[k], atol=1e-6)
+    # a CLIPVisionModel has no projection: taken from the base, so its task vector is zero
+    assert torch.equal(tv.stacked["visual.proj"][0], torch.zeros_like(base["visual.proj"]))
+    assert torch.allclose(tv.stacked["visual.proj"][1], e2["visual.proj"] - base["visual.proj"])
+    merger.merge(pool, "ties", lam=1.0, sparsity=0.8)  # and it merges
+
+
+def test_expert_of_another_architecture_is_named(mixed_pool):
+    root, _, _ = mixed_pool
+    other = dict(CONFIG, vision_cfg=dict(CONFIG["vision_cfg"], patch_size=16))
+    save_safetensors(open_clip().CLIP(**other).state_dict(), root / "experts" / "b16.safetensors")
+    spec = yaml.safe_load((root / "pool.yaml").read_text())
+    spec["experts"]["c"] = "experts/b16.safetensors"
+    (root / "pool.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(CheckpointError, match=r"b16.safetensors \(expert 'c'\): does not match the base "
+                                              r"\(another architecture\? patch size 16 vs the base's 8\)"):
+        merger.open_pool(root / "pool.yaml")
+
+
+def _write_images(folder, classes, per_class, seed=0, size=40):
+    rng = np.random.default_rng(seed)
+    for c in classes:
+        (folder / c).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            arr = (rng.random((size, size, 3)) * 255).astype(np.uint8)
+            arr[..., classes.index(c) % 3] = 255  # a class-dependent channel
+            Image.fromarray(arr).save(folder / c / f"{i:03d}.{'png' if i % 2 else 'jpg'}")
+
+
+@pytest.fixture
+def folder_pool(mixed_pool):
+    root, _, _ = mixed_pool
+    classes = ["cat", "dog", "fish"]
+    for split, n in (("train", 6), ("test", 4)):
+        _write_images(root / "data" / split, classes, n, seed=len(split))
+    (root / "data" / "test" / "dog" / "broken.png").write_bytes(b"not an image")
+    (root / "classes.txt").write_text("cat\ndog\nfish\n")
+    spec = yaml.safe_load((root / "pool.yaml").read_text())
+    spec["tasks"] = {
+        "a": {"classes": classes, "data": {"folder": "data"}},
+        "b": {"classes": "classes.txt", "templates": ["a photo of a {}."], "data": {"folder": {"root": "data"}}},
+        "c": {"classes": classes, "data": {"folder": "data"}},
+    }
+    (root / "pool.yaml").write_text(yaml.safe_dump(spec))
+    return root
+
+
+def test_folder_tasks_load_with_the_right_labels(folder_pool):
+    pool = merger.open_pool(folder_pool / "pool.yaml")
+    ev = merger.Evaluator(pool)
+    test = ev.data.split("a", "test")
+    assert test.images.shape == (12, 3, 32, 32)  # resized to the model's input size
+    assert test.labels.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    assert folders.SKIPPED[str(folder_pool / "data" / "test")] == 1  # the broken file, counted
+    assert ev.data.classes("b") == ["cat", "dog", "fish"]
+    res = ev.evaluate(None, "test")
+    assert set(res.accuracy) == {"a", "b", "c"} and res.counts["a"] == 12
+    # tasks reading the same folder share one forward
+    assert len(ev.inputs("test")) == 1
+
+
+def test_folder_layout_and_class_mismatches(folder_pool):
+    import shutil
+
+    spec = yaml.safe_load((folder_pool / "pool.yaml").read_text())
+    spec["tasks"]["a"]["classes"] = ["cat", "dog", "bird"]
+    (folder_pool / "pool.yaml").write_text(yaml.safe_dump(spec))
+    ev = merger.Evaluator(merger.open_pool(folder_pool / "pool.yaml"))
+    with pytest.raises(DataError, match="class folders in .* do not match the class names; missing: bird; unexpected: fish"):
+        ev.evaluate(None, "test")
+    shutil.rmtree(folder_pool / "data" / "test")
+    ev = merger.Evaluator(merger.open_pool(folder_pool / "pool.yaml"))
+    with pytest.raises(DataError, match=r"data/test is missing \(expected <root>/test/<class>/\*.png; found train\)"):
+        ev.evaluate(None, "test")
+
+
+def test_heads_are_cached_on_disk(folder_pool, monkeypatch):
+    pool = merger.open_pool(folder_pool / "pool.yaml")
+    first = merger.Evaluator(pool).heads
+    from merger import heads
+
+    def refuse(*a, **k):
+        raise AssertionError("heads should come from the disk cache")
+
+    monkeypatch.setattr(heads, "zero_shot_head", refuse)
+    second = merger.Evaluator(pool).heads
+    assert all(torch.equal(first[t], second[t]) for t in first)
+
+
+class WholeModel:
+    """Stands for a pickled nn.Module: loading it needs code, which we refuse to run."""
+
+
+def test_pickled_checkpoint_refusal_says_how_to_convert(tmp_path):
+    import pickle
+
+    path = tmp_path / "expert.bin"
+    with open(path, "wb") as fh:
+        pickle.dump({"model": WholeModel()}, fh)
+    with pytest.raises(CheckpointError, match="refused.*Convert it where you trust it"):
+        checkpoints.load_weights(path)
