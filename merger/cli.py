@@ -136,6 +136,8 @@ def cmd_screenshot(args) -> int:
 def cmd_bench(args) -> int:
     from . import bench
 
+    args.moves_given = args.moves is not None
+    args.moves = args.moves if args.moves is not None else 30
     return bench.run(args.what, args)
 
 
@@ -191,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_screenshot)
 
     p = sub.add_parser("bench", help="benchmarks (medians and ratios in one run)")
-    p.add_argument("what", choices=["merge", "live", "api", "landscape"],
+    p.add_argument("what", choices=["merge", "live", "api", "landscape", "scale"],
                    help="merge: prepare/apply per method on ViT-B-32; live: slider → result on the demo pool; "
                         "api: the app's evaluate endpoint through gradio_client")
     p.add_argument("--url", default=None, help="api: a running app to target (default: start one)")
@@ -200,7 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", default="demo")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--moves", type=int, default=30, help="live: distinct λ values per method")
+    p.add_argument("--moves", type=int, default=None, help="live/api/scale: distinct λ values per method")
+    p.add_argument("--images", type=int, default=128, help="scale: synthetic images per task")
+    p.add_argument("--device", default="cpu", help="scale: cpu or cuda")
     p.add_argument("--naive", type=int, default=30, help="live: how many of them to repeat naively")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods")
     p.set_defaults(func=cmd_bench)

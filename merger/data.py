@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from . import splits as split_rules
 from .errors import DataError, PoolError
 
-DATA_KINDS = ("demo", "folder")
+DATA_KINDS = ("demo", "folder", "memory")
 
 
 @dataclass
@@ -127,6 +127,10 @@ class TaskDataStore:
         if kind == "demo":
             images, labels, source = _demo_split(entry, split, task)
             labels = labels[task]
+        elif kind == "memory":  # in-memory pools (benchmarks): {train: (images, labels), test: ...}
+            base_split = "test" if split in ("test", "live") else "train"
+            images, labels = entry[base_split]
+            source = ("memory", task, base_split)
         else:
             from .folders import load_folder_split
 

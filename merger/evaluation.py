@@ -105,6 +105,7 @@ class Evaluator:
         self.heads = self._build_heads()
         self._inputs: dict[str, list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]] = {}
         self._expert_acc: dict[str, dict[str, float]] = {}
+        self.notices: list[str] = []  # out-of-memory fallbacks, shown to the user
 
     def _build_heads(self) -> dict[str, torch.Tensor]:
         """Zero-shot heads, cached on disk keyed by the text tower's hash, classes and templates."""
@@ -163,7 +164,49 @@ class Evaluator:
         """θ0 + Δ written straight into the model's tensors (no intermediate copy)."""
         base = self.pool.task_vectors.base
         for k, target in self._targets.items():
-            torch.add(base[k], delta[k], out=target)
+            if delta[k].device == target.device:
+                torch.add(base[k], delta[k], out=target)
+            else:  # task vectors kept in host memory
+                target.copy_(base[k] + delta[k])
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Image features in batches; on out-of-memory: free caches, halve the batch, and at
+        batch 1 fall back to the CPU (with a notice the app shows)."""
+        while True:
+            try:
+                with self._autocast():
+                    return torch.cat([self.model.encode_image(x[i: i + self.batch_size]).float()
+                                      for i in range(0, x.shape[0], self.batch_size)])
+            except (torch.OutOfMemoryError, RuntimeError) as exc:
+                if not _is_oom(exc):
+                    raise
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                if self.batch_size > 1:
+                    self.batch_size = max(1, self.batch_size // 2)
+                    self.notices.append(f"out of memory: evaluating in batches of {self.batch_size}")
+                elif self.device.type != "cpu":
+                    self._move_to("cpu")
+                    x = x.cpu()
+                    self.notices.append("out of memory on the GPU even at batch 1: evaluating on the CPU")
+                else:
+                    raise
+
+    def _autocast(self):
+        import contextlib
+
+        if self.device.type == "cuda":  # bf16 forward passes; merge arithmetic stays fp32
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _move_to(self, device: str) -> None:
+        self.device = torch.device(device)
+        self.model.to(self.device)
+        state = self.model.state_dict()
+        self._targets = {k: state[k] for k in self._targets}
+        self.heads = {t: h.to(self.device) for t, h in self.heads.items()}
+        self._inputs = {s: [(x.to(self.device), [(t, y.to(self.device)) for t, y in m]) for x, m in groups]
+                        for s, groups in self._inputs.items()}
 
     @torch.inference_mode()
     def forward(self, split: str, tasks: Sequence[str] | None = None) -> tuple[dict, dict, dict]:
@@ -172,10 +215,9 @@ class Evaluator:
             members = [(t, y) for t, y in members if tasks is None or t in tasks]
             if not members:
                 continue
-            feats = torch.cat([self.model.encode_image(x[i: i + self.batch_size])
-                               for i in range(0, x.shape[0], self.batch_size)])
-            feats = F.normalize(feats.float(), dim=-1)
+            feats = F.normalize(self._encode(x), dim=-1)
             for t, y in members:
+                y = y.to(feats.device)
                 logits = self.logit_scale * feats @ self.heads[t].T
                 acc[t] = float((logits.argmax(-1) == y).float().mean())
                 loss[t] = float(F.cross_entropy(logits, y))
@@ -210,6 +252,10 @@ class Evaluator:
 
     def base_result(self, split: str) -> Result:
         return self.evaluate(None, split)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc) or "can't allocate memory" in str(exc)
 
 
 def evaluator_for(pool) -> Evaluator:

@@ -42,10 +42,13 @@ def _check_keys(where: str, given: Mapping, allowed: set[str], source: str) -> N
 class Pool:
     """An opened pool. Experts are validated against the base when the pool opens."""
 
-    def __init__(self, spec: Mapping[str, Any], root: Path, source: str, device: str | torch.device = "cpu"):
+    def __init__(self, spec: Mapping[str, Any], root: Path, source: str, device: str | torch.device = "cpu",
+                 tv_device: str | torch.device | None = None, preloaded: Mapping[str, Any] | None = None):
         self.source = source
         self.root = root
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
+        # Task vectors may stay in host memory when the GPU cannot hold them (slower merges).
+        self.tv_device = resolve_device(tv_device) if tv_device else self.device
         if not isinstance(spec, Mapping):
             raise PoolError(f"{source}: expected a mapping at the top level")
         _check_keys("the pool", spec, TOP_KEYS, source)
@@ -59,18 +62,27 @@ class Pool:
         self.preprocess_cfg.setdefault("image_size", self._image_size())
         self.base_path = self._path(spec["base"], "base")
         self.expert_info = self._experts(spec["experts"])
+        if preloaded is not None:  # an in-memory pool (benchmarks): same checks, no files
+            self.base_path = None
         self.tasks: list[str] = list(self.expert_info)
         self.task_info = self._tasks(spec.get("tasks") or {})
-        self.base, self.base_format = checkpoints.load_weights(self.base_path)
+        if preloaded is not None:
+            self.base, self.base_format = dict(preloaded["base"]), "open_clip"
+        else:
+            self.base, self.base_format = checkpoints.load_weights(self.base_path)
         self.base = checkpoints.strip_prefixes(self.base)
         checkpoints.validate_base(self.base, str(self.base_path))
         self._check_architecture()
+        check_memory(self.base, len(self.expert_info), self.tv_device, self.source)
         experts = {}
         for t, info in self.expert_info.items():
-            sd, info["format"] = checkpoints.load_weights(info["path"])
+            if preloaded is not None:
+                sd, info["format"] = preloaded["experts"][t], "open_clip"
+            else:
+                sd, info["format"] = checkpoints.load_weights(info["path"])
             fill = ("visual.proj",) if info["format"] == "hf_clip_vision" else ()
             experts[t] = checkpoints.validate_expert(sd, self.base, f"{info['path']} (expert '{t}')", fill)
-        self.task_vectors = TaskVectors(self.base, experts, device=self.device)
+        self.task_vectors = TaskVectors(self.base, experts, device=self.tv_device)
         self._hashes: dict[str, str] = {}
         self._prepared: OrderedDict = OrderedDict()
 
@@ -128,8 +140,7 @@ class Pool:
 
     def _check_architecture(self) -> None:
         """Compare the base with the architecture's own state dict (built on the meta device)."""
-        with torch.device("meta"):
-            model = self.build_model(load_base=False)
+        model = self.build_model(load_base=False, device="meta")
         ref = model.state_dict()
         missing = [k for k in ref if k not in self.base]
         extra = [k for k in self.base if k not in ref]
@@ -159,16 +170,18 @@ class Pool:
     def architecture_name(self) -> str:
         return self.architecture.get("model") or "inline config"
 
-    def build_model(self, load_base: bool = True) -> torch.nn.Module:
-        """A fresh open_clip model of the pool's architecture, with the base weights."""
+    def build_model(self, load_base: bool = True, device: str = "cpu") -> torch.nn.Module:
+        """A fresh open_clip model of the pool's architecture, with the base weights
+        (on the meta device: shapes only, for checking checkpoints against the architecture)."""
         from ._compat import open_clip
 
         oc = open_clip()
         if "config" in self.architecture:
-            model = oc.CLIP(**self.architecture["config"])
+            with torch.device(device):
+                model = oc.CLIP(**self.architecture["config"])
         else:
             try:
-                model = oc.create_model(self.architecture["model"], pretrained=None)
+                model = oc.create_model(self.architecture["model"], pretrained=None, device=device)
             except RuntimeError as exc:
                 raise PoolError(f"{self.source}: architecture {self.architecture['model']!r}: {exc}") from None
         if load_base:
@@ -213,13 +226,50 @@ def read_pool_yaml(path: str | os.PathLike) -> tuple[dict, Path]:
     return spec, path
 
 
-def open_pool(path: str | os.PathLike = "demo", device: str | torch.device = "cpu") -> Pool:
+def pool_from_state_dicts(name: str, architecture, base, experts: Mapping[str, Mapping], tasks: Mapping | None = None,
+                          device="cpu", tv_device=None) -> Pool:
+    """A pool held in memory (no files): for benchmarks and scripts. Tasks may use
+    ``data: {memory: {train: (images, labels), test: (images, labels)}}``."""
+    spec = {"name": name, "architecture": architecture, "base": "<memory>",
+            "experts": {t: f"<memory:{t}>" for t in experts}, "tasks": dict(tasks or {})}
+    return Pool(spec, Path("."), f"<memory pool {name}>", device, tv_device, {"base": base, "experts": experts})
+
+
+def resolve_device(device) -> torch.device:
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise PoolError(f"device {device}: CUDA is not available on this machine (use --device cpu)")
+    return d
+
+
+def estimate_bytes(base: Mapping[str, torch.Tensor], n_experts: int) -> int:
+    """Resident bytes of the stacked fp32 task vectors plus the fp32 base of the merged keys."""
+    from .checkpoints import merge_scope
+
+    merged = sum(base[k].numel() for k in merge_scope(base) if base[k].is_floating_point())
+    return 4 * merged * (n_experts + 1)
+
+
+def check_memory(base, n_experts: int, device: torch.device, source: str) -> None:
+    """Refuse before loading when the task vectors will not fit in the device's free memory."""
+    if device.type != "cuda":
+        return
+    need = estimate_bytes(base, n_experts)
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > 0.85 * free:
+        raise PoolError(
+            f"{source}: {n_experts} experts need about {need / 2**30:.1f} GB of task vectors on {device}, "
+            f"{free / 2**30:.1f} GB is free. Keep them in host memory with --tv-device cpu, or merge fewer experts.")
+
+
+def open_pool(path: str | os.PathLike = "demo", device: str | torch.device = "cpu",
+              tv_device: str | torch.device | None = None) -> Pool:
     """Open a pool from a YAML file (or a folder holding pool.yaml); "demo" is the built-in pool."""
     if str(path) == "demo":
         path = demo_pool_path()
     spec, yaml_path = read_pool_yaml(path)
     verify_manifest(yaml_path.parent)
-    return Pool(spec, yaml_path.parent, str(yaml_path), device=device)
+    return Pool(spec, yaml_path.parent, str(yaml_path), device=device, tv_device=tv_device)
 
 
 def verify_manifest(root: Path) -> None:

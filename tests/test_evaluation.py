@@ -177,3 +177,27 @@ def test_corrupt_zoo_is_refused(tmp_path):
     victim.write_bytes(bytes(data))
     with pytest.raises(PoolError, match=f"{victim.name}: sha256 differs from manifest.json.*refusing"):
         merger.open_pool(path)
+
+
+def test_out_of_memory_retries_with_smaller_batches(demo_like, monkeypatch):
+    _, pool, _ = demo_like
+    ev = merger.Evaluator(pool, batch_size=512)
+    expected = ev.evaluate(None, "live").accuracy
+    real = ev.model.encode_image
+
+    def tight(x):
+        if x.shape[0] > 50:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(x)
+
+    monkeypatch.setattr(ev.model, "encode_image", tight)
+    assert ev.evaluate(None, "live").accuracy == expected
+    assert ev.batch_size <= 50 and any("batches of" in n for n in ev.notices)
+
+
+def test_cuda_request_without_cuda_is_a_clear_error(demo_like):
+    path, _, _ = demo_like
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(PoolError, match="CUDA is not available"):
+        merger.open_pool(path, device="cuda")
