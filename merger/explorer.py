@@ -6,22 +6,36 @@ the device-resident inputs of every task.
 """
 from __future__ import annotations
 
+import copy
 import threading
 from collections import OrderedDict
 
 from . import methods
+from .errors import MergerError
 from .evaluation import Result, evaluator_for
 from .merging import Spec
+
+
+def explorer_for(pool) -> "Explorer":
+    """The pool's shared explorer (so API calls reuse its caches and data-driven runs)."""
+    ex = getattr(pool, "_explorer", None)
+    if ex is None:
+        ex = Explorer(pool)
+    return ex
 
 
 class Explorer:
     def __init__(self, pool, cache_size: int = 1024):
         self.pool = pool
         self.evaluator = evaluator_for(pool)
+        pool._explorer = self
         self.cache_size = cache_size
         self._results: OrderedDict[tuple, Result] = OrderedDict()
         # One resident model: evaluations are serialised (the GPU/CPU queue of DESIGN.md).
         self.lock = threading.RLock()
+        self._runs: dict = {}
+        self._run_lock = threading.Lock()
+        self._run_model = None
 
     @property
     def tasks(self) -> list[str]:
@@ -32,8 +46,35 @@ class Explorer:
 
     def delta(self, spec: Spec) -> dict:
         m = methods.get(spec.method)
+        if m.kind == "data":
+            return self.run(spec).delta
         prepared = self.pool.prepared(m, spec.experts, {k: spec.kwargs[k] for k in m.prepare_params})
         return m.apply(prepared, **spec.kwargs)
+
+    def run(self, spec: Spec, progress=None, cancel=None):
+        """A data-driven method's run (cached by spec; deterministic for its seed)."""
+        from .methods.adaptive import Context
+
+        m = methods.get(spec.method)
+        if m.kind != "data":
+            raise MergerError(f"{m.name} is a static method: it has no run")
+        key = spec.rounded()
+        if key in self._runs:
+            return self._runs[key]
+        with self._run_lock:  # one optimisation at a time; previews go on (separate model copy)
+            if key in self._runs:
+                return self._runs[key]
+            if self._run_model is None:
+                self._run_model = copy.deepcopy(self.evaluator.model.visual)
+            ctx = Context(self.pool, self.evaluator, spec.experts)
+            ctx.model = self._run_model
+            run = m.run(ctx, progress, cancel, **key.kwargs)
+            run.method = m.name
+            self._runs[key] = run
+        return run
+
+    def cached_run(self, spec: Spec):
+        return self._runs.get(spec.rounded())
 
     def cached(self, spec: Spec, split: str = "live") -> Result | None:
         key = (spec.rounded(), split)
@@ -49,8 +90,9 @@ class Explorer:
         if hit is not None:
             return hit
         rounded = spec.rounded()
+        delta = self.delta(rounded)  # a data-driven run happens here, outside the evaluation lock
         with self.lock:
-            result = self.evaluator.evaluate(delta=self.delta(rounded), split=split)
+            result = self.evaluator.evaluate(delta=delta, split=split)
             self._results[(rounded, split)] = result
             while len(self._results) > self.cache_size:
                 self._results.popitem(last=False)

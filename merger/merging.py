@@ -84,6 +84,10 @@ def merge(pool, method: str, *, experts=None, **params) -> dict[str, torch.Tenso
 
 def merge_spec(pool, spec: Spec) -> dict[str, torch.Tensor]:
     m = methods.get(spec.method)
+    if m.kind == "data":  # learns its coefficients on the pool's validation data
+        from .explorer import explorer_for
+
+        return assemble(pool.base, pool.task_vectors, explorer_for(pool).delta(spec))
     prepared = pool.prepared(m, spec.experts, {k: spec.kwargs[k] for k in m.prepare_params})
     return assemble(pool.base, pool.task_vectors, m.apply(prepared, **spec.kwargs))
 
@@ -105,6 +109,8 @@ def merge_state_dicts(
     if not named:
         raise MergerError("no experts: merging needs at least one expert")
     m = methods.get(method)
+    if m.kind == "data":
+        raise MergerError(f"{m.name} learns from data: open a pool with tasks and use merger.merge(pool, ...)")
     spec = Spec.make(m.name, params, experts, list(named))
     base = checkpoints.strip_prefixes(base_sd)
     checkpoints.validate_base(base, "base")

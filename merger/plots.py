@@ -161,3 +161,37 @@ def trajectory_curves(curves: Mapping[str, dict], metric: str, x_title: str = "s
                       xaxis=dict(title=x_title), yaxis=dict(title="accuracy %" if metric == "accuracy" else "loss"),
                       **_LAYOUT)
     return fig
+
+
+def objective_curve(values: Sequence[float], title: str = "Objective", y_title: str = "objective") -> go.Figure:
+    fig = go.Figure(go.Scatter(x=list(range(1, len(values) + 1)), y=list(values), mode="lines",
+                               line=dict(color=PALETTE[0], width=2)))
+    fig.update_layout(title=title, xaxis=dict(title="step"), yaxis=dict(title=y_title), **{**_LAYOUT, "height": 260})
+    return fig
+
+
+def coefficient_heatmap(coefficients: Sequence[Sequence[float]], tasks: Sequence[str], groups: Sequence[str],
+                        title: str = "Learned coefficients (task × layer)") -> go.Figure:
+    fig = go.Figure(go.Heatmap(z=[list(r) for r in coefficients], x=list(groups), y=list(tasks),
+                               colorscale="Viridis", colorbar=dict(title="λ"),
+                               hovertemplate="%{y} · %{x}: %{z:.3f}<extra></extra>"))
+    fig.update_layout(title=title, xaxis=dict(showticklabels=len(groups) <= 12), template="plotly_white",
+                      height=300, margin=dict(l=80, r=20, t=40, b=40))
+    return fig
+
+
+def fw_progress(weights: Sequence[Sequence[float]], labels: Sequence[str], gaps: Sequence[float],
+                chosen: Sequence[str]) -> go.Figure:
+    """Barycentric weights over iterations (stacked areas) and the FW gap (right axis)."""
+    fig = go.Figure()
+    its = list(range(len(weights)))
+    for j, label in enumerate(labels):
+        fig.add_trace(go.Scatter(x=its, y=[w[j] for w in weights], name=label, stackgroup="w",
+                                 line=dict(color=PALETTE[j % len(PALETTE)])))
+    fig.add_trace(go.Scatter(x=list(range(1, len(gaps) + 1)), y=list(gaps), name="FW gap", yaxis="y2",
+                             mode="lines+markers", text=list(chosen), hovertemplate="gap %{y:.4g}<br>chose %{text}",
+                             line=dict(color="black", dash="dot")))
+    fig.update_layout(title="Frank–Wolfe: barycentric weights and gap per iteration", xaxis=dict(title="iteration"),
+                      yaxis=dict(title="weight", range=[0, 1.02]),
+                      yaxis2=dict(title="gap", overlaying="y", side="right", showgrid=False), **{**_LAYOUT, "height": 320})
+    return fig

@@ -89,6 +89,16 @@ def parameter_path(landscape, method: str, axis: str, values: Sequence[float], f
     return Trajectory(f"{m.name} {axis} path", axis, steps, points)
 
 
+def run_path(landscape, run) -> Trajectory:
+    """The iterates of a data-driven run (AdaMerging steps, FW iterations) as a trajectory."""
+    base = landscape.pool.task_vectors.base
+    points = [landscape.space.flatten({k: base[k] + d[k] for k in landscape.space.keys})
+              for d in run.iterate_deltas(base)]
+    kind = "iteration" if run.method.startswith("fw") else "snapshot"
+    return Trajectory(f"{run.method} iterates", "iterates", list(range(len(points))), points,
+                      [f"{kind} {i}" for i in range(len(points))])
+
+
 def default_values(axis: str) -> list[float]:
     return {"lam": [round(0.1 * i, 2) for i in range(0, 16)],
             "rank_ratio": [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.75, 1.0],

@@ -19,8 +19,13 @@ def ctl(tmp_path_factory):
     return Controller(merger.Explorer(pool), History(root / "history.sqlite"))
 
 
-def controls(ctl, method="task_arithmetic", lam=0.3, rank_ratio=0.08, sparsity=0.8, seed=0, experts=None):
-    return [experts if experts is not None else list(ctl.pool.tasks), method, lam, rank_ratio, sparsity, seed]
+def controls(ctl, method="task_arithmetic", experts=None, **values):
+    """The Merge tab's inputs: experts, method, then one value per registry parameter."""
+    from merger.methods.registry import PARAM_NAMES
+
+    defaults = dict(lam=0.3, rank_ratio=0.08, sparsity=0.8, seed=0, steps=5, lr=1e-3, init=0.3, samples=16, k=2)
+    defaults.update(values)
+    return [experts if experts is not None else list(ctl.pool.tasks), method] + [defaults[n] for n in PARAM_NAMES]
 
 
 def shown_average(summary: str) -> float:
@@ -29,7 +34,7 @@ def shown_average(summary: str) -> float:
 
 def test_method_controls_disable_unused_with_a_reason(ctl):
     *updates, about = ctl.method_controls("cart", ctl.pool.tasks)
-    lam, rank, sparsity, seed = updates
+    lam, rank, sparsity, seed = updates[:4]
     assert lam["interactive"] and rank["interactive"] and rank["value"] == 0.08
     assert sparsity["interactive"] is False and "not used by CART" in sparsity["info"]
     assert seed["interactive"] is False
@@ -137,7 +142,7 @@ def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch)
     ctl.preview(*controls(ctl, "iso_c", lam=1.25))
     rows = ctl.history_rows("iso_c", "")
     assert rows and rows[0][2] == "iso_c" and '"lam": 1.25' in rows[0][3]
-    experts, method, lam, rank, sparsity, seed = ctl.reload(rows[0][0])
+    experts, method, lam, rank, sparsity, *_ = ctl.reload(rows[0][0])
     assert method["value"] == "iso_c" and lam["value"] == 1.25 and rank["interactive"] is False
     with pytest.raises(gr.Error, match="no row with id 999999"):
         ctl.reload(999999)
@@ -194,3 +199,42 @@ def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
     assert (live2.x[0], live2.y[0]) == pytest.approx((x, y))
     curves = lc.curves(["λ path (current method)"], "accuracy", "live", *controls(ctl))
     assert len(curves.data) == 1 and len(curves.data[0].x) == 16
+
+
+def test_data_driven_run_from_the_merge_tab(ctl):
+    from merger.ui.landscape_tab import ITERATES, LandscapeController
+    from merger.ui.runs import RunController
+
+    *_, summary = ctl.preview(*controls(ctl, "adamerging_task", steps=6))
+    assert "press **Run**" in summary
+    runs = RunController(ctl)
+    frames = list(runs.run(*controls(ctl, "adamerging_task", steps=6)))
+    status, objective, heat, fw, acc, loss, radar, summary = frames[-1]
+    assert status.startswith("✅") and len(objective.data[0].y) == 6
+    run = ctl.explorer.cached_run(ctl.spec_from_controls(*controls(ctl, "adamerging_task", steps=6)))
+    assert list(heat.data[0].y) == ctl.pool.tasks
+    expected = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "adamerging_task", steps=6, lr=1e-3, init=0.3,
+                                                      samples=16, seed=0))
+    assert shown_average(summary) == pytest.approx(100 * expected.average_accuracy, abs=0.005)
+    # FW: barycentric weights and gap are drawn
+    *_, last = runs.run(*controls(ctl, "fw_hard", steps=3))
+    assert last[0].startswith("✅") and any(t.name == "FW gap" for t in last[3].data)
+    # the iterates are a trajectory on the landscape
+    lc = LandscapeController(ctl)
+    frames = list(lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 5, "contour", [ITERATES],
+                             *controls(ctl, "fw_hard", steps=3), progress=lambda *a, **k: None))
+    assert any(t.name == "fw_hard iterates" for t in frames[-1][1].data)
+    assert len(run.iterates) >= 2
+
+
+def test_cancelled_run_reports_and_caches_nothing(ctl, monkeypatch):
+    from merger.ui.runs import RunController
+
+    runs = RunController(ctl)
+    gen = runs.run(*controls(ctl, "adamerging_layer", steps=5000, samples=8))
+    first = next(gen)
+    assert first[0].startswith("⏳")
+    assert runs.cancel() == "Cancelling…"
+    last = list(gen)[-1]
+    assert "cancelled" in last[0]
+    assert ctl.explorer.cached_run(ctl.spec_from_controls(*controls(ctl, "adamerging_layer", steps=5000, samples=8))) is None

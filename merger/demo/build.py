@@ -54,13 +54,13 @@ class DemoConfig:
     ft_batch_size: int = 128
     ft_data_fraction: float = 1.0
     ft_seed: int = 0
-    trajectory_dtype: str = "float32"
+    trajectory_dtype: str = "float16"  # keeps assets/demo under 30 MB
     extra: dict = field(default_factory=dict)
 
     @classmethod
     def small(cls) -> "DemoConfig":
         """A reduced pool that builds in about a minute on 2 cores (for CI)."""
-        return cls(n_pretrain=6000, n_train=2000, n_test=1000, pretrain_epochs=6, ft_epochs=3,
+        return cls(n_pretrain=5000, n_train=2000, n_test=1000, pretrain_epochs=4, ft_epochs=3,
                    trajectory_dtype="float16")
 
     def to_dict(self) -> dict:

@@ -49,23 +49,84 @@ def visual_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------ pretraining
+def warmup_visual(model: torch.nn.Module, images: torch.Tensor, labels: dict[str, torch.Tensor], *,
+                  epochs: int, batch_size: int, lr: float, seed: int, weight_decay: float = 0.05,
+                  progress: Progress = None, cancel: Cancel = None) -> None:
+    """Supervised warm-up of the image tower (its "pretrained backbone"), in place.
+
+    One linear probe per attribute on the image embedding, summed cross-entropies, AdamW with
+    a cosine schedule. The probes are thrown away afterwards: only the tower keeps what it
+    learnt, so its features encode every attribute (as an ImageNet-pretrained tower does)
+    before the contrastive stage aligns the text tower with them.
+    """
+    gen = torch.Generator().manual_seed(seed + 7)
+    dim = model.visual.output_dim
+    probes = torch.nn.ModuleDict({t: torch.nn.Linear(dim, len(c)) for t, c in world.TASKS.items() if t in labels})
+    model.visual.train()
+    params = list(model.visual.parameters()) + list(probes.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    n = len(images)
+    steps_per_epoch = n // batch_size
+    total = max(1, epochs * steps_per_epoch)
+    step = 0
+    for epoch in range(epochs):
+        perm = torch.randperm(n, generator=gen)
+        for b in range(steps_per_epoch):
+            _check(cancel)
+            idx = perm[b * batch_size:(b + 1) * batch_size]
+            for g in opt.param_groups:
+                g["lr"] = lr * _cosine(step, total, max(1, total // 20))
+            f = model.visual(preprocess(images[idx]))
+            loss = sum(F.cross_entropy(probes[t](f), labels[t][idx]) for t in probes)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            if progress is not None:
+                progress(step / total, f"warm-up epoch {epoch + 1}/{epochs} loss {loss.item():.3f}")
+
+
 def pretrain(images: torch.Tensor, labels: dict[str, torch.Tensor], *, epochs: int, batch_size: int,
              lr: float, seed: int, caption_p: float | dict | None = None, weight_decay: float = 0.1,
-             config: dict = CLIP_CONFIG, progress: Progress = None, cancel: Cancel = None
+             config: dict = CLIP_CONFIG, progress: Progress = None, cancel: Cancel = None,
+             warmup_epochs: int = 0, warmup_lr: float = 2e-3, visual_lr_scale: float = 1.0,
+             warmup_images: torch.Tensor | None = None, warmup_labels: dict[str, torch.Tensor] | None = None
              ) -> dict[str, torch.Tensor]:
-    """Contrastive (CLIP) pretraining of the whole tiny model on image-caption pairs.
+    """Pretraining of the whole tiny model: optional supervised warm-up, then contrastive (CLIP).
 
-    Captions are redrawn every epoch and name only a random subset of attributes (probability
-    ``caption_p`` each): the base learns a partial alignment, the headroom experts then fill.
+    With ``warmup_epochs`` > 0 the image tower first gets a supervised warm-up on every
+    attribute (``warmup_visual``; on ``warmup_images``/``warmup_labels`` when given, else on
+    ``images``), as LiT/ALIGN-style CLIPs start from a pretrained image backbone. The
+    contrastive stage then trains both towers on image-caption pairs, the image tower at
+    ``visual_lr_scale`` times ``lr``. Captions are redrawn every epoch and name only a random
+    subset of attributes (probability ``caption_p``, a float or a per-task dict; default
+    ``world.CAPTION_P``): the base learns a partial alignment, the headroom experts then fill.
     """
     torch.manual_seed(seed)
     model = create_model(config, seed=seed).train()
+    n_warm = warmup_epochs * (len(warmup_images if warmup_images is not None else images) // batch_size)
+    n_con = epochs * (len(images) // batch_size)
+    share = n_warm / max(1, n_warm + n_con)
+
+    def sub(lo: float, span: float) -> Progress:
+        if progress is None:
+            return None
+        return lambda frac, msg: progress(lo + span * frac, msg)
+
+    if warmup_epochs > 0:
+        warmup_visual(model, warmup_images if warmup_images is not None else images,
+                      warmup_labels if warmup_labels is not None else labels, epochs=warmup_epochs,
+                      batch_size=batch_size, lr=warmup_lr, seed=seed, progress=sub(0.0, share), cancel=cancel)
+    progress = sub(share, 1.0 - share)
     tok = DemoTokenizer(config["text_cfg"]["context_length"])
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    visual = [p for name, p in model.named_parameters() if name.startswith("visual.")]
+    rest = [p for name, p in model.named_parameters() if not name.startswith("visual.")]
+    groups = [{"params": rest, "scale": 1.0}, {"params": visual, "scale": visual_lr_scale}]
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
     gen = torch.Generator().manual_seed(seed)
     n = len(images)
     steps_per_epoch = n // batch_size  # drop the last partial batch (contrastive batch size matters)
-    total = epochs * steps_per_epoch
+    total = max(1, epochs * steps_per_epoch)
     step = 0
     for epoch in range(epochs):
         caps = world.captions(labels, seed=seed * 1000 + epoch, p=caption_p)
@@ -75,7 +136,7 @@ def pretrain(images: torch.Tensor, labels: dict[str, torch.Tensor], *, epochs: i
             _check(cancel)
             idx = perm[b * batch_size:(b + 1) * batch_size]
             for g in opt.param_groups:
-                g["lr"] = lr * _cosine(step, total, max(1, total // 20))
+                g["lr"] = lr * g["scale"] * _cosine(step, total, max(1, total // 20))
             img = F.normalize(model.encode_image(preprocess(images[idx])), dim=-1)
             txt = F.normalize(model.encode_text(tokens[idx]), dim=-1)
             scale = model.logit_scale.exp()
@@ -90,6 +151,7 @@ def pretrain(images: torch.Tensor, labels: dict[str, torch.Tensor], *, epochs: i
             step += 1
             if progress is not None:
                 progress(step / total, f"pretrain epoch {epoch + 1}/{epochs} loss {loss.item():.3f}")
+    model.eval()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 from ..errors import MethodError
 
 # The parameter vocabulary shared by every method, the CLI and the UI.
-PARAM_NAMES = ("lam", "rank_ratio", "sparsity", "seed")
+PARAM_NAMES = ("lam", "rank_ratio", "sparsity", "seed", "steps", "lr", "init", "samples", "k")
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,9 @@ class Method:
     # A one-line remark for the current setting (e.g. "λ has no effect at full rank"), or None.
     note: Callable[[Mapping[str, Any], Any], str | None] | None = None
     defaults_for: Callable[[int], dict[str, Any]] | None = None  # defaults that depend on T
-    kind: str = "static"
+    kind: str = "static"  # "static" (sliders) or "data" (learns coefficients: run(...) instead)
+    # Data-driven methods: run(context, progress, cancel, **params) -> Run (see methods/adaptive.py)
+    run: Callable[..., Any] | None = None
     extra: dict = field(default_factory=dict)
 
     def param(self, name: str) -> Param:
@@ -144,6 +146,12 @@ RANK_RATIO = Param(
     help="kept rank k = max(1, floor(rank_ratio · min(m, n))) per matrix",
 )
 SEED = Param("seed", 0, 0, 2**31 - 1, 1, kind="int", help="random seed of the drop masks")
+STEPS = Param("steps", 300, 1, 5000, 1, kind="int", help="optimisation steps (iterations)")
+LR = Param("lr", 1e-3, 0.0, 1.0, 1e-4, min_open=True, help="learning rate of the coefficients (Adam)")
+INIT = Param("init", 0.3, 0.0, 3.0, 0.05, help="initial value of every learned coefficient")
+SAMPLES = Param("samples", 64, 1, 10000, 1, kind="int",
+                help="validation images per task used per step (AdaMerging) or as calibration set (FW)")
+TOP_K = Param("k", 2, 1, 64, 1, kind="int", help="FW-soft: how many LMO vertices to combine")
 
 
 def with_default(p: Param, default) -> Param:

@@ -8,6 +8,7 @@ from ..methods.registry import PARAM_NAMES
 from ..tuning import TUNE_GRIDS
 from .callbacks import SPLITS_SHOWN, Controller
 from .landscape_tab import build_landscape_tabs
+from .runs import RunController
 
 ENGINE = "engine"  # one queue for the resident model: evaluations run one at a time
 
@@ -20,7 +21,8 @@ def _param_control(name: str):
     users = [m for m in methods.all_methods() if name in m.param_names]
     p = users[0].param(name)
     label = {"lam": "λ (merge coefficient)", "rank_ratio": "rank ratio", "sparsity": "sparsity",
-             "seed": "seed"}[name]
+             "seed": "seed", "steps": "steps", "lr": "learning rate", "init": "initial coefficient",
+             "samples": "samples per task", "k": "top-k vertices"}[name]
     if p.kind == "int":
         return gr.Number(value=p.default, label=label, precision=0, minimum=p.min, maximum=p.max,
                          elem_id=f"ctl-{name}", info=p.help)
@@ -50,6 +52,11 @@ def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
                         with gr.Row():
                             pin_btn = gr.Button("Pin", elem_id="pin")
                             export_btn = gr.Button("Export", elem_id="export")
+                        with gr.Accordion("Data-driven methods (AdaMerging, FW-Merging)", open=False):
+                            with gr.Row():
+                                run_btn = gr.Button("Run", variant="primary", elem_id="run")
+                                cancel_btn = gr.Button("Cancel", elem_id="cancel")
+                            run_status = gr.Markdown("Pick a data-driven method, set its parameters, press Run.")
                         pins_md = gr.Markdown(Controller.pins_text([]))
                         files = gr.File(label="exported files", file_count="multiple", interactive=False)
                         export_msg = gr.Markdown()
@@ -59,12 +66,21 @@ def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
                         with gr.Row():
                             loss_plot = gr.Plot(label="loss per task")
                             radar_plot = gr.Plot(label="normalised accuracy")
+                        with gr.Accordion("What a data-driven run learned", open=False):
+                            objective_plot = gr.Plot(label="objective")
+                            with gr.Row():
+                                coef_plot = gr.Plot(label="coefficients")
+                                fw_plot = gr.Plot(label="Frank–Wolfe")
                 inputs = [experts, method, *controls]
                 outputs = [acc_plot, loss_plot, radar_plot, summary]
                 method.change(ctl.method_controls, [method, experts], [*controls, about], queue=False)
                 for c in [experts, method, *controls]:
                     c.change(ctl.preview, inputs, outputs, trigger_mode="always_last",
                              concurrency_id=ENGINE, concurrency_limit=1, show_progress="hidden", api_visibility="private")
+                runs = RunController(ctl)
+                run_btn.click(runs.run, inputs, [run_status, objective_plot, coef_plot, fw_plot, *outputs],
+                                          api_visibility="private")
+                cancel_btn.click(runs.cancel, None, run_status, queue=False, api_visibility="private")
                 pin_btn.click(ctl.pin, [pins, *inputs], [pins, pins_md], api_visibility="private")
                 export_btn.click(ctl.export, inputs, [files, export_msg], concurrency_id=ENGINE, api_visibility="private")
 

@@ -34,11 +34,12 @@ class Controller:
         self.pool_ref = pool_reference(self.pool)
 
     # ---- specs --------------------------------------------------------------------------
-    def spec_from_controls(self, experts, method, lam, rank_ratio, sparsity, seed):
-        """The spec the controls describe: only the parameters the method uses are read."""
+    def spec_from_controls(self, experts, method, *values):
+        """The spec the controls describe (values in PARAM_NAMES order); only the parameters the
+        method uses are read."""
         m = methods.get(method)
-        values = {"lam": lam, "rank_ratio": rank_ratio, "sparsity": sparsity, "seed": seed}
-        params = {k: values[k] for k in m.param_names if values[k] is not None}
+        values = dict(zip(PARAM_NAMES, values))
+        params = {k: values[k] for k in m.param_names if values.get(k) is not None}
         if not experts:
             raise MergerError("experts: empty subset, tick at least one expert")
         return self.explorer.spec(m.name, experts=list(experts), **params)
@@ -61,10 +62,15 @@ class Controller:
         return (*updates, about)
 
     # ---- merge tab ----------------------------------------------------------------------
-    def preview(self, experts, method, lam, rank_ratio, sparsity, seed, split="live"):
+    def preview(self, experts, method, *values):
         """(accuracy bars, loss bars, radar, summary markdown) for the controls' spec."""
+        split = "live"
         try:
-            spec = self.spec_from_controls(experts, method, lam, rank_ratio, sparsity, seed)
+            spec = self.spec_from_controls(experts, method, *values)
+            if methods.get(spec.method).kind == "data" and self.explorer.cached_run(spec) is None:
+                return gr.skip(), gr.skip(), gr.skip(), (
+                    f"**{methods.get(spec.method).display_name}** learns its coefficients from validation data: "
+                    "set its parameters and press **Run** (below the controls).")
             cached = self.explorer.cached(spec, split) is not None
             result = self.explorer.preview(spec, split)
         except MergerError as exc:
@@ -95,9 +101,9 @@ class Controller:
             lines.append(f"ℹ️ {note}")
         return "\n\n".join(lines)
 
-    def pin(self, pins, experts, method, lam, rank_ratio, sparsity, seed):
+    def pin(self, pins, experts, method, *values):
         try:
-            spec = self.spec_from_controls(experts, method, lam, rank_ratio, sparsity, seed).rounded()
+            spec = self.spec_from_controls(experts, method, *values).rounded()
         except MergerError as exc:
             gr.Warning(str(exc))
             return pins, self.pins_text(pins)
@@ -112,10 +118,10 @@ class Controller:
             return "No pinned merges yet."
         return "Pinned: " + "; ".join(f"`{s.label()}`" for s in pins)
 
-    def export(self, experts, method, lam, rank_ratio, sparsity, seed):
+    def export(self, experts, method, *values):
         """Merged safetensors + spec YAML (the CLI's files), offered as downloads."""
         try:
-            spec = self.spec_from_controls(experts, method, lam, rank_ratio, sparsity, seed).rounded()
+            spec = self.spec_from_controls(experts, method, *values).rounded()
             out = EXPORT_ROOT / uuid.uuid4().hex / f"merged-{spec.method}.safetensors"
             with self.explorer.lock:
                 weights, spec_yaml = export_merge(self.pool, spec, out)
@@ -230,8 +236,11 @@ class Controller:
     def api_evaluate(self, method: str, lam: float | None = None, rank_ratio: float | None = None,
                      sparsity: float | None = None, seed: int | None = None,
                      experts: list[str] | str | None = None, split: str = "live") -> dict:
-        """Evaluate a spec; returns per-task accuracy and loss, averages and normalised accuracy."""
+        """Evaluate a spec; returns per-task accuracy and loss, averages and normalised accuracy.
+        (Static methods; data-driven ones run from the Merge tab or the CLI.)"""
         try:
+            if methods.get(method).kind == "data":
+                raise MergerError(f"{method} learns from data: run it in the Merge tab or with `python -m merger merge`")
             params = {k: v for k, v in {"lam": lam, "rank_ratio": rank_ratio, "sparsity": sparsity,
                                         "seed": seed}.items() if v is not None}
             if experts is not None and not isinstance(experts, str) and len(experts) == 0:

@@ -12,6 +12,7 @@ PLANE_CHOICES = [("PCA of base, experts and pinned merges", "pca"), ("base + two
                  ("three points (named below)", "points")]
 PATH_AXES = {"λ path (current method)": "lam", "rank path (CART / TSV-M)": "rank_ratio",
              "sparsity path (TIES / DARE)": "sparsity"}
+ITERATES = "iterates of the current data-driven run"
 
 
 class LandscapeController:
@@ -22,18 +23,24 @@ class LandscapeController:
 
     def path_choices(self) -> list[str]:
         ft = [f"fine-tuning: {t}" for t in self.pool.tasks if self.pool.expert_info[t].get("trajectory")]
-        return ft + list(PATH_AXES)
+        return ft + list(PATH_AXES) + [ITERATES]
 
-    def _paths(self, chosen, method, spec_params):
+    def _paths(self, chosen, method, spec_params, spec=None):
         out = []
         for name in chosen or []:
+            if name == ITERATES:
+                run = self.ctl.explorer.cached_run(spec) if spec is not None and methods.get(spec.method).kind == "data" else None
+                if run is None:
+                    raise MergerError("no data-driven run for the current spec: pick AdaMerging or FW and press Run first")
+                out.append(trajectories.run_path(self.land, run))
+                continue
             if name.startswith("fine-tuning: "):
                 out.append(trajectories.finetune_trajectory(self.land, name[len("fine-tuning: "):]))
                 continue
             axis = PATH_AXES[name]
             m = method
-            if axis not in methods.get(m).param_names:
-                m = {"rank_ratio": "cart", "sparsity": "ties", "lam": m}[axis]
+            if methods.get(m).kind == "data" or axis not in methods.get(m).param_names:
+                m = {"rank_ratio": "cart", "sparsity": "ties", "lam": "task_arithmetic"}[axis]
             fixed = {k: v for k, v in spec_params.items() if k in methods.get(m).param_names and k != axis}
             out.append(trajectories.parameter_path(self.land, m, axis, trajectories.default_values(axis), fixed))
         return out
@@ -42,10 +49,10 @@ class LandscapeController:
         return spec.label(), self.land.spec_point(spec)
 
     def compute(self, pins, plane_kind, task_a, task_b, three, metric, task, grid, view, chosen_paths,
-                experts, method, lam, rank_ratio, sparsity, seed, progress=gr.Progress()):
+                experts, method, *values, progress=gr.Progress()):
         """Generator: the coarse surface first, then the full grid; the state keeps it for markers."""
         try:
-            spec = self.ctl.spec_from_controls(experts, method, lam, rank_ratio, sparsity, seed).rounded()
+            spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
             names = ["base", "experts"] if plane_kind != "points" else [n.strip() for n in (three or "").split(",")]
             points = self.land.named_points(names)
             for s in pins or []:
@@ -53,7 +60,7 @@ class LandscapeController:
             plane_points = points if plane_kind != "points" else {k: points[k] for k in list(points)[:3]}
             plane = make_plane(self.land, plane_kind, plane_points if plane_kind == "points" else points,
                                [task_a, task_b])
-            paths = self._paths(chosen_paths, spec.method, spec.kwargs)
+            paths = self._paths(chosen_paths, spec.method, spec.kwargs, spec)
             live_label, live_vec = self._live(spec)
             coords = [plane.coords(v)[:2] for v in points.values()] + [plane.coords(live_vec)[:2]]
             for tr in paths:
@@ -77,23 +84,23 @@ class LandscapeController:
         return landscape_figure(self.land, state["plane"], state["surface"], state["metric"], state["task"],
                                 state["points"], state["paths"], state["view"], live)
 
-    def move_live(self, state, experts, method, lam, rank_ratio, sparsity, seed):
+    def move_live(self, state, experts, method, *values):
         """The slider moved: only the live marker moves; the surface is not recomputed."""
         if not state:
             return gr.skip()
         try:
-            spec = self.ctl.spec_from_controls(experts, method, lam, rank_ratio, sparsity, seed).rounded()
+            spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
         except MergerError:
             return gr.skip()
         return self.figure(state, spec)
 
-    def curves(self, chosen, metric, split, experts, method, lam, rank_ratio, sparsity, seed):
+    def curves(self, chosen, metric, split, experts, method, *values):
         if not chosen:
             raise gr.Error("tick at least one trajectory")
         try:
-            spec = self.ctl.spec_from_controls(experts, method, lam, rank_ratio, sparsity, seed).rounded()
+            spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
             data = {tr.name: trajectories.evaluate_along(self.land, tr, split)
-                    for tr in self._paths(chosen, spec.method, spec.kwargs)}
+                    for tr in self._paths(chosen, spec.method, spec.kwargs, spec)}
         except MergerError as exc:
             raise gr.Error(str(exc))
         return plots.trajectory_curves(data, metric)

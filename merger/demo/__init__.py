@@ -1,0 +1,1 @@
+"""The built-in demo world: a synthetic multi-task image world and its tiny CLIP zoo."""

@@ -1,0 +1,309 @@
+"""Data-driven merges: AdaMerging (task-/layer-wise, and on CART's low-rank parts) and
+Frank–Wolfe merging (hard and soft).
+
+The merged image tower is a differentiable function of a few coefficients; the resident model
+is never written: ``torch.func.functional_call`` runs it with the merged tensors, so gradients
+reach the coefficients and a cancelled run leaves nothing half-written. Data: the evaluator's
+device-resident *validation* split (never the test split).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from ..errors import DataError, MergerError
+from .lowrank import prepare_cart
+from .registry import INIT, LAM, LR, RANK_RATIO, SAMPLES, SEED, STEPS, TOP_K, Method, Paper, register, with_default
+
+VISUAL = "visual."
+
+
+class Cancelled(MergerError):
+    """The user cancelled a run; nothing was cached or written."""
+
+
+@dataclass
+class Run:
+    method: str
+    tasks: list[str]
+    groups: list[str]  # coefficient columns: ["all layers"] or one per tensor
+    coefficients: torch.Tensor  # AdaMerging: [T, G]; FW: effective task coefficients [T, 1]
+    delta: dict[str, torch.Tensor] = field(repr=False)
+    trace: dict[str, list] = field(default_factory=dict)  # objective per step; FW: gap, chosen, weights
+    iterates: list[torch.Tensor] = field(default_factory=list, repr=False)  # coefficient snapshots [T, G]
+    seconds: float = 0.0
+    combination: object = field(default=None, repr=False)  # rebuilds weights from coefficients
+
+    def iterate_deltas(self, base: dict):
+        """Δ of every recorded iterate (for trajectories on the landscape)."""
+        for c in self.iterates:
+            yield self.combination.delta(c.to(next(iter(base.values())).device), base)
+
+
+class Context:
+    """What a data-driven run needs: the task vectors of the subset and the evaluator's data."""
+
+    def __init__(self, pool, evaluator, experts: tuple[str, ...]):
+        self.pool, self.evaluator, self.tasks = pool, evaluator, list(experts)
+        self.tv = pool.task_vectors.subset(self.tasks)
+        self.model = evaluator.model.visual
+        self.scale = evaluator.logit_scale
+        self.heads = evaluator.heads
+        self.device = evaluator.device
+
+    def groups(self, split: str = "val"):
+        """Validation inputs grouped by shared images, restricted to the merged tasks."""
+        out = []
+        for x, members in self.evaluator.inputs(split):
+            members = [(t, y) for t, y in members if t in self.tasks]
+            if members:
+                if x.shape[0] == 0:
+                    raise DataError(f"task(s) {', '.join(t for t, _ in members)}: no unlabeled {split} images")
+                out.append((x, members))
+        missing = [t for t in self.tasks if not any(t == m for _, ms in out for m, _ in ms)]
+        if missing:
+            raise DataError(f"task(s) {', '.join(missing)}: no {split} data for a data-driven merge")
+        return out
+
+
+def _features(model, params, x):
+    dtype = next(iter(params.values())).dtype
+    f = functional_call(model, params, (x.to(dtype),))
+    return F.normalize(f if dtype == torch.float64 else f.float(), dim=-1)
+
+
+def entropy_objective(ctx: Context, params: dict, batches) -> torch.Tensor:
+    """Mean Shannon entropy of the merged model's predictions, averaged over tasks (labels unused)."""
+    total, n = 0.0, 0
+    for x, members in batches:
+        f = _features(ctx.model, params, x)
+        for t, _ in members:
+            logp = F.log_softmax(ctx.scale * f @ ctx.heads[t].T.to(f.dtype), dim=-1)
+            total = total - (logp.exp() * logp).sum(-1).mean()
+            n += 1
+    return total / n
+
+
+def cross_entropy_objective(ctx: Context, params: dict, batches) -> torch.Tensor:
+    total, n = 0.0, 0
+    for x, members in batches:
+        f = _features(ctx.model, params, x)
+        for t, y in members:
+            total = total + F.cross_entropy(ctx.scale * f @ ctx.heads[t].T.to(f.dtype), y)
+            n += 1
+    return total / n
+
+
+def _subset(groups, idx_fn):
+    out = []
+    for x, members in groups:
+        idx = idx_fn(x.shape[0])
+        out.append((x[idx], [(t, y[idx]) for t, y in members]))
+    return out
+
+
+class Combination:
+    """θ(c) = anchor + Σt c[t, g(key)] · parts[key][t] over the merged keys (visual.* names)."""
+
+    def __init__(self, anchor: dict, parts: dict, groups: list[list[str]], dtype=torch.float32):
+        self.anchor = {k: v.to(dtype) for k, v in anchor.items()}
+        self.parts = {k: v.to(dtype) for k, v in parts.items()}
+        self.group_of = {k: gi for gi, keys in enumerate(groups) for k in keys}
+
+    def params(self, coef: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, a in self.anchor.items():
+            if k in self.parts:
+                a = a + torch.tensordot(coef[:, self.group_of[k]], self.parts[k], dims=1)
+            out[k[len(VISUAL):]] = a
+        return out
+
+    def delta(self, coef: torch.Tensor, base: dict) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            p = self.params(coef.to(next(iter(self.anchor.values())).dtype))
+            return {VISUAL + k: (v.float() - base[VISUAL + k]) for k, v in p.items()}
+
+
+def _check(cancel):
+    if cancel is not None and cancel():
+        raise Cancelled("run cancelled; nothing was cached")
+
+
+def _combination(ctx: Context, granularity: str, rank_ratio: float | None):
+    tv = ctx.tv
+    if rank_ratio is None:  # AdaMerging: θ0 + Σ λ τ
+        anchor, parts = dict(tv.base), dict(tv.stacked)
+    else:  # AdaMerging+CART: θavg + Σ λ SVD_k(θt − θavg) on matrices, θavg elsewhere
+        from .lowrank import _factors
+        from .registry import kept_rank
+
+        prep = prepare_cart(tv)
+        anchor = {k: tv.base[k] + prep["mean"][k] for k in tv.keys}
+        parts = {}
+        for k, (us, vh) in prep["factors"].items():
+            r = kept_rank(rank_ratio, us.shape[1], vh.shape[2])
+            parts[k] = torch.stack([us[t, :, :r] @ vh[t, :r] for t in range(tv.num_tasks)])
+    keys = [k for k in tv.keys if k in parts]
+    groups = [keys] if granularity == "task" else [[k] for k in keys]
+    names = ["all layers"] if granularity == "task" else [k[len(VISUAL):] for k in keys]
+    return Combination(anchor, parts, groups), names
+
+
+def run_adamerging(ctx: Context, progress=None, cancel=None, *, granularity: str, steps: int, lr: float,
+                   init: float, samples: int, seed: int, rank_ratio: float | None = None,
+                   bounds: tuple[float, float] = (0.0, 1.0)) -> Run:
+    t0 = time.perf_counter()
+    comb, names = _combination(ctx, granularity, rank_ratio)
+    groups = ctx.groups("val")
+    coef = torch.full((ctx.tv.num_tasks, len(names)), float(init), device=ctx.tv.device, requires_grad=True)
+    opt = torch.optim.Adam([coef], lr=lr)
+    g = torch.Generator().manual_seed(int(seed))
+    trace, iterates = {"objective": []}, [coef.detach().clone()]
+    every = max(1, steps // 25)
+    for step in range(steps):
+        _check(cancel)
+        batch = _subset(groups, lambda n: torch.randperm(n, generator=g)[: min(samples, n)].to(ctx.device))
+        loss = entropy_objective(ctx, comb.params(coef), batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            coef.clamp_(*bounds)
+        trace["objective"].append(float(loss.detach()))
+        if (step + 1) % every == 0 or step == steps - 1:
+            iterates.append(coef.detach().clone())
+        if progress:
+            progress((step + 1) / steps, f"step {step + 1}/{steps}: entropy {float(loss):.4f}", float(loss))
+    final = coef.detach()
+    return Run("", ctx.tasks, names, final.cpu(), comb.delta(final, ctx.tv.base), trace,
+               [c.cpu() for c in iterates], time.perf_counter() - t0, comb)
+
+
+# ---- Frank–Wolfe --------------------------------------------------------------------------
+
+def _project_capped_simplex(v: torch.Tensor) -> torch.Tensor:
+    """Euclidean projection onto {λ ≥ 0, Σ λ ≤ 1}."""
+    w = v.clamp(min=0)
+    if float(w.sum()) <= 1:
+        return w
+    u, _ = torch.sort(v, descending=True)
+    css = u.cumsum(0) - 1
+    ks = torch.arange(1, len(v) + 1, dtype=v.dtype, device=v.device)
+    rho = int((u - css / ks > 0).nonzero().max())
+    return (v - css[rho] / (rho + 1)).clamp(min=0)
+
+
+def run_fw(ctx: Context, progress=None, cancel=None, *, soft: bool, steps: int, lam: float, samples: int,
+           k: int, seed: int) -> Run:
+    """FW over conv{start, θ1..θT}, start = θ0 + lam Σ τ. Iterates are barycentric weights w."""
+    t0 = time.perf_counter()
+    tv = ctx.tv
+    T = tv.num_tasks
+    comb = Combination(tv.base, tv.stacked, [list(tv.keys)])
+    vertices = torch.cat([torch.full((1, T), float(lam)), torch.eye(T)]).to(tv.device)  # [T+1, T] coefficients
+    labels = ["start"] + ctx.tasks
+    w = torch.zeros(T + 1, device=tv.device)
+    w[0] = 1.0
+    g = torch.Generator().manual_seed(int(seed))
+    calib = _subset(ctx.groups("val"), lambda n: torch.randperm(n, generator=g)[: min(samples, n)].to(ctx.device))
+    trace = {"loss": [], "gap": [], "chosen": [], "weights": [w.tolist()], "objective": []}
+    iterates = [(w @ vertices)[:, None].clone()]
+    for i in range(steps):
+        _check(cancel)
+        c = (w @ vertices).detach().requires_grad_(True)
+        loss = cross_entropy_objective(ctx, comb.params(c[:, None]), calib)
+        (grad_c,) = torch.autograd.grad(loss, c)  # ⟨∇θℓ, τt⟩ for every t, by the chain rule
+        scores = vertices @ grad_c  # ⟨∇ℓ, vertex⟩ up to a constant shared by all vertices
+        current = c.detach() @ grad_c
+        order = torch.argsort(scores)
+        gap = float(current - scores[order[0]])
+        if not soft:
+            gamma = 2.0 / (i + 2)
+            w = (1 - gamma) * w
+            w[order[0]] += gamma
+            chosen = [labels[int(order[0])]]
+        else:
+            top = order[: min(k, T + 1)]
+            lam_v = torch.full((len(top),), 1.0 / (len(top) + 1), device=tv.device)
+            for _ in range(10):  # projected gradient on the line search over the top-k vertices
+                lam_v = lam_v.detach().requires_grad_(True)
+                cc = c.detach() + lam_v @ (vertices[top] - c.detach())
+                inner = cross_entropy_objective(ctx, comb.params(cc[:, None]), calib)
+                (gl,) = torch.autograd.grad(inner, lam_v)
+                lam_v = _project_capped_simplex(lam_v.detach() - 0.5 * gl / (gl.norm() + 1e-12))
+            w = (1 - float(lam_v.sum())) * w
+            w[top] += lam_v
+            chosen = [f"{labels[int(j)]}:{float(x):.2f}" for j, x in zip(top, lam_v)]
+        trace["loss"].append(float(loss.detach()))
+        trace["objective"].append(float(loss.detach()))
+        trace["gap"].append(gap)
+        trace["chosen"].append(", ".join(chosen))
+        trace["weights"].append(w.tolist())
+        iterates.append((w @ vertices)[:, None].clone())
+        if progress:
+            progress((i + 1) / steps, f"iteration {i + 1}/{steps}: loss {float(loss):.4f}, gap {gap:.4f}", float(loss))
+    final = (w @ vertices)[:, None]
+    trace["vertices"] = labels
+    return Run("", ctx.tasks, ["all layers"], final.cpu(), comb.delta(final, tv.base), trace,
+               [c.cpu() for c in iterates], time.perf_counter() - t0, comb)
+
+
+# ---- registry -----------------------------------------------------------------------------
+
+ADA = Paper("AdaMerging: adaptive model merging for multi-task learning", "2310.02575")
+CART = Paper("Revisiting weight averaging for model merging (AdaMerging+CART)", "2412.12153")
+FW = Paper("FW-Merging: scaling model merging with Frank-Wolfe optimization", "2503.12649")
+ADA_PARAMS = (STEPS, LR, INIT, SAMPLES, SEED)
+
+
+def _ada(granularity: str, cart: bool = False) -> Callable:
+    def run(ctx, progress=None, cancel=None, *, steps, lr, init, samples, seed, rank_ratio=None):
+        return run_adamerging(ctx, progress, cancel, granularity=granularity, steps=steps, lr=lr, init=init,
+                              samples=samples, seed=seed, rank_ratio=rank_ratio if cart else None,
+                              bounds=(0.0, 3.0) if cart else (0.0, 1.0))
+    return run
+
+
+def _unused(*a, **k):
+    raise MergerError("a data-driven method runs with its data (Explorer.run), it has no static apply")
+
+
+for name, display, gran, paper in (("adamerging_task", "AdaMerging (task-wise)", "task", ADA),
+                                   ("adamerging_layer", "AdaMerging (layer-wise)", "layer", ADA)):
+    register(Method(
+        name=name, display_name=display, paper=paper, kind="data",
+        description=f"θ0 + Σt λt{'' if gran == 'task' else ',l'} τt{'' if gran == 'task' else ',l'}, λ learned by "
+                    "minimising prediction entropy on unlabeled validation images (Adam, clamp [0, 1]).",
+        params=ADA_PARAMS, prepare=_unused, apply=_unused, run=_ada(gran)))
+
+register(Method(
+    name="adamerging_cart", display_name="AdaMerging + CART", paper=CART, kind="data",
+    description="θavg + Σt λt,l SVD_k(θt − θavg), layer-wise λ learned by entropy minimisation (clamp [0, 3]).",
+    params=(RANK_RATIO, with_default(STEPS, 300), LR, with_default(INIT, 1.0), SAMPLES, SEED),
+    prepare=_unused, apply=_unused, run=_ada("layer", cart=True)))
+
+
+def _fw(soft: bool) -> Callable:
+    def run(ctx, progress=None, cancel=None, *, steps, lam, samples, seed, k=1):
+        return run_fw(ctx, progress, cancel, soft=soft, steps=steps, lam=lam, samples=samples, k=k, seed=seed)
+    return run
+
+
+
+register(Method(
+    name="fw_hard", display_name="FW-Merging (hard)", paper=FW, kind="data",
+    description="Frank–Wolfe over the convex hull of the experts and the start (TA with λ = lam): each "
+                "iteration moves 2/(i+2) of the way to the expert the linearised loss prefers.",
+    params=(with_default(LAM, 0.3), with_default(STEPS, 10), with_default(SAMPLES, 100), SEED),
+    prepare=_unused, apply=_unused, run=_fw(False)))
+register(Method(
+    name="fw_soft", display_name="FW-Merging (soft)", paper=FW, kind="data",
+    description="Frank–Wolfe with the top-k LMO vertices combined by a projected-gradient line search on "
+                "the calibration loss; start = TA with λ = lam (0: the base).",
+    params=(with_default(LAM, 0.0), with_default(STEPS, 15), with_default(SAMPLES, 100), TOP_K, SEED),
+    prepare=_unused, apply=_unused, run=_fw(True)))
