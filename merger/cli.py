@@ -122,6 +122,21 @@ def cmd_landscape(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from .pool import open_pool
+    from .reports import adaptive_numbers, format_adaptive
+
+    pool = open_pool(args.pool)
+    if args.what == "adaptive":
+        print("data-driven merges on the test split (coefficients learned on the validation split)")
+        print(format_adaptive(adaptive_numbers(pool)))
+        return 0
+    from .phenomena import format_phenomena, phenomena
+
+    print(format_phenomena(phenomena(pool)))
+    return 0
+
+
 def cmd_screenshot(args) -> int:
     from .ui.browser import browser_missing, screenshot
 
@@ -186,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .html (the grid goes beside it as .json)")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_landscape)
+
+    p = sub.add_parser("report", help="measured reports: adaptive (data-driven merges), phenomena (the papers')")
+    p.add_argument("what", choices=["adaptive", "phenomena"])
+    p.add_argument("--pool", default="demo")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("screenshot", help="start the app, drag λ in Chromium, save a screenshot of the Merge tab")
     p.add_argument("--pool", default="demo")

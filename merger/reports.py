@@ -57,3 +57,47 @@ def format_demo_report(n: dict) -> str:
     for name, ok, measured in demo_targets(n):
         lines.append(f"  [{'met' if ok else 'MISSED'}] {name}: {measured}")
     return "\n".join(lines)
+
+
+ADAPTIVE = ("adamerging_task", "adamerging_layer", "adamerging_cart", "fw_hard", "fw_soft")
+
+
+def adaptive_numbers(pool, progress=print) -> list[dict]:
+    """TA at its best λ (chosen on validation) and every data-driven method at its defaults:
+    test-split average accuracy and wall time, in one run."""
+    import time
+
+    ex = Explorer(pool)
+    ex.experts("test")
+    rows = []
+    t0 = time.perf_counter()
+    val = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "val").average_accuracy for lam in TA_GRID}
+    best = max(val, key=val.get)
+    ta = ex.preview(ex.spec("task_arithmetic", lam=best), "test")
+    rows.append({"method": f"task_arithmetic (λ={best:g}, best on val)", "test": ta.average_accuracy,
+                 "normalized": ta.normalized_accuracy, "seconds": time.perf_counter() - t0})
+    for m in ADAPTIVE:
+        t1 = time.perf_counter()
+        spec = ex.spec(m)
+        run = ex.run(spec, progress=(lambda f, msg, v=None: None))
+        res = ex.preview(spec, "test")
+        rows.append({"method": f"{m} ({spec.label().split('(', 1)[1][:-1]})", "test": res.average_accuracy,
+                     "normalized": res.normalized_accuracy, "seconds": time.perf_counter() - t1,
+                     "objective": (run.trace["objective"][0], run.trace["objective"][-1])})
+        if progress:
+            progress(f"  {m}: {100 * res.average_accuracy:.1f} % in {time.perf_counter() - t1:.1f} s")
+    return rows
+
+
+def format_adaptive(rows: list[dict]) -> str:
+    lines = [f"{'method (parameters)':<78}{'test acc %':>11}{'normalised %':>14}{'wall s':>8}"]
+    for r in rows:
+        lines.append(f"{r['method'][:77]:<78}{100 * r['test']:11.1f}{100 * r['normalized']:14.1f}{r['seconds']:8.1f}")
+    ta = rows[0]["test"]
+    lines.append("")
+    for r in rows[1:]:
+        verdict = "beats" if r["test"] > ta else "does not beat"
+        obj = r.get("objective")
+        lines.append(f"{r['method'].split(' ')[0]:<18} {verdict} TA ({100 * (r['test'] - ta):+.1f} points); objective "
+                     f"{obj[0]:.4f} → {obj[1]:.4f}")
+    return "\n".join(lines)
