@@ -24,6 +24,9 @@ def test_registry_is_complete():
             default = p.default if p.default is not None else m.defaults_for(4)[p.name]
             p.check(default, m.name)  # defaults are in range
         assert callable(m.prepare) and callable(m.apply)
+        assert (m.kind == "data") == (m.run is not None)
+    data = [m.name for m in merger.methods.all_methods() if m.kind == "data"]
+    assert data == ["adamerging_task", "adamerging_layer", "adamerging_cart", "fw_hard", "fw_soft"]
 
 
 def test_cli_flags_come_from_the_registry():

@@ -51,8 +51,8 @@ def visual_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------ pretraining
 def warmup_visual(model: torch.nn.Module, images: torch.Tensor, labels: dict[str, torch.Tensor], *,
                   epochs: int, batch_size: int, lr: float, seed: int, weight_decay: float = 0.05,
-                  progress: Progress = None, cancel: Cancel = None) -> None:
-    """Supervised warm-up of the image tower (its "pretrained backbone"), in place.
+                  progress: Progress = None, cancel: Cancel = None) -> torch.nn.ModuleDict:
+    """Supervised warm-up of the image tower (its "pretrained backbone"), in place; returns the probes.
 
     One linear probe per attribute on the image embedding, summed cross-entropies, AdamW with
     a cosine schedule. The probes are thrown away afterwards: only the tower keeps what it
@@ -84,6 +84,7 @@ def warmup_visual(model: torch.nn.Module, images: torch.Tensor, labels: dict[str
             step += 1
             if progress is not None:
                 progress(step / total, f"warm-up epoch {epoch + 1}/{epochs} loss {loss.item():.3f}")
+    return probes
 
 
 def pretrain(images: torch.Tensor, labels: dict[str, torch.Tensor], *, epochs: int, batch_size: int,
