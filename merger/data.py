@@ -125,8 +125,10 @@ class TaskDataStore:
             raise PoolError(f"tasks.{task}.data: expected one of {', '.join(DATA_KINDS)}")
         kind, entry = next(iter(data.items()))
         if kind == "demo":
-            images, labels, source = _demo_split(entry, split, task)
-            labels = labels[task]
+            # a lab expert scores on the data of the task it was fine-tuned for
+            label_task = info.get("labels_of", task)
+            images, labels, source = _demo_split(entry, split, label_task)
+            labels = labels[label_task]
         elif kind == "memory":  # in-memory pools (benchmarks): {train: (images, labels), test: ...}
             base_split = "test" if split in ("test", "live") else "train"
             images, labels = entry[base_split]

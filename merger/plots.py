@@ -195,3 +195,33 @@ def fw_progress(weights: Sequence[Sequence[float]], labels: Sequence[str], gaps:
                       yaxis=dict(title="weight", range=[0, 1.02]),
                       yaxis2=dict(title="gap", overlaying="y", side="right", showgrid=False), **{**_LAYOUT, "height": 320})
     return fig
+
+
+def heatmap(matrix, xlabels, ylabels, title: str, zmid: float | None = None, fmt: str = ".2f") -> go.Figure:
+    fig = go.Figure(go.Heatmap(z=matrix, x=list(xlabels), y=list(ylabels), colorscale="RdBu" if zmid is not None else "Viridis",
+                               zmid=zmid, texttemplate="%{z:" + fmt + "}", hovertemplate="%{y} · %{x}: %{z:.4g}<extra></extra>"))
+    fig.update_layout(title=title, template="plotly_white", height=360, margin=dict(l=80, r=20, t=40, b=60))
+    return fig
+
+
+def bars(series: Mapping[str, Sequence[float]], labels: Sequence[str], title: str, y_title: str = "",
+         errors: Mapping[str, Sequence[float]] | None = None) -> go.Figure:
+    fig = go.Figure()
+    for i, (name, ys) in enumerate(series.items()):
+        err = (errors or {}).get(name)
+        fig.add_trace(go.Bar(x=list(labels), y=list(ys), name=name, marker_color=PALETTE[i % len(PALETTE)],
+                             error_y=dict(type="data", array=list(err), visible=True) if err is not None else None))
+    fig.update_layout(title=title, barmode="group", yaxis=dict(title=y_title), **_LAYOUT)
+    return fig
+
+
+def lines(curves: Mapping[str, tuple], x_title: str, y_title: str, title: str, log_x: bool = False,
+          dashed: Sequence[str] = ()) -> go.Figure:
+    """curves: name -> (xs, ys); names in ``dashed`` are drawn dotted (e.g. a fitted trend)."""
+    fig = go.Figure()
+    for i, (name, (xs, ys)) in enumerate(curves.items()):
+        fig.add_trace(go.Scatter(x=list(xs), y=list(ys), name=name, mode="lines" if name in dashed else "lines+markers",
+                                 line=dict(color=PALETTE[i % len(PALETTE)], dash="dot" if name in dashed else "solid")))
+    fig.update_layout(title=title, xaxis=dict(title=x_title, type="log" if log_x else "linear"),
+                      yaxis=dict(title=y_title), **_LAYOUT)
+    return fig

@@ -68,6 +68,11 @@ def finetune_trajectory(landscape, task: str) -> Trajectory:
     info = landscape.pool.expert_info.get(task)
     if info is None:
         raise MergerError(f"unknown task '{task}'")
+    if info.get("lab_trajectory"):  # fine-tuned in the expert lab: checkpoints kept in memory
+        base = landscape.pool.task_vectors.base
+        points = [landscape.base_point()] + [landscape.space.flatten({k: sd[k] for k in base}) for sd in info["lab_trajectory"]]
+        return Trajectory(f"fine-tuning {task}", "finetune", list(range(len(points))), points,
+                          ["base"] + [f"epoch {i}" for i in range(1, len(points))])
     if not info.get("trajectory"):
         raise MergerError(f"expert '{task}' has no trajectory (experts.{task}.trajectory in {landscape.pool.source})")
     return load_folder(landscape, info["trajectory"], f"fine-tuning {task}")

@@ -238,3 +238,23 @@ def test_cancelled_run_reports_and_caches_nothing(ctl, monkeypatch):
     last = list(gen)[-1]
     assert "cancelled" in last[0]
     assert ctl.explorer.cached_run(ctl.spec_from_controls(*controls(ctl, "adamerging_layer", steps=5000, samples=8))) is None
+
+
+def test_analysis_tab_callbacks(ctl):
+    from merger.ui.analysis_tab import AnalysisController
+
+    ac = AnalysisController(ctl)
+    norms, layers, cos, sc, kept = ac.weights(*controls(ctl, "ties", sparsity=0.8))
+    assert list(norms.data[0].x) == ctl.pool.tasks and len(cos.data[0].z) == 3
+    spectra, ri = ac.lowrank(ctl.pool.tasks, "all matrices (summed)")
+    assert {t.name for t in ri.data} >= {"R(k) centred", "I(k) uncentred"}
+    fig, text = ac.heterogeneity(*controls(ctl, "task_arithmetic", lam=0.3))
+    assert "Σλ = 0.9 ≠ 1" in text and "χ²" in text
+    fig, text = ac.heterogeneity(*controls(ctl, "weight_averaging"))
+    assert "⚠️" not in text
+    fig, _ = ac.heterogeneity(*controls(ctl, "ties", sparsity=0.7, lam=1.0))
+    assert any("δt(M)" in t.name for t in fig.data)
+    lin = ac.linearity(*controls(ctl, "task_arithmetic", lam=0.3))
+    assert len(lin.data) == 2
+    with pytest.raises(gr.Error, match="epoch dynamics need per-epoch checkpoints"):
+        ac.dynamics(ctl.pool.tasks[0])

@@ -6,6 +6,7 @@ import gradio as gr
 from .. import methods
 from ..methods.registry import PARAM_NAMES
 from ..tuning import TUNE_GRIDS
+from .analysis_tab import build_analysis_tabs
 from .callbacks import SPLITS_SHOWN, Controller
 from .landscape_tab import build_landscape_tabs
 from .runs import RunController
@@ -121,6 +122,8 @@ def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
             for c in [experts, method, *controls]:
                 c.change(lc.move_live, [land_state, *inputs], land_plot, trigger_mode="always_last",
                          concurrency_id=ENGINE, show_progress="hidden", api_visibility="private")
+
+            build_analysis_tabs(ctl, inputs, experts, ENGINE)
 
             with gr.Tab("History", id="history"):
                 with gr.Row():

@@ -1,0 +1,113 @@
+"""``python -m merger report phenomena``: the papers' phenomena, measured on the demo pool."""
+from __future__ import annotations
+
+from . import analysis
+from .explorer import Explorer
+from .lab import add_expert, check_settings, finetune
+from .reports import TA_GRID
+
+RANKS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.75, 1.0)
+
+
+def _best_ta(ex, experts, split_pick="val", split_report="test"):
+    val = {lam: ex.preview(ex.spec("task_arithmetic", experts=experts, lam=lam), split_pick).average_accuracy
+           for lam in TA_GRID}
+    lam = max(val, key=val.get)
+    res = ex.preview(ex.spec("task_arithmetic", experts=experts, lam=lam), split_report)
+    return lam, sum(res.accuracy[t] for t in experts) / len(experts)
+
+
+def _expert_set(ex, label: str, overrides: dict, progress) -> list[str]:
+    """Fine-tune one expert per original task with the pool's own hparams changed by ``overrides``."""
+    pool = ex.pool
+    names = []
+    for t in list(ex.original_tasks):
+        hp = dict(pool.expert_info[t].get("hparams") or {})
+        settings = check_settings(**{k: hp.get(k, d) for k, d in
+                                     (("lr", 1e-3), ("epochs", 3), ("batch_size", 128), ("data_fraction", 1.0),
+                                      ("seed", 0))} | overrides)
+        name = f"{t}@{label}"
+        if name not in pool.tasks:
+            if progress:
+                progress(f"  fine-tuning {name} ({settings})")
+            sd, traj, hparams = finetune(pool, t, settings)
+            add_expert(ex, name, t, sd, hparams, traj)
+        names.append(name)
+    return names
+
+
+def phenomena(pool, progress=print) -> dict:
+    ex = Explorer(pool)
+    ex.original_tasks = list(pool.tasks)
+    tasks = ex.original_tasks
+    out = {}
+    # 1. TA against λ
+    ta = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "test").average_accuracy for lam in TA_GRID}
+    peak = max(ta, key=ta.get)
+    out["ta"] = {"curve": ta, "peak": peak,
+                 "rise_then_fall": TA_GRID[0] < peak < TA_GRID[-1] and ta[peak] > max(ta[TA_GRID[0]], ta[TA_GRID[-1]]) + 0.01}
+    # 2. CART against rank ratio
+    wa = ex.preview(ex.spec("weight_averaging"), "test").average_accuracy
+    cart = {r: ex.preview(ex.spec("cart", rank_ratio=r), "test").average_accuracy for r in RANKS}
+    cpeak = max(cart, key=cart.get)
+    out["cart"] = {"curve": cart, "weight_averaging": wa, "peak": cpeak,
+                   "bell": RANKS[0] < cpeak <= 0.32 and cart[cpeak] > cart[RANKS[-1]] + 0.01,
+                   "full_rank_equals_wa": abs(cart[1.0] - wa) < 1e-9}
+    # 3./4. expert sets fine-tuned differently, merged with TA at λ chosen on validation
+    sets = {"converged (the pool's experts)": tasks}
+    sets["one epoch"] = _expert_set(ex, "1ep", {"epochs": 1}, progress)
+    base_lr = (pool.expert_info[tasks[0]].get("hparams") or {}).get("lr", 1e-3)
+    sets[f"high learning rate (×10: {10 * base_lr:g})"] = _expert_set(ex, "lr10", {"lr": min(1.0, 10 * base_lr)}, progress)
+    base_ep = int((pool.expert_info[tasks[0]].get("hparams") or {}).get("epochs", 3))
+    sets[f"many steps (×3 epochs: {3 * base_ep})"] = _expert_set(ex, "ep3x", {"epochs": 3 * base_ep}, progress)
+    ex.experts("test")
+    rows = {}
+    for label, names in sets.items():
+        lam, merged = _best_ta(ex, names)
+        experts = ex.experts("test")
+        rows[label] = {"experts": sum(experts[n] for n in names) / len(names), "lam": lam, "merged": merged}
+    out["expert_sets"] = rows
+    # 5. per-layer cross-task linearity of the TA merge against the cross-expert baseline
+    lam = out["ta"]["peak"]
+    ev = ex.evaluator
+    x = ev.inputs("val")[0][0][:64]
+    tv = pool.task_vectors
+    idx = [tv.tasks.index(t) for t in tasks]
+    merged = {k: tv.base[k] + lam * tv.stacked[k][idx].sum(0) for k in tv.keys}
+    experts_w = [tv.expert(i) for i in idx]
+    feats = lambda w, xx: analysis.block_features(ev.model.visual, w, xx)  # noqa: E731
+    lin = analysis.cross_task_linearity(feats, merged, experts_w, [lam] * len(idx), x)
+    out["linearity"] = {**lin, "lam": lam}
+    # 6. FW-soft against TA
+    fw = ex.spec("fw_soft", experts=tasks)
+    ex.run(fw)
+    res = ex.preview(fw, "test")
+    out["fw_soft"] = {"fw_soft": sum(res.accuracy[t] for t in tasks) / len(tasks), "ta": _best_ta(ex, tasks)[1]}
+    return out
+
+
+def format_phenomena(n: dict) -> str:
+    pct = lambda v: f"{100 * v:.1f}"  # noqa: E731
+    L = ["Phenomena measured on the demo pool (test split; λ for TA chosen on validation where stated)", ""]
+    ta = n["ta"]
+    L.append(f"1. TA accuracy against λ: peak {pct(ta['curve'][ta['peak']])} % at λ={ta['peak']:g}; "
+             f"rises then falls: {'yes' if ta['rise_then_fall'] else 'NO'}")
+    L.append("   " + "  ".join(f"{lam:g}:{pct(v)}" for lam, v in ta["curve"].items()))
+    c = n["cart"]
+    L.append(f"2. CART against rank ratio (λ=1.5): peak {pct(c['curve'][c['peak']])} % at ratio {c['peak']:g}; bell "
+             f"peaking at low rank: {'yes' if c['bell'] else 'NO'}; full rank = weight averaging "
+             f"({pct(c['weight_averaging'])} %): {'yes' if c['full_rank_equals_wa'] else 'NO'}")
+    L.append("   " + "  ".join(f"{r:g}:{pct(v)}" for r, v in c["curve"].items()))
+    L.append("3./4. expert sets merged with TA (λ best on validation):")
+    for label, r in n["expert_sets"].items():
+        L.append(f"   {label:<40} experts {pct(r['experts'])} %  merged {pct(r['merged'])} % (λ={r['lam']:g})")
+    lin = n["linearity"]
+    L.append(f"5. cross-task linearity of TA (λ={lin['lam']:g}) per block, mean 1 − cos [q25, q75] vs the "
+             "cross-expert baseline:")
+    for i, (m, a, b, base) in enumerate(zip(lin["mean"], lin["q25"], lin["q75"], lin["baseline"])):
+        L.append(f"   block {i}: {m:.4f} [{a:.4f}, {b:.4f}]  baseline {base:.4f}  "
+                 f"({'below' if m < base else 'NOT below'} the baseline)")
+    fw = n["fw_soft"]
+    L.append(f"6. FW-soft {pct(fw['fw_soft'])} % vs TA {pct(fw['ta'])} %: FW-soft "
+             f"{'beats' if fw['fw_soft'] > fw['ta'] else 'does not beat'} TA")
+    return "\n".join(L)

@@ -1,0 +1,241 @@
+"""Analysis tab (the papers' diagnostics) and the expert lab."""
+from __future__ import annotations
+
+import gradio as gr
+
+from .. import analysis, methods, plots, trajectories
+from ..errors import MergerError
+from ..lab import TRENDS, add_expert, check_settings, finetune, scaling_view
+from ..landscape import Landscape
+from ..methods.registry import PARAM_NAMES
+
+KS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class AnalysisController:
+    def __init__(self, ctl):
+        self.ctl = ctl
+        self.ex = ctl.explorer
+        self.pool = ctl.pool
+
+    def effective_weights(self, spec) -> tuple[list[float], str]:
+        """Per-task weights of a merge on the task vectors (exact for sums, a reading otherwise)."""
+        T, name, kw = len(spec.experts), spec.method, spec.kwargs
+        if methods.get(name).kind == "data":
+            run = self.ex.cached_run(spec)
+            if run is None:
+                raise gr.Error(f"{name}: press Run in the Merge tab first")
+            return run.coefficients.mean(1).tolist(), "learned (mean over layers)"
+        if name in ("task_arithmetic", "dare_linear", "iso_c"):
+            return [kw["lam"]] * T, "λ per task"
+        if name in ("ties", "dare_ties", "tsv_m"):
+            return [kw["lam"] / T] * T, "λ/T per task (a mean of the task vectors, scaled by λ)"
+        return [1.0 / T] * T, "1/T per task (the weight average is the anchor)"
+
+    def _tv(self, experts):
+        return self.pool.task_vectors.subset([t for t in self.pool.tasks if t in (experts or self.pool.tasks)])
+
+    def weights(self, experts, method, *values):
+        """Norms, cosines, sign conflicts, mass kept at the current sparsity."""
+        tv = self._tv(experts)
+        sparsity = dict(zip(PARAM_NAMES, values)).get("sparsity") or 0.8
+        n = analysis.task_vector_norms(tv)
+        norms = plots.bars({"‖τt‖ / ‖θ0‖": n["relative"]}, tv.tasks, "Task-vector norms (relative to the base)")
+        layers = plots.heatmap([n["layers"][name] for name in n["layers"]], tv.tasks, list(n["layers"]),
+                               "‖τt,l‖ per layer", fmt=".2g")
+        cos = plots.heatmap(analysis.cosine_matrix(tv), tv.tasks, tv.tasks, "Cosine similarity of task vectors", zmid=0)
+        sc = plots.heatmap(analysis.sign_conflicts(tv), tv.tasks, tv.tasks, "Sign-conflict rate (both non-zero)")
+        kept = plots.bars({f"sparsity {sparsity:g}": analysis.mass_kept(tv, float(sparsity))}, tv.tasks,
+                          "Share of ‖τt‖² kept by the top (1 − sparsity) entries")
+        return norms, layers, cos, sc, kept
+
+    def lowrank(self, experts, layer):
+        tv = self._tv(experts)
+        keys = tv.matrices if layer in (None, "", "all matrices (summed)") else [layer]
+        spec_key = keys[0]
+        sp = analysis.spectra(tv, spec_key)
+        curves = {}
+        for i, t in enumerate(tv.tasks):
+            curves[f"τ {t}"] = (list(range(1, len(sp["uncentred"][i]) + 1)), sp["uncentred"][i])
+        for i, t in enumerate(tv.tasks):
+            curves[f"θ−θavg {t}"] = (list(range(1, len(sp["centred"][i]) + 1)), sp["centred"][i])
+        spectra = plots.lines(curves, "index", "singular value", f"Spectra of {spec_key}",
+                              dashed=[f"θ−θavg {t}" for t in tv.tasks])
+        rmax = min(min(tv.base[k].shape) for k in keys)
+        ks = [k for k in KS if k <= rmax] + ([rmax] if rmax not in KS else [])
+        c = analysis.reconstruction_and_interference(tv, ks, True, keys)
+        u = analysis.reconstruction_and_interference(tv, ks, False, keys)
+        ri = plots.lines({"R(k) centred": (ks, c["sum"]["R"]), "R(k) uncentred": (ks, u["sum"]["R"]),
+                          "I(k) centred": (ks, c["sum"]["I"]), "I(k) uncentred": (ks, u["sum"]["I"])},
+                         "k (kept rank)", "value", "Reconstruction error R(k) and interference I(k)"
+                         + ("" if len(keys) == 1 else " (summed over matrices)"), log_x=True,
+                         dashed=["R(k) uncentred", "I(k) uncentred"])
+        return spectra, ri
+
+    def heterogeneity(self, experts, method, *values):
+        try:
+            spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        except MergerError as exc:
+            raise gr.Error(str(exc))
+        tv = self._tv(spec.experts)
+        v = spec.kwargs
+        name = spec.method
+        lam, how = self.effective_weights(spec)
+        mask = v.get("sparsity") if name in ("ties", "dare_linear", "dare_ties") else None
+        seed = v.get("seed") if name.startswith("dare") else None
+        h = analysis.heterogeneity(tv, lam, mask, seed)
+        series = {"ζt²": h["zeta2"]}
+        if "delta" in h:
+            series[f"δt(M), {name} mask at sparsity {mask:g}"] = h["delta"]
+        fig = plots.bars(series, tv.tasks, "Heterogeneity ζt² ∝ ‖τt − Σ λk τk‖² and its reduction by the mask")
+        text = f"Effective coefficients ({how}) λ = [{', '.join(f'{x:.3g}' for x in lam)}] · χ²(p‖λ) = {h['chi2']:.4g}"
+        if h["warnings"]:
+            text += "\n\n" + "\n\n".join(f"⚠️ **{w}**" for w in h["warnings"])
+        return fig, text
+
+    def dynamics(self, task):
+        land = Landscape(self.ex)
+        try:
+            traj = trajectories.finetune_trajectory(land, task)
+        except MergerError as exc:
+            raise gr.Error(f"{exc}: epoch dynamics need per-epoch checkpoints (a trajectory)")
+        d = analysis.epoch_dynamics(traj.points)
+        epochs = [f"epoch {s}" for s in traj.steps[1:]]
+        shares = plots.bars({"share of Σ‖update‖": d["shares"]}, epochs, f"{task}: update-norm share per epoch")
+        cos = plots.heatmap(d["cosine"], epochs, epochs, "Cosine between epoch updates", zmid=0)
+        first = plots.lines({"cos(τ(k), τ(1))": (traj.steps[1:], d["cos_to_first"])}, "epoch k", "cosine",
+                            "cos(τ(k), τ(1))")
+        grad = analysis.gradient_at_base(self.ex.evaluator, task)
+        tau1 = traj.points[1] - traj.points[0]
+        g = land.space.flatten(grad)
+        text = f"cos(τ(1), −∇L(θ0)) = **{analysis.gradient_alignment(tau1, g):.4f}** (1 exactly for one epoch of full-batch gradient descent)"
+        return shares, cos, first, text
+
+    def linearity(self, experts, method, *values):
+        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        tv = self.pool.task_vectors
+        idx = [tv.tasks.index(t) for t in spec.experts]
+        delta = self.ex.delta(spec)
+        merged = {k: tv.base[k] + delta[k] for k in tv.keys}
+        w, _ = self.effective_weights(spec)
+        ev = self.ex.evaluator
+        x = ev.inputs("val")[0][0][:64]
+        feats = lambda wts, xx: analysis.block_features(ev.model.visual, wts, xx)  # noqa: E731
+        lin = analysis.cross_task_linearity(feats, merged, [tv.expert(i) for i in idx], w, x)
+        blocks = [f"block {i}" for i in range(len(lin["mean"]))]
+        err_hi = [b - m for m, b in zip(lin["mean"], lin["q75"])]
+        fig = plots.bars({"1 − cos(merge, Σ wt f(θt))": lin["mean"], "baseline 1 − cos(f(θi), f(θj))": lin["baseline"]},
+                         blocks, f"Cross-task linearity of {spec.label()} (weights {', '.join(f'{v:.2g}' for v in w)})",
+                         errors={"1 − cos(merge, Σ wt f(θt))": err_hi})
+        return fig
+
+
+def build_analysis_tabs(ctl, inputs, experts_box, engine: str):
+    ac = AnalysisController(ctl)
+    pool = ctl.pool
+    with gr.Tab("Analysis", id="analysis"):
+        gr.Markdown("Diagnostics from the papers for the current experts and Merge-tab settings.")
+        with gr.Accordion("Weights: norms, cosines, sign conflicts, mass kept", open=True):
+            w_btn = gr.Button("Compute")
+            with gr.Row():
+                w_norms, w_layers = gr.Plot(), gr.Plot()
+            with gr.Row():
+                w_cos, w_sc, w_kept = gr.Plot(), gr.Plot(), gr.Plot()
+            w_btn.click(ac.weights, inputs, [w_norms, w_layers, w_cos, w_sc, w_kept], api_visibility="private")
+        with gr.Accordion("Low rank (CART): spectra, R(k) and I(k)", open=False):
+            layer = gr.Dropdown(["all matrices (summed)"] + pool.task_vectors.matrices, value="all matrices (summed)",
+                                label="matrix")
+            lr_btn = gr.Button("Compute")
+            with gr.Row():
+                lr_spec, lr_ri = gr.Plot(), gr.Plot()
+            lr_btn.click(ac.lowrank, [experts_box, layer], [lr_spec, lr_ri], api_visibility="private")
+        with gr.Accordion("Heterogeneity (seed 000): ζ², δ(M), χ²", open=False):
+            h_btn = gr.Button("Compute")
+            h_plot, h_text = gr.Plot(), gr.Markdown()
+            h_btn.click(ac.heterogeneity, inputs, [h_plot, h_text], api_visibility="private")
+        with gr.Accordion("Epoch dynamics (seed 003)", open=False):
+            has = [t for t in pool.tasks if pool.expert_info[t].get("trajectory")]
+            d_task = gr.Dropdown(has or pool.tasks, value=(has or pool.tasks)[0], label="expert")
+            d_btn = gr.Button("Compute")
+            with gr.Row():
+                d_shares, d_cos, d_first = gr.Plot(), gr.Plot(), gr.Plot()
+            d_text = gr.Markdown()
+            d_btn.click(ac.dynamics, d_task, [d_shares, d_cos, d_first, d_text], concurrency_id=engine,
+                        api_visibility="private")
+        with gr.Accordion("Cross-task linearity (seed 004)", open=False):
+            l_btn = gr.Button("Compute for the current merge")
+            l_plot = gr.Plot()
+            l_btn.click(ac.linearity, inputs, l_plot, concurrency_id=engine, api_visibility="private")
+    with gr.Tab("Expert lab", id="lab"):
+        gr.Markdown("Fine-tune new experts from the demo base (image tower, frozen head), add them to the pool, "
+                    "merge and compare as usual.")
+        with gr.Row():
+            lab_task = gr.Dropdown(pool.tasks, value=pool.tasks[0], label="task")
+            lab_name = gr.Textbox(label="name of the new expert", value=f"{pool.tasks[0]}-lab")
+        with gr.Row():
+            lab_lr = gr.Number(value=1e-3, label="learning rate")
+            lab_epochs = gr.Number(value=1, precision=0, label="epochs")
+            lab_bs = gr.Number(value=128, precision=0, label="batch size")
+            lab_frac = gr.Number(value=1.0, label="data fraction")
+            lab_seed = gr.Number(value=0, precision=0, label="seed")
+        with gr.Row():
+            lab_btn = gr.Button("Fine-tune and add", variant="primary")
+            lab_one = gr.Button("Preset: one-epoch experts for every task")
+        lab_status = gr.Markdown()
+        gr.Markdown("### Scaling view (seed 000)")
+        with gr.Row():
+            sc_param = gr.Dropdown(list(TRENDS), value="lr", label="hyperparameter")
+            sc_values = gr.Textbox(value="0.0003, 0.001, 0.003", label="values (comma-separated)")
+        sc_btn = gr.Button("Fine-tune expert sets and merge (slow: one expert per task and value)")
+        with gr.Row():
+            sc_acc, sc_loss = gr.Plot(), gr.Plot()
+
+        def settings(lr, epochs, bs, frac, seed):
+            return check_settings(lr, epochs, bs, frac, seed)
+
+        def lab_run(task, name, lr, epochs, bs, frac, seed, progress=gr.Progress()):
+            try:
+                s = settings(lr, epochs, bs, frac, seed)
+                sd, traj, hp = finetune(pool, task, s, progress=lambda f, m: progress(f, desc=m))
+                add_expert(ctl.explorer, name.strip(), task, sd, hp, traj)
+            except MergerError as exc:
+                raise gr.Error(str(exc))
+            return f"Added expert **{name.strip()}** ({hp}).", gr.update(choices=pool.tasks)
+
+        def lab_preset(lr, bs, frac, seed, progress=gr.Progress()):
+            added = []
+            try:
+                for t in [t for t in list(pool.tasks) if "@" not in t and "-lab" not in t]:
+                    if f"{t}@1ep" in pool.tasks:
+                        continue
+                    s = settings(lr, 1, bs, frac, seed)
+                    sd, traj, hp = finetune(pool, t, s, progress=lambda f, m: progress(f, desc=m))
+                    add_expert(ctl.explorer, f"{t}@1ep", t, sd, hp, traj)
+                    added.append(f"{t}@1ep")
+            except MergerError as exc:
+                raise gr.Error(str(exc))
+            return f"Added one-epoch experts: {', '.join(added) or 'none (already there)'}.", gr.update(choices=pool.tasks)
+
+        def scaling(param, values, lr, epochs, bs, frac, seed, progress=gr.Progress()):
+            try:
+                vals = [float(v) for v in values.split(",") if v.strip()]
+                base = settings(lr, epochs, bs, frac, seed)
+                originals = [t for t in pool.tasks if "@" not in t and "-lab" not in t]
+                r = scaling_view(ctl.explorer, param, vals, base, originals,
+                                 progress=lambda f, m: progress(f, desc=m))
+            except (MergerError, ValueError) as exc:
+                raise gr.Error(str(exc))
+            acc = plots.lines({"merged accuracy (TA λ=0.3)": (r["values"], [100 * a for a in r["accuracy"]])},
+                              param, "accuracy %", f"Merged accuracy against {param}", log_x=param == "lr")
+            loss = plots.lines({"merged loss": (r["values"], r["loss"]), r["trend"]["label"]: (r["trend"]["x"], r["trend"]["y"])},
+                               param, "loss", f"Merged loss against {param} (dotted: a trend, not a prediction)",
+                               log_x=param == "lr", dashed=[r["trend"]["label"]])
+            return acc, loss, gr.update(choices=pool.tasks)
+
+        lab_btn.click(lab_run, [lab_task, lab_name, lab_lr, lab_epochs, lab_bs, lab_frac, lab_seed],
+                      [lab_status, experts_box], concurrency_id=engine, api_visibility="private")
+        lab_one.click(lab_preset, [lab_lr, lab_bs, lab_frac, lab_seed], [lab_status, experts_box],
+                      concurrency_id=engine, api_visibility="private")
+        sc_btn.click(scaling, [sc_param, sc_values, lab_lr, lab_epochs, lab_bs, lab_frac, lab_seed],
+                     [sc_acc, sc_loss, experts_box], concurrency_id=engine, api_visibility="private")
+    return ac
