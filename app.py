@@ -20,6 +20,8 @@ def parse_args(argv=None):
                     help="SQLite file of evaluated specs ('' to turn history off)")
     ap.add_argument("--share", action="store_true", help="ask Gradio for a public share link (off by default)")
     ap.add_argument("--auth", default=None, help="user:password required to open the app")
+    ap.add_argument("--roots", default="", help="comma-separated folders the app may read files from "
+                    "(besides the pool's own folder); anything else is refused")
     return ap.parse_args(argv)
 
 
@@ -33,7 +35,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     try:
-        pool = merger.open_pool(args.pool, device=args.device)
+        roots = [r for r in args.roots.split(",") if r.strip()]
+        pool = merger.open_pool(args.pool, device=args.device, roots=roots)
         explorer = merger.Explorer(pool)
     except merger.MergerError as exc:
         print(f"error: {exc}", file=sys.stderr)

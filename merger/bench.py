@@ -114,6 +114,8 @@ def run(what: str, args) -> int:
         return bench_landscape(args)
     if what == "scale":
         return bench_scale(args)
+    if what == "load":
+        return bench_load(args)
     raise SystemExit(f"unknown benchmark {what}")
 
 
@@ -376,3 +378,94 @@ def bench_scale(args) -> int:
     print(f"goals: apply <= {'30 ms' if cuda else '1.5 s'}" + (", slider→result p50 <= 150 ms, resident <= 4 GB" if cuda else "")
           + ": apply " + ("met" if ok_apply else "MISSED"))
     return 0 if ok_apply else 1
+
+
+# ---- load: many concurrent clients on one server -----------------------------------------
+
+def bench_load(args) -> int:
+    """N gradio_client clients, M slider moves each, against one local server (loopback only)."""
+    import random
+    import tempfile
+    import threading
+
+    from gradio_client import Client
+
+    from . import evaluate, merge
+    from .pool import open_pool
+    from .ui.browser import free_port, start_server
+
+    clients, moves = args.clients, (args.moves if args.moves_given else 50)
+    tmp = tempfile.TemporaryDirectory()
+    proc, url = None, args.url
+    if not url:
+        port = free_port()
+        proc = start_server(args.pool, port, str(Path(tmp.name) / "history.sqlite"))
+        url = f"http://127.0.0.1:{port}/"
+    if not url.startswith(("http://127.0.0.1", "http://localhost")):
+        raise SystemExit("bench load targets loopback servers only")
+    lams = [round(0.05 * i, 2) for i in range(1, 31)]
+    results: dict[int, dict] = {}
+    lock = threading.Lock()
+
+    def client(cid: int):
+        rng = random.Random(cid)
+        c = Client(url, verbose=False)
+        lat, errors, last = [], [], None
+        for _ in range(moves):
+            m = rng.choice(LIVE_METHODS)
+            params = {"lam": rng.choice(lams)}
+            if m == "ties":
+                params["sparsity"] = rng.choice([0.6, 0.7, 0.8, 0.9])
+            if m == "cart":
+                params["rank_ratio"] = rng.choice([0.04, 0.08, 0.16])
+            t = time.perf_counter()
+            try:
+                out = c.predict(m, params["lam"], params.get("rank_ratio"), params.get("sparsity"), None, None, "live",
+                                api_name="/evaluate")
+                last = (m, params, out)
+            except Exception as exc:  # counted, reported
+                errors.append(str(exc)[:200])
+            lat.append(time.perf_counter() - t)
+        with lock:
+            results[cid] = {"lat": lat, "errors": errors, "last": last}
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        wall = time.perf_counter() - t0
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+        tmp.cleanup()
+    lat = [x for r in results.values() for x in r["lat"]]
+    errors = [e for r in results.values() for e in r["errors"]]
+    pool = open_pool(args.pool)
+    same = 0
+    for r in results.values():
+        if r["last"] is None:
+            continue
+        m, params, out = r["last"]
+        ref = evaluate(pool, merge(pool, m, **params), split="live")
+        same += int(out["accuracy"] == ref.accuracy and _close(out["loss"], ref.loss))
+    print(f"{clients} clients × {moves} slider moves on {url} ({len(lat)} requests in {wall:.1f} s, "
+          f"{len(lat) / wall:.1f} req/s)")
+    print(f"\n{'errors':<34}{len(errors):>8}   (goal 0)")
+    print(f"{'latency p50 s':<34}{statistics.median(lat):8.3f}")
+    print(f"{'latency p95 s':<34}{_percentile(lat, 0.95):8.3f}   (goal <= 2 s)")
+    print(f"{'latency max s':<34}{max(lat):8.3f}")
+    print(f"{'last result == merger.evaluate':<34}{same:>5}/{len(results)}")
+    for e in errors[:5]:
+        print("  error:", e)
+    ok = not errors and _percentile(lat, 0.95) <= 2.0 and same == len(results)
+    print("goals: " + ("met" if ok else "MISSED"))
+    return 0 if ok else 1
+
+
+def _close(a: dict, b: dict, rel: float = 1e-9) -> bool:
+    """Equal dicts of floats up to rounding through JSON."""
+    return set(a) == set(b) and all(abs(a[k] - b[k]) <= rel * max(1.0, abs(b[k])) for k in b)

@@ -213,11 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_screenshot)
 
     p = sub.add_parser("bench", help="benchmarks (medians and ratios in one run)")
-    p.add_argument("what", choices=["merge", "live", "api", "landscape", "scale"],
+    p.add_argument("what", choices=["merge", "live", "api", "landscape", "scale", "load"],
                    help="merge: prepare/apply per method on ViT-B-32; live: slider → result on the demo pool; "
                         "api: the app's evaluate endpoint through gradio_client")
     p.add_argument("--url", default=None, help="api: a running app to target (default: start one)")
     p.add_argument("--grid", type=int, default=21, help="landscape: grid points per side")
+    p.add_argument("--clients", type=int, default=20, help="load: concurrent gradio_client clients")
     p.add_argument("--arch", default="ViT-B-32")
     p.add_argument("--pool", default="demo")
     p.add_argument("--experts", type=int, default=8)

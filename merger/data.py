@@ -78,8 +78,7 @@ class TaskDataStore:
             raise DataError(f"task '{task}' has no class names (tasks.{task}.classes in {self.pool.source})")
         classes = info["classes"]
         if isinstance(classes, str):
-            path = Path(classes).expanduser()
-            path = path if path.is_absolute() else self.pool.root / path
+            path = self.pool.resolve(classes, f"tasks.{task}.classes")
             if not path.is_file():
                 raise DataError(f"tasks.{task}.classes: class-names file {path} not found")
             classes = [line.strip() for line in path.read_text().splitlines() if line.strip()]
@@ -97,8 +96,7 @@ class TaskDataStore:
         if value in (None, "standard"):
             return list(STANDARD_TEMPLATES)
         if isinstance(value, str):
-            path = Path(value).expanduser()
-            path = path if path.is_absolute() else self.pool.root / path
+            path = self.pool.resolve(value, f"tasks.{task}.templates")
             if not path.is_file():
                 raise DataError(f"tasks.{task}.templates: {path} not found (or use 'standard')")
             value = [line.strip() for line in path.read_text().splitlines() if line.strip()]

@@ -181,7 +181,8 @@ class Landscape:
 
     def file_point(self, path: str) -> torch.Tensor:
         """A checkpoint from disk: checked against this pool's base (architecture, keys, shapes)."""
-        sd = checkpoints.validate_expert(checkpoints.load_state_dict(path), self.pool.base, str(path))
+        path = self.pool.resolve(path, "landscape point")
+        sd = checkpoints.validate_expert(checkpoints.load_weights(path)[0], self.pool.base, str(path))
         return self.space.flatten(sd)
 
     def named_points(self, names: Sequence[str]) -> dict[str, torch.Tensor]:

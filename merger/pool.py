@@ -43,9 +43,12 @@ class Pool:
     """An opened pool. Experts are validated against the base when the pool opens."""
 
     def __init__(self, spec: Mapping[str, Any], root: Path, source: str, device: str | torch.device = "cpu",
-                 tv_device: str | torch.device | None = None, preloaded: Mapping[str, Any] | None = None):
+                 tv_device: str | torch.device | None = None, preloaded: Mapping[str, Any] | None = None,
+                 roots: list | None = None):
         self.source = source
         self.root = root
+        # When set (the app sets it), every file the pool names must lie under one of these folders.
+        self.roots = [Path(r).expanduser().resolve() for r in roots] if roots is not None else None
         self.device = resolve_device(device)
         # Task vectors may stay in host memory when the GPU cannot hold them (slower merges).
         self.tv_device = resolve_device(tv_device) if tv_device else self.device
@@ -90,8 +93,18 @@ class Pool:
     def _path(self, value: Any, field: str) -> Path:
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise PoolError(f"{self.source}: {field} must be a file path")
+        return self.resolve(value, field)
+
+    def resolve(self, value, field: str) -> Path:
+        """A path named by the pool (relative to its YAML), checked against the allowed roots."""
         p = Path(value).expanduser()
-        return p if p.is_absolute() else (self.root / p)
+        p = p if p.is_absolute() else (self.root / p)
+        if self.roots is not None:
+            real = p.resolve()
+            if not any(real == r or r in real.parents for r in self.roots):
+                raise PoolError(f"{self.source}: {field} = {value}: outside the allowed roots "
+                                f"({', '.join(map(str, self.roots))}); add its folder with --roots")
+        return p
 
     def _architecture(self, arch: Any) -> dict:
         if isinstance(arch, str):
@@ -263,13 +276,15 @@ def check_memory(base, n_experts: int, device: torch.device, source: str) -> Non
 
 
 def open_pool(path: str | os.PathLike = "demo", device: str | torch.device = "cpu",
-              tv_device: str | torch.device | None = None) -> Pool:
+              tv_device: str | torch.device | None = None, roots: list | None = None) -> Pool:
     """Open a pool from a YAML file (or a folder holding pool.yaml); "demo" is the built-in pool."""
     if str(path) == "demo":
         path = demo_pool_path()
     spec, yaml_path = read_pool_yaml(path)
+    if roots is not None:
+        roots = list(roots) + [yaml_path.parent]
     verify_manifest(yaml_path.parent)
-    return Pool(spec, yaml_path.parent, str(yaml_path), device=device, tv_device=tv_device)
+    return Pool(spec, yaml_path.parent, str(yaml_path), device=device, tv_device=tv_device, roots=roots)
 
 
 def verify_manifest(root: Path) -> None:

@@ -50,6 +50,7 @@ def checkpoint_files(folder: str | Path) -> list[Path]:
 
 def load_folder(landscape, folder: str | Path, name: str, start_at_base: bool = True) -> Trajectory:
     """A folder of checkpoints (one expert's fine-tuning), each checked against the pool's base."""
+    folder = landscape.pool.resolve(folder, f"trajectory {name}")
     files = checkpoint_files(folder)
     points, steps, labels = [], [], []
     if start_at_base:

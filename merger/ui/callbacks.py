@@ -99,6 +99,8 @@ class Controller:
         ]
         if note:
             lines.append(f"ℹ️ {note}")
+        if self.explorer.evaluator.notices:
+            lines.append(f"⚠️ {self.explorer.evaluator.notices[-1]}")
         return "\n\n".join(lines)
 
     def pin(self, pins, experts, method, *values):
