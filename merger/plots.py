@@ -15,8 +15,10 @@ def _pct(values):
     return [100.0 * v for v in values]
 
 
-def accuracy_bars(result, base=None, experts: Mapping[str, float] | None = None, title: str = "Accuracy per task") -> go.Figure:
-    """Merged accuracy per task, with marks for the base's and each task's expert's accuracy."""
+def accuracy_bars(result, base=None, experts: Mapping[str, float] | None = None, title: str = "Accuracy per task",
+                  guides: Mapping[str, float] | None = None) -> go.Figure:
+    """Merged accuracy per task, with marks for the base's and each task's expert's accuracy, and
+    optional labelled horizontal guide lines (e.g. the field's reference averages)."""
     tasks = result.tasks
     fig = go.Figure(go.Bar(x=tasks, y=_pct(result.accuracy[t] for t in tasks), name="merged",
                            marker_color=PALETTE[0], text=[f"{100 * result.accuracy[t]:.1f}" for t in tasks],
@@ -27,6 +29,9 @@ def accuracy_bars(result, base=None, experts: Mapping[str, float] | None = None,
     if experts:
         fig.add_trace(go.Scatter(x=tasks, y=_pct(experts[t] for t in tasks), mode="markers", name="expert",
                                  marker=dict(symbol="line-ew", size=26, line=dict(width=3, color=PALETTE[3]))))
+    for label, value in (guides or {}).items():
+        fig.add_hline(y=100 * value, line_dash="dash", line_color="#999", annotation_text=f"{label}: {100 * value:.1f}",
+                      annotation_position="top left", annotation_font_size=10)
     fig.update_layout(title=title, yaxis=dict(title="accuracy %", range=[0, 105]), **_LAYOUT)
     return fig
 

@@ -258,3 +258,15 @@ def test_analysis_tab_callbacks(ctl):
     assert len(lin.data) == 2
     with pytest.raises(gr.Error, match="epoch dynamics need per-epoch checkpoints"):
         ac.dynamics(ctl.pool.tasks[0])
+
+
+def test_reference_guides_for_real_architectures():
+    from merger.reference import guides
+
+    g = guides("ViT-B-32", "cart")
+    assert g["paper ViT-B-32 8 tasks: cart"] == pytest.approx(0.847)
+    assert "paper ViT-B-32 8 tasks: tsv_m (unverified)" in guides("ViT-B-32", "tsv_m")
+    assert guides(None, "cart") == {}
+    r = merger.Result("live", {"a": 0.5}, {"a": 1.0}, {"a": 1.0})
+    fig = plots.accuracy_bars(r, guides=g)
+    assert any("cart: 84.7" in a.text for a in fig.layout.annotations)

@@ -157,7 +157,10 @@ def captions(labels: dict[str, torch.Tensor], seed: int, p: float | dict[str, fl
     names = {t: [TASKS[t][i] for i in labels[t].tolist()] for t in TASKS}
     n = len(names["shape"])
     keep = {t: rng.random(n) < probs.get(t, 0.5) for t in TASKS}
-    forced = rng.integers(0, len(TASKS), size=n)  # guarantee at least one attribute per caption
+    # guarantee at least one attribute per caption, drawn in proportion to the probabilities (an
+    # attribute with probability 0 is never named: its class words stay unseen in pretraining)
+    w = np.array([max(0.0, float(probs.get(t, 0.5))) for t in TASKS]) + 1e-12
+    forced = rng.choice(len(TASKS), size=n, p=w / w.sum())
     for j, t in enumerate(TASKS):
         keep[t] |= forced == j
     out = []

@@ -79,7 +79,9 @@ class Controller:
             self.history.record(self.pool_ref, spec.rounded(), result)
         base = self.explorer.base(split)
         experts_acc = self.explorer.experts(split)
-        return (plots.accuracy_bars(result, base, experts_acc),
+        from ..reference import guides
+
+        return (plots.accuracy_bars(result, base, experts_acc, guides=guides(self.pool.architecture.get("model"), spec.method)),
                 plots.loss_bars(result, base),
                 plots.radar({spec.label(): result}),
                 self.summary(spec, result, cached))
