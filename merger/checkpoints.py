@@ -224,6 +224,18 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return path
 
 
+def read_yaml(path: Path, error: type[Exception], what: str):
+    """Parse a YAML file safely; a missing or malformed file raises ``error`` naming it."""
+    import yaml
+
+    if not path.exists():
+        raise error(f"{path}: {what} not found")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML ({exc})") from None
+
+
 def content_hash(path: str | os.PathLike) -> str:
     """sha256 of a file's bytes, or of a folder's files (names and bytes, sorted) (hex)."""
     path = Path(path)

@@ -62,12 +62,7 @@ def export_merge(pool, spec: Spec, out: str | Path) -> tuple[Path, Path]:
 
 def read_spec_file(path: str | Path) -> dict:
     path = Path(path)
-    if not path.exists():
-        raise MergerError(f"{path}: spec file not found")
-    try:
-        record = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise MergerError(f"{path}: not valid YAML ({exc})") from None
+    record = checkpoints.read_yaml(path, MergerError, "spec file")
     if not isinstance(record, dict):
         raise MergerError(f"{path}: expected a mapping")
     unknown = sorted(set(record) - SPEC_KEYS)

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-import yaml
 
 from . import checkpoints
 from .errors import CheckpointError, PoolError
@@ -230,13 +229,7 @@ def read_pool_yaml(path: str | os.PathLike) -> tuple[dict, Path]:
     path = Path(path)
     if path.is_dir():
         path = path / "pool.yaml"
-    if not path.exists():
-        raise PoolError(f"{path}: pool file not found")
-    try:
-        spec = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise PoolError(f"{path}: not valid YAML ({exc})") from None
-    return spec, path
+    return checkpoints.read_yaml(path, PoolError, "pool file"), path
 
 
 def pool_from_state_dicts(name: str, architecture, base, experts: Mapping[str, Mapping], tasks: Mapping | None = None,

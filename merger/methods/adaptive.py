@@ -178,7 +178,8 @@ def run_adamerging(ctx: Context, progress=None, cancel=None, *, granularity: str
         if (step + 1) % every == 0 or step == steps - 1:
             iterates.append(coef.detach().clone())
         if progress:
-            progress((step + 1) / steps, f"step {step + 1}/{steps}: entropy {float(loss):.4f}", float(loss))
+            progress((step + 1) / steps, f"step {step + 1}/{steps}: entropy {trace['objective'][-1]:.4f}",
+                     trace["objective"][-1])
     final = coef.detach()
     return Run("", ctx.tasks, names, final.cpu(), comb.delta(final, ctx.tv.base), trace,
                [c.cpu() for c in iterates], time.perf_counter() - t0, comb)
