@@ -63,7 +63,7 @@ def test_captions_mention_attribute_words():
 
 def test_tokenizer_round_trip_and_special_ids():
     tok = DemoTokenizer()
-    texts = ["a small red circle in the top left with two white dots.", "a teal striped background."]
+    texts = ["a small red circle in the top left with white dots.", "a teal striped background."]
     ids = tok(texts)
     assert ids.dtype == torch.long and ids.shape == (2, tok.context_length)
     assert (ids[:, 0] == tok.sot_token_id).all()

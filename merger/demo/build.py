@@ -1,5 +1,18 @@
 """Build the demo pool: pretrain the tiny CLIP, fine-tune one expert per task, write the pool.
 
+Recipe (as the field's CLIP experts are made):
+  1. Backbone warm-up: the image tower is first trained supervised on every attribute of a
+     separate pretraining draw (one linear probe per attribute on the image embedding, a few
+     epochs; the probes are dropped), as LiT/ALIGN-style CLIPs start from a pretrained image
+     backbone. Its features then encode every attribute.
+  2. Contrastive (CLIP) stage: both towers on image-caption pairs, the image tower at a tenth of
+     the learning rate. It is kept short (``n_contrastive`` pairs, one epoch) and captions name
+     each attribute only with probability ``caption_p``: the text tower learns a partial
+     alignment, so the zero-shot base is moderate, well above chance and well below experts.
+  3. Experts: image tower only, the task's zero-shot head frozen, AdamW with a small learning
+     rate for a few epochs, so task vectors stay small relative to the weights (||tau||/||theta0||
+     of the image tower about 2e-2).
+
     python -m merger.demo.build [out_dir] [--small]     (default out_dir: assets/demo)
 
 Pool layout (the loader reads exactly this):
@@ -42,15 +55,20 @@ class DemoConfig:
     n_test: int = 2000
     test_seed: int = 2
     tasks: tuple[str, ...] = tuple(world.TASKS)
-    # contrastive pretraining of the base
-    pretrain_epochs: int = 6
+    # supervised warm-up of the image tower on all n_pretrain images
+    warmup_epochs: int = 5
+    warmup_lr: float = 3e-3
+    # contrastive pretraining of the base on the first n_contrastive images (short on purpose)
+    n_contrastive: int = 2000
+    pretrain_epochs: int = 1
     pretrain_batch_size: int = 128
-    pretrain_lr: float = 2e-3
+    pretrain_lr: float = 1e-3
+    visual_lr_scale: float = 0.1
     caption_p: dict = field(default_factory=lambda: dict(world.CAPTION_P))
     model_seed: int = 0
     # expert fine-tuning (image tower only, frozen zero-shot head)
-    ft_lr: float = 1e-3
-    ft_epochs: int = 5
+    ft_lr: float = 5e-5
+    ft_epochs: int = 4
     ft_batch_size: int = 128
     ft_data_fraction: float = 1.0
     ft_seed: int = 0
@@ -60,7 +78,7 @@ class DemoConfig:
     @classmethod
     def small(cls) -> "DemoConfig":
         """A reduced pool that builds in about a minute on 2 cores (for CI)."""
-        return cls(n_pretrain=5000, n_train=2000, n_test=1000, pretrain_epochs=4, ft_epochs=3,
+        return cls(n_pretrain=8000, warmup_epochs=4, n_train=2000, n_test=1000, ft_epochs=3, ft_lr=1e-4,
                    trajectory_dtype="float16")
 
     def to_dict(self) -> dict:
@@ -91,7 +109,7 @@ def build(out_dir: str | Path = "assets/demo", config: DemoConfig | None = None,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     # progress in "units": one per pretraining epoch and one per fine-tuning epoch
-    units = config.pretrain_epochs + config.ft_epochs * len(config.tasks)
+    units = 1 + config.pretrain_epochs + config.ft_epochs * len(config.tasks)
     bar = tqdm(total=units, desc="demo pool", disable=not progress, unit="ep",
                bar_format="{l_bar}{bar}| {n:.1f}/{total} [{elapsed}<{remaining}] {postfix}")
     done = [0.0]
@@ -106,13 +124,16 @@ def build(out_dir: str | Path = "assets/demo", config: DemoConfig | None = None,
     try:
         started = time.time()
         pre_x, pre_y = world.generate(config.n_pretrain, config.pretrain_data_seed)
-        base = pretrain(pre_x, pre_y, epochs=config.pretrain_epochs, batch_size=config.pretrain_batch_size,
-                        lr=config.pretrain_lr, seed=config.model_seed, caption_p=config.caption_p,
-                        progress=tick(0, config.pretrain_epochs))
+        n_con = min(config.n_contrastive, config.n_pretrain)
+        base = pretrain(pre_x[:n_con], {t: v[:n_con] for t, v in pre_y.items()}, epochs=config.pretrain_epochs,
+                        batch_size=config.pretrain_batch_size, lr=config.pretrain_lr, seed=config.model_seed,
+                        caption_p=config.caption_p, warmup_epochs=config.warmup_epochs,
+                        warmup_lr=config.warmup_lr, visual_lr_scale=config.visual_lr_scale,
+                        warmup_images=pre_x, warmup_labels=pre_y, progress=tick(0, 1 + config.pretrain_epochs))
         _save(base, tmp / "base.safetensors")
         train_x, train_y = world.generate(config.n_train, config.train_seed)
         ft_dtype = getattr(torch, config.trajectory_dtype)
-        experts, offset = {}, float(config.pretrain_epochs)
+        experts, offset = {}, float(1 + config.pretrain_epochs)
         for task in config.tasks:
             final, traj, hp = finetune_expert(
                 base, task, lr=config.ft_lr, epochs=config.ft_epochs, batch_size=config.ft_batch_size,

@@ -20,7 +20,7 @@ from merger.demo.tokenizer import DemoTokenizer
 _TOKENIZER = DemoTokenizer()
 
 CLIP_CONFIG: dict = {
-    "embed_dim": 64,
+    "embed_dim": 128,
     "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 96, "layers": 3, "head_width": 32,
                    "mlp_ratio": 2.0, "pos_embed_type": "sin_cos_2d"},
     "text_cfg": {"context_length": _TOKENIZER.context_length, "vocab_size": _TOKENIZER.vocab_size,

@@ -109,10 +109,12 @@ def pretrain(images: torch.Tensor, labels: dict[str, torch.Tensor], *, epochs: i
     n_con = epochs * (len(images) // batch_size)
     share = n_warm / max(1, n_warm + n_con)
 
+    outer = progress
+
     def sub(lo: float, span: float) -> Progress:
-        if progress is None:
+        if outer is None:
             return None
-        return lambda frac, msg: progress(lo + span * frac, msg)
+        return lambda frac, msg: outer(lo + span * frac, msg)
 
     if warmup_epochs > 0:
         warmup_visual(model, warmup_images if warmup_images is not None else images,
@@ -166,7 +168,8 @@ def task_head(model: torch.nn.Module, task: str) -> torch.Tensor:
 def finetune_expert(base_state_dict: dict[str, torch.Tensor], task: str, *, lr: float, epochs: int,
                     batch_size: int, data_fraction: float, seed: int, images: torch.Tensor,
                     labels: dict[str, torch.Tensor] | torch.Tensor, progress: Progress = None,
-                    cancel: Cancel = None, weight_decay: float = 0.1, config: dict = CLIP_CONFIG
+                    cancel: Cancel = None, weight_decay: float = 0.1, config: dict = CLIP_CONFIG,
+                    optimizer: str = "adamw", momentum: float = 0.9
                     ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], dict]:
     """Fine-tune the image tower on one task with its zero-shot head frozen.
 
@@ -196,7 +199,12 @@ def finetune_expert(base_state_dict: dict[str, torch.Tensor], task: str, *, lr: 
     y_all = y_all[train_idx]
 
     params = [p for p in model.visual.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    elif optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    else:
+        raise ValueError(f"unknown optimizer {optimizer!r} (adamw or sgd)")
     steps_per_epoch = math.ceil(len(train_idx) / batch_size)
     total = epochs * steps_per_epoch
     trajectory: list[dict[str, torch.Tensor]] = []
@@ -217,7 +225,9 @@ def finetune_expert(base_state_dict: dict[str, torch.Tensor], task: str, *, lr: 
                 progress(step / total, f"{task} epoch {epoch + 1}/{epochs} loss {loss.item():.3f}")
         trajectory.append(visual_state(model))
     hparams = {"lr": lr, "epochs": epochs, "batch_size": batch_size, "data_fraction": data_fraction,
-               "seed": seed, "weight_decay": weight_decay}
+               "seed": seed, "weight_decay": weight_decay, "optimizer": optimizer}
+    if optimizer == "sgd":
+        hparams["momentum"] = momentum
     return copy.deepcopy(trajectory[-1]), trajectory, hparams
 
 

@@ -3,7 +3,7 @@
 Every image shows one main object (shape, colour, size, quadrant) on a coloured, textured
 background, plus one to four small dots, all black or all white. Each attribute is one classification
 task, and all tasks share the SAME images, so the experts fine-tuned on different tasks pull one
-image tower towards different features (local form, hue, extent, location, counting, high
+image tower towards different features (local form, hue, extent, location, high
 frequency texture, background hue): that is what makes merging them non-trivial.
 
 Everything is vectorised over the batch with numpy and driven by one ``numpy.random.Generator``
@@ -22,7 +22,6 @@ TASKS: dict[str, tuple[str, ...]] = {
     "colour": ("red", "green", "blue", "yellow", "purple", "orange"),
     "size": ("small", "medium", "large"),
     "position": ("top left", "top right", "bottom left", "bottom right"),
-    "count": ("one", "two", "three", "four"),
     "texture": ("plain", "striped", "checkered", "speckled"),
     "background": ("pink", "brown", "grey", "teal"),
     "dots": ("black", "white"),
@@ -36,7 +35,6 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
     "size": ("a {} object.", "a picture of a {} shape.", "the object is {}.", "a {} thing."),
     "position": ("an object in the {}.", "a picture with a shape in the {}.", "the object is in the {}.",
                  "something at the {}."),
-    "count": ("{} dots.", "a picture with {} dots.", "there are {} dots.", "an object with {} dots."),
     "texture": ("a {} background.", "a picture on a {} background.", "the background is {}.",
                 "a shape on a {} background."),
     "background": ("a {} background.", "a picture on a {} background.", "the background is {}.",
@@ -78,6 +76,7 @@ def generate(n: int, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Draw ``n`` scenes: uint8 images [n, 3, 32, 32] and int64 labels per task [n]."""
     rng = np.random.default_rng(seed)
     labels = {t: rng.integers(0, len(c), size=n) for t, c in TASKS.items()}
+    n_dots = rng.integers(1, 5, size=n)  # a nuisance, not a task (a 3-layer tower cannot count)
     f32 = np.float32
     yy, xx = np.meshgrid(np.arange(SIZE, dtype=f32) + 0.5, np.arange(SIZE, dtype=f32) + 0.5, indexing="ij")
 
@@ -111,8 +110,8 @@ def generate(n: int, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     obj = _OBJ_RGB[labels["colour"]] + rng.uniform(-22, 22, size=(n, 3)).astype(f32)
     img = img * (1 - alpha[:, None]) + obj[:, :, None, None] * alpha[:, None]
 
-    # --- dots (count task): 1..4 two-pixel squares, each in a distinct 8x8 cell of a 4x4 grid
-    k = labels["count"] + 1
+    # --- dots: 1..4 two-pixel squares, each in a distinct 8x8 cell of a 4x4 grid
+    k = n_dots
     cells = np.argsort(rng.random((n, 16)), axis=1)[:, :4]  # 4 distinct cells per image
     jit = rng.integers(1, 6, size=(n, 4, 2))
     dot_x = (cells % 4) * 8 + jit[..., 0]
@@ -139,8 +138,8 @@ def generate(n: int, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 # How often each attribute is named. Salient attributes (hues, texture) are named rarely: if
 # every caption named them, they alone would tell images apart within a batch and contrastive
 # pretraining would never learn the small, spatial ones (position, dots, shape).
-CAPTION_P: dict[str, float] = {"shape": 0.9, "colour": 0.3, "size": 0.5, "position": 0.9,
-                               "count": 0.9, "texture": 0.3, "background": 0.3, "dots": 0.9}
+CAPTION_P: dict[str, float] = {"shape": 0.5, "colour": 0.5, "size": 0.5, "position": 0.5,
+                               "texture": 0.5, "background": 0.5, "dots": 0.5}
 CAPTION_WORDS = ("a", "an", "the", "picture", "of", "object", "shape", "with", "and", "dots", "in",
                  "at", "on", "background", "thing", "something", "there", "are", "is")
 
@@ -177,10 +176,8 @@ def captions(labels: dict[str, torch.Tensor], seed: int, p: float | dict[str, fl
             bgw = [names["background"][i]] if keep["background"][i] else []
             bgw += [names["texture"][i]] if keep["texture"][i] else []
             tail.append("on a " + " ".join(bgw) + " background")
-        if keep["count"][i] or keep["dots"][i]:
-            dw = [names["count"][i]] if keep["count"][i] else []
-            dw += [names["dots"][i]] if keep["dots"][i] else []
-            tail.append("with " + " ".join(dw) + " dots")
+        if keep["dots"][i]:
+            tail.append("with " + names["dots"][i] + " dots")
         rng.shuffle(tail)
         out.append(" ".join(words + tail) + ".")
     return out
