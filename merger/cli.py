@@ -144,7 +144,8 @@ def cmd_screenshot(args) -> int:
     if missing:
         raise MergerError(f"screenshot: {missing}")
     shown = screenshot(args.pool, args.out)
-    print(f"wrote {args.out}: {shown['text'].splitlines()[0]}")
+    line = next((x for x in shown["text"].splitlines() if "Average accuracy" in x), "")
+    print(f"wrote {args.out}: {line}")
     return 0
 
 
