@@ -63,7 +63,7 @@ def random_pool(arch: str, n_experts: int, relative: float = 1e-3, seed: int = 0
 
 
 def bench_merge(args) -> int:
-    names = args.methods.split(",") if args.methods else methods.names()
+    names = args.methods.split(",") if args.methods else [m.name for m in methods.all_methods() if m.kind == "static"]
     print(f"building {args.arch} (pretrained=None) and {args.experts} random experts (relative size 1e-3)...", flush=True)
     base, experts = random_pool(args.arch, args.experts)
     tv = TaskVectors(base, experts)
