@@ -226,3 +226,46 @@ def gradient_at_base(evaluator, task: str, split: str = "train") -> dict[str, to
 def gradient_alignment(tau1: torch.Tensor, grad: torch.Tensor) -> float:
     """cos(τ(1), −∇L(θ0)): exactly 1 for one epoch of full-batch gradient descent."""
     return float(F.cosine_similarity(tau1, -grad, dim=0))
+
+
+def interpolation_path(evaluator, space, a: torch.Tensor, b: torch.Tensor, features, x: torch.Tensor,
+                       alphas: Sequence[float] = tuple(i / 10 for i in range(11)), split: str = "live",
+                       lock=None) -> dict:
+    """Along θ(α) = (1 − α) a + α b: average loss and accuracy, and the mean over layers of
+    1 − cos(f(θ(α); x), (1 − α) f(a; x) + α f(b; x)) (zero at both ends by construction)."""
+    import contextlib
+
+    fa, fb = features(space.unflatten(a), x), features(space.unflatten(b), x)
+    out = {"alpha": list(alphas), "loss": [], "accuracy": [], "linearity": []}
+    for alpha in alphas:
+        point = (1 - alpha) * a + alpha * b
+        with lock or contextlib.nullcontext():
+            evaluator.load(space.unflatten(point))
+            acc, loss, _ = evaluator.forward(split)
+        out["accuracy"].append(sum(acc.values()) / len(acc))
+        out["loss"].append(sum(loss.values()) / len(loss))
+        fp = features(space.unflatten(point), x)
+        gaps = [float((1 - F.cosine_similarity(p, (1 - alpha) * u + alpha * v, dim=-1)).mean())
+                for p, u, v in zip(fp, fa, fb)]
+        out["linearity"].append(sum(gaps) / len(gaps))
+    return out
+
+
+def logit_ensemble_accuracy(evaluator, experts: Sequence[dict], weights: Sequence[float], split: str = "test",
+                            lock=None) -> dict[str, float]:
+    """Per task, the accuracy of Σt wt · logits(θt; x): the ensemble a linear merge would match."""
+    import contextlib
+
+    summed: dict[str, torch.Tensor] = {}
+    labels: dict[str, torch.Tensor] = {}
+    for w, expert in zip(weights, experts):
+        with lock or contextlib.nullcontext():
+            evaluator.load(expert)
+            with torch.inference_mode():
+                for x, members in evaluator.inputs(split):
+                    f = F.normalize(evaluator._encode(x), dim=-1)
+                    for t, y in members:
+                        logits = evaluator.logit_scale * f @ evaluator.heads[t].T
+                        summed[t] = summed.get(t, 0) + w * logits
+                        labels[t] = y
+    return {t: float((summed[t].argmax(-1) == labels[t].to(summed[t].device)).float().mean()) for t in summed}

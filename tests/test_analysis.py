@@ -138,3 +138,23 @@ def test_block_features_on_open_clip(tmp_path):
     fn = lambda wts, xx: analysis.block_features(ev.model.visual, wts, xx)  # noqa: E731
     out = analysis.cross_task_linearity(fn, pool.task_vectors.expert(0), experts, [1.0, 0.0], x)
     assert max(out["mean"]) == pytest.approx(0.0, abs=1e-5)  # the merge is expert 0 itself
+
+
+def test_interpolation_path_and_logit_ensemble(tmp_path):
+    from merger.landscape import Landscape
+
+    pool = merger.open_pool(write_pool(tmp_path, n_experts=2, scale=0.1, demo_data=True))
+    ex = merger.Explorer(pool)
+    land = Landscape(ex)
+    ev = ex.evaluator
+    x = ev.inputs("val")[0][0][:16]
+    feats = lambda w, xx: analysis.block_features(ev.model.visual, w, xx)  # noqa: E731
+    a, b = land.expert_point(pool.tasks[0]), land.expert_point(pool.tasks[1])
+    p = analysis.interpolation_path(ev, land.space, a, b, feats, x, alphas=(0.0, 0.5, 1.0))
+    assert p["linearity"][0] == pytest.approx(0.0, abs=1e-6) and p["linearity"][2] == pytest.approx(0.0, abs=1e-6)
+    end = merger.evaluate(pool, {**pool.base, **pool.task_vectors.expert(1)}, "live")
+    assert p["accuracy"][2] == pytest.approx(end.average_accuracy)
+    # a one-expert "ensemble" is that expert
+    ens = analysis.logit_ensemble_accuracy(ev, [pool.task_vectors.expert(0)], [1.0], "live")
+    solo = merger.evaluate(pool, {**pool.base, **pool.task_vectors.expert(0)}, "live")
+    assert ens == pytest.approx(solo.accuracy)

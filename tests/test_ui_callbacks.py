@@ -270,3 +270,15 @@ def test_reference_guides_for_real_architectures():
     r = merger.Result("live", {"a": 0.5}, {"a": 1.0}, {"a": 1.0})
     fig = plots.accuracy_bars(r, guides=g)
     assert any("cart: 84.7" in a.text for a in fig.layout.annotations)
+
+
+def test_interpolation_and_ensemble_views(ctl):
+    from merger.ui.analysis_tab import AnalysisController
+
+    ac = AnalysisController(ctl)
+    fig = ac.interpolation("base → current merge", *controls(ctl, "task_arithmetic", lam=0.3))
+    assert len(fig.data) == 3 and len(fig.data[0].x) == 11
+    fig = ac.interpolation("first two ticked experts", *controls(ctl, "task_arithmetic"))
+    assert fig.data[2].y[0] == pytest.approx(0.0, abs=1e-6)
+    fig = ac.ensemble(*controls(ctl, "weight_averaging"))
+    assert {t.name.split(" ")[0] for t in fig.data} == {"merged", "logit"}

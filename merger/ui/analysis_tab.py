@@ -129,6 +129,45 @@ class AnalysisController:
                          errors={"1 − cos(merge, Σ wt f(θt))": err_hi})
         return fig
 
+    def interpolation(self, endpoints, experts, method, *values):
+        """Loss, accuracy and linearity along base → merge, or between the first two ticked experts."""
+        try:
+            spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        except MergerError as exc:
+            raise gr.Error(str(exc))
+        land = Landscape(self.ex)
+        if endpoints == "base → current merge":
+            a, b, title = land.base_point(), land.spec_point(spec), f"base → {spec.label()}"
+        else:
+            if len(spec.experts) < 2:
+                raise gr.Error("tick at least two experts for an expert-to-expert path")
+            a, b = land.expert_point(spec.experts[0]), land.expert_point(spec.experts[1])
+            title = f"{spec.experts[0]} → {spec.experts[1]}"
+        ev = self.ex.evaluator
+        x = ev.inputs("val")[0][0][:64]
+        feats = lambda wts, xx: analysis.block_features(ev.model.visual, wts, xx)  # noqa: E731
+        p = analysis.interpolation_path(ev, land.space, a, b, feats, x, lock=self.ex.lock)
+        return plots.lines({"accuracy (avg, fraction)": (p["alpha"], p["accuracy"]),
+                            "loss (avg)": (p["alpha"], p["loss"]),
+                            "1 − cos (mean over blocks)": (p["alpha"], p["linearity"])},
+                           "α", "value", f"Interpolation {title}")
+
+    def ensemble(self, experts, method, *values):
+        """The merged model's accuracy next to the logit ensemble of its experts with the same weights."""
+        try:
+            spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        except MergerError as exc:
+            raise gr.Error(str(exc))
+        w, how = self.effective_weights(spec)
+        tv = self.pool.task_vectors
+        experts_w = [tv.expert(tv.tasks.index(t)) for t in spec.experts]
+        ens = analysis.logit_ensemble_accuracy(self.ex.evaluator, experts_w, w, "test", lock=self.ex.lock)
+        merged = self.ex.preview(spec, "test")
+        tasks = list(spec.experts)
+        return plots.bars({"merged": [100 * merged.accuracy[t] for t in tasks],
+                           f"logit ensemble ({how})": [100 * ens[t] for t in tasks]}, tasks,
+                          f"{spec.label()}: merged vs logit ensemble (test split)", "accuracy %")
+
 
 def build_analysis_tabs(ctl, inputs, experts_box, engine: str):
     ac = AnalysisController(ctl)
@@ -166,6 +205,15 @@ def build_analysis_tabs(ctl, inputs, experts_box, engine: str):
             l_btn = gr.Button("Compute for the current merge")
             l_plot = gr.Plot()
             l_btn.click(ac.linearity, inputs, l_plot, concurrency_id=engine, api_visibility="private")
+            with gr.Row():
+                i_ends = gr.Radio(["base → current merge", "first two ticked experts"], value="base → current merge",
+                                  label="interpolation path")
+                i_btn = gr.Button("Interpolate")
+                e_btn = gr.Button("Merged vs logit ensemble")
+            with gr.Row():
+                i_plot, e_plot = gr.Plot(), gr.Plot()
+            i_btn.click(ac.interpolation, [i_ends, *inputs], i_plot, concurrency_id=engine, api_visibility="private")
+            e_btn.click(ac.ensemble, inputs, e_plot, concurrency_id=engine, api_visibility="private")
     with gr.Tab("Expert lab", id="lab"):
         gr.Markdown("Fine-tune new experts from the demo base (image tower, frozen head), add them to the pool, "
                     "merge and compare as usual.")
