@@ -164,6 +164,9 @@ def build(out_dir: str | Path = "assets/demo", config: DemoConfig | None = None,
                     "build_seconds": round(time.time() - started, 1)}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         bar.close()
+        # mkdtemp/mkstemp create private (0700/0600) entries; a built pool is an ordinary folder
+        for path in [tmp, *tmp.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
         # swap into place: the old pool (if any) is moved aside first, then removed
         old = None
         if out.exists():

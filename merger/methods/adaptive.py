@@ -18,7 +18,7 @@ from torch.func import functional_call
 
 from ..errors import DataError, MergerError
 from .lowrank import prepare_cart
-from .registry import INIT, LAM, LR, RANK_RATIO, SAMPLES, SEED, STEPS, TOP_K, Method, Paper, register, with_default
+from .registry import INIT, LAM, LR, RANK_RATIO, SAMPLES, STEPS, TOP_K, Method, Param, Paper, register, with_default
 
 VISUAL = "visual."
 
@@ -247,7 +247,8 @@ def run_fw(ctx: Context, progress=None, cancel=None, *, soft: bool, steps: int, 
         trace["weights"].append(w.tolist())
         iterates.append((w @ vertices)[:, None].clone())
         if progress:
-            progress((i + 1) / steps, f"iteration {i + 1}/{steps}: loss {float(loss):.4f}, gap {gap:.4f}", float(loss))
+            progress((i + 1) / steps, f"iteration {i + 1}/{steps}: loss {trace['loss'][-1]:.4f}, gap {gap:.4f}",
+                     trace["loss"][-1])
     final = (w @ vertices)[:, None]
     trace["vertices"] = labels
     return Run("", ctx.tasks, ["all layers"], final.cpu(), comb.delta(final, tv.base), trace,
@@ -259,6 +260,7 @@ def run_fw(ctx: Context, progress=None, cancel=None, *, soft: bool, steps: int, 
 ADA = Paper("AdaMerging: adaptive model merging for multi-task learning", "2310.02575")
 CART = Paper("Revisiting weight averaging for model merging (AdaMerging+CART)", "2412.12153")
 FW = Paper("FW-Merging: scaling model merging with Frank-Wolfe optimization", "2503.12649")
+SEED = Param("seed", 0, 0, 2**31 - 1, 1, kind="int", help="random seed of the batch / calibration-set draws")
 ADA_PARAMS = (STEPS, LR, INIT, SAMPLES, SEED)
 
 
