@@ -177,7 +177,7 @@ def bench_live(args) -> int:
           f"({sum(len(m) for _, m in ex.evaluator.inputs('live'))} task evaluations); "
           f"explorer set-up {setup:.1f} s; torch threads {torch.get_num_threads()}")
     lams = [round(0.05 * i, 2) for i in range(1, args.moves + 1)]
-    rows, worst = [], 0
+    rows = []
     for m in LIVE_METHODS:
         times = []
         for lam in lams:

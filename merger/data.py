@@ -8,7 +8,6 @@ Splits: train (without validation), val (10 % of train, seed 0), test, live (fix
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -28,7 +27,6 @@ class SplitData:
 
 
 def _demo_split(entry: Mapping, split: str, task: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], tuple]:
-    from .demo import world
 
     base_split = "test" if split in ("test", "live") else "train"
     cfg = entry.get(base_split)

@@ -1,6 +1,5 @@
 """One real-browser test: drag λ in the Merge tab; the numbers shown equal merger.evaluate."""
 import os
-import tempfile
 
 import pytest
 

@@ -1,6 +1,5 @@
 """The built-in demo pool: the shipped zoo opens (hashes checked) and the reduced configuration,
 built from scratch here, meets loose versions of the demo's targets."""
-import pytest
 
 import merger
 from merger.reports import demo_numbers, demo_targets

@@ -8,11 +8,9 @@ import subprocess
 import sys
 import threading
 
-import numpy as np
 import pytest
 import torch
 import yaml
-from PIL import Image
 
 import merger
 from merger import checkpoints

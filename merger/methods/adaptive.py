@@ -139,7 +139,6 @@ def _combination(ctx: Context, granularity: str, rank_ratio: float | None):
     if rank_ratio is None:  # AdaMerging: θ0 + Σ λ τ
         anchor, parts = dict(tv.base), dict(tv.stacked)
     else:  # AdaMerging+CART: θavg + Σ λ SVD_k(θt − θavg) on matrices, θavg elsewhere
-        from .lowrank import _factors
         from .registry import kept_rank
 
         prep = prepare_cart(tv)

@@ -6,7 +6,7 @@ import gradio as gr
 from .. import methods, plots, trajectories
 from ..errors import MergerError
 from ..landscape import Landscape, extent_of
-from ..landscape_report import landscape_figure, make_plane, point_kind
+from ..landscape_report import landscape_figure, make_plane
 
 PLANE_CHOICES = [("PCA of base, experts and pinned merges", "pca"), ("base + two task vectors", "tasks"),
                  ("three points (named below)", "points")]
