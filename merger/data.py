@@ -1,7 +1,7 @@
 """Task data: images and labels per split, as tensors.
 
-Two sources, one shape: the demo world (``data: {demo: {train: {n, seed}, test: {n, seed}}}``,
-regenerated deterministically) and, for real pools, image folders. Tasks whose data entries are
+Two sources, one shape: the demo world (``data: {demo: {train: {n, seed}, test: {n, seed},
+domain: {attribute: class index, ...}}}``, regenerated deterministically; ``domain`` is optional) and, for real pools, image folders. Tasks whose data entries are
 identical share one image tensor, so the evaluator forwards those images once for all of them.
 Splits: train (without validation), val (10 % of train, seed 0), test, live (fixed subset of test).
 """
@@ -35,21 +35,44 @@ def _demo_split(entry: Mapping, split: str, task: str) -> tuple[torch.Tensor, di
     n, seed = int(cfg["n"]), int(cfg["seed"])
     if n <= 0:
         raise DataError(f"tasks.{task}: the {base_split} split has no images (n = {n})")
-    images, labels = _generate_cached(n, seed)
+    domain = demo_domain(entry, task)
+    images, labels = _generate_cached(n, seed, domain)
     if task not in labels:
         raise DataError(f"tasks.{task}: the demo world has no task '{task}' (it has {', '.join(labels)})")
-    return images, labels, ("demo", n, seed)
+    return images, labels, ("demo", n, seed, domain)
 
 
-_GENERATED: dict[tuple[int, int], tuple] = {}
+def demo_domain(entry: Mapping, task: str) -> tuple[tuple[str, int], ...]:
+    """The checked ``domain`` of a demo data entry: sorted (attribute, class index) pairs."""
+    from .demo import world
+
+    domain = entry.get("domain") or {}
+    if not isinstance(domain, Mapping):
+        raise PoolError(f"tasks.{task}.data.demo.domain: expected {{attribute: class index}}")
+    out = []
+    for attr, value in domain.items():
+        if attr not in world.TASKS:
+            raise PoolError(f"tasks.{task}.data.demo.domain: unknown attribute '{attr}' "
+                            f"(known: {', '.join(world.TASKS)})")
+        if attr == task:
+            raise PoolError(f"tasks.{task}.data.demo.domain: cannot hold the task's own attribute '{attr}' fixed")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < len(world.TASKS[attr]):
+            raise PoolError(f"tasks.{task}.data.demo.domain.{attr}: expected a class index 0..{len(world.TASKS[attr]) - 1}, "
+                            f"got {value!r}")
+        out.append((str(attr), int(value)))
+    return tuple(sorted(out))
 
 
-def _generate_cached(n: int, seed: int):
-    if (n, seed) not in _GENERATED:
+_GENERATED: dict[tuple, tuple] = {}
+
+
+def _generate_cached(n: int, seed: int, domain: tuple[tuple[str, int], ...] = ()):
+    key = (n, seed, domain)
+    if key not in _GENERATED:
         from .demo import world
 
-        _GENERATED[(n, seed)] = world.generate(n, seed)
-    return _GENERATED[(n, seed)]
+        _GENERATED[key] = world.generate(n, seed, fixed=dict(domain))
+    return _GENERATED[key]
 
 
 def _select(split: str, n: int) -> torch.Tensor | None:

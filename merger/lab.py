@@ -58,7 +58,10 @@ def finetune(pool, task: str, settings: dict, progress=None, cancel=None):
     base_task = pool.expert_info.get(task, {}).get("lab_task", task)
     if base_task not in world.TASKS:
         raise MergerError(f"lab: '{base_task}' is not a task of the demo world ({', '.join(world.TASKS)})")
-    images, labels = world.generate(int(data["train"]["n"]), int(data["train"]["seed"]))
+    from .data import demo_domain
+
+    fixed = dict(demo_domain(data, base_task))
+    images, labels = world.generate(int(data["train"]["n"]), int(data["train"]["seed"]), fixed=fixed)
     return train.finetune_expert(pool.base, base_task, images=images, labels=labels, progress=progress,
                                  cancel=cancel, config=pool.architecture["config"], **settings)
 

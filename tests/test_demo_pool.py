@@ -1,5 +1,5 @@
 """The built-in demo pool: the shipped zoo opens (hashes checked) and the reduced configuration,
-built from scratch here, meets loose versions of the demo's targets."""
+built from scratch here, meets the demo's targets."""
 
 import merger
 from merger.reports import demo_numbers, demo_targets
@@ -19,13 +19,8 @@ def test_demo_targets_on_the_reduced_configuration(tmp_path):
 
     out = build(tmp_path / "small", DemoConfig.small(), progress=False)
     n = demo_numbers(merger.open_pool(out / "pool.yaml"))
-    experts = sum(n["experts"].values()) / len(n["experts"])
-    base = n["base"].average_accuracy
-    ta = n["ta"][n["best_lam"]].average_accuracy
-    chance = sum(n["chance"].values()) / len(n["chance"])
-    assert experts >= 0.75, f"experts {experts:.3f}"
-    assert experts - base >= 0.15, f"base {base:.3f} vs experts {experts:.3f}"
-    assert base > chance + 0.05
-    # measured on the reduced world: TA +3.4 points over the base, 16 below the experts
-    assert ta - base >= 0.025 and experts - ta >= 0.05, f"TA {ta:.3f}, base {base:.3f}, experts {experts:.3f}"
-    assert len(demo_targets(n)) == 5
+    targets = demo_targets(n)
+    # measured on the reduced world: experts 90.9 %, base 27.6 points below them, best TA
+    # 14.8 points above the base and 12.8 below the experts
+    assert len(targets) == 5
+    assert all(met for _, met, _ in targets), [(name, measured) for name, met, measured in targets if not met]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from merger.demo import world
@@ -19,6 +20,20 @@ def test_generate_is_deterministic_per_seed():
     assert all(torch.equal(a_lab[t], b_lab[t]) for t in world.TASKS)
     assert not torch.equal(a_img, c_img)
     assert any(not torch.equal(a_lab[t], c_lab[t]) for t in world.TASKS)
+
+
+def test_a_domain_holds_its_attributes_and_keeps_the_rest_of_the_draw():
+    free_img, free = world.generate(200, seed=5)
+    img, held = world.generate(200, seed=5, fixed={"background": 2, "colour": 0})
+    assert torch.equal(held["background"], torch.full((200,), 2)) and torch.equal(held["colour"], torch.zeros(200, dtype=torch.int64))
+    assert all(torch.equal(held[t], free[t]) for t in world.TASKS if t not in ("background", "colour"))
+    assert torch.equal(img, world.generate(200, seed=5, fixed={"background": 2, "colour": 0})[0])
+    assert not torch.equal(img, free_img)
+    # every task of the shipped world has a domain that leaves its own attribute free
+    assert set(world.DOMAINS) == set(world.TASKS)
+    assert all(t not in d and all(0 <= v < len(world.TASKS[a]) for a, v in d.items()) for t, d in world.DOMAINS.items())
+    with pytest.raises(ValueError, match="fixed: size=7"):
+        world.generate(4, seed=0, fixed={"size": 7})
 
 
 def test_labels_match_class_counts_and_cover_all_classes():

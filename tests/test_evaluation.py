@@ -1,4 +1,6 @@
 """Evaluator and explorer on a random pool over demo-world data."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,6 +148,48 @@ def test_class_with_no_images(tmp_path):
 
     pool = _edit(path, extra_class)
     with pytest.raises(DataError, match="class\\(es\\) unicorn have no images in the test split"):
+        merger.Evaluator(pool).evaluate(None, "test")
+
+
+def _with_domain(spec, task, domain):
+    # the tasks share one YAML data entry (an alias): give this task its own
+    spec["tasks"][task]["data"] = {"demo": {**spec["tasks"][task]["data"]["demo"], "domain": domain}}
+
+
+def test_task_domain_draws_its_own_images(tmp_path):
+    from merger.data import TaskDataStore
+    from merger.demo import world
+
+    path = write_pool(tmp_path, n_experts=2, demo_data=True)
+    a, b = list(world.TASKS)[:2]
+    pool = _edit(path, lambda spec: _with_domain(spec, a, {"background": 3, "dots": 1}))
+    store = TaskDataStore(pool)
+    da, db = store.split(a, "test"), store.split(b, "test")
+    assert da.source != db.source and not torch.equal(da.images, db.images)
+    # the images are the world's draw with those attributes held, labels of the task unchanged
+    images, labels = world.generate(300, 12, fixed={"background": 3, "dots": 1})
+    assert torch.equal(da.images, images) and torch.equal(da.labels, labels[a])
+    assert torch.equal(db.labels, world.generate(300, 12)[1][b])
+
+
+@pytest.mark.parametrize("domain, message", [
+    ({"weather": 0}, "domain: unknown attribute 'weather'"),
+    ({"background": 9}, "domain.background: expected a class index 0..3, got 9"),
+    ({"background": "teal"}, "domain.background: expected a class index 0..3, got 'teal'"),
+    ("pink", "domain: expected {attribute: class index}"),
+])
+def test_bad_task_domain_is_named(tmp_path, domain, message):
+    path = write_pool(tmp_path, n_experts=2, demo_data=True)
+    t = "shape"
+    pool = _edit(path, lambda spec: _with_domain(spec, t, domain))
+    with pytest.raises(PoolError, match=re.escape(f"tasks.{t}.data.demo.{message}")):
+        merger.Evaluator(pool).evaluate(None, "test")
+
+
+def test_domain_cannot_hold_the_task_attribute(tmp_path):
+    path = write_pool(tmp_path, n_experts=2, demo_data=True)
+    pool = _edit(path, lambda spec: _with_domain(spec, "shape", {"shape": 1}))
+    with pytest.raises(PoolError, match="cannot hold the task's own attribute 'shape' fixed"):
         merger.Evaluator(pool).evaluate(None, "test")
 
 

@@ -47,7 +47,8 @@ from merger.demo.train import accuracy, finetune_expert, image_features, pretrai
 class DemoConfig:
     """Everything that determines the demo pool (stored in manifest.json)."""
 
-    # world splits: (size, seed) of the images; pretraining images are a separate draw
+    # world splits: (size, seed) of the images; pretraining images are a separate draw of the
+    # whole world, each task's train/test images a draw of its domain (seed * 1000 + task index)
     n_pretrain: int = 20000
     pretrain_data_seed: int = 0
     n_train: int = 5000
@@ -55,6 +56,7 @@ class DemoConfig:
     n_test: int = 2000
     test_seed: int = 2
     tasks: tuple[str, ...] = tuple(world.TASKS)
+    domains: dict = field(default_factory=lambda: {t: dict(d) for t, d in world.DOMAINS.items()})
     # supervised warm-up of the image tower on all n_pretrain images
     warmup_epochs: int = 5
     warmup_lr: float = 3e-3
@@ -77,9 +79,17 @@ class DemoConfig:
 
     @classmethod
     def small(cls) -> "DemoConfig":
-        """A reduced pool that builds in about a minute on 2 cores (for CI)."""
-        return cls(n_pretrain=8000, warmup_epochs=4, n_train=2000, n_test=1000, ft_epochs=3, ft_lr=1e-4,
-                   trajectory_dtype="float16")
+        """A reduced pool that builds in about a minute on 2 cores (CI checks the targets on it)."""
+        return cls(n_pretrain=12000, warmup_epochs=4, n_train=3000, n_test=1000)
+
+    def task_data(self, task: str) -> dict:
+        """The pool.yaml ``data.demo`` entry of one task: its train/test draws and its domain."""
+        i = list(world.TASKS).index(task)
+        entry = {"train": {"n": self.n_train, "seed": self.train_seed * 1000 + i},
+                 "test": {"n": self.n_test, "seed": self.test_seed * 1000 + i}}
+        if self.domains.get(task):
+            entry["domain"] = dict(self.domains[task])
+        return entry
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -131,10 +141,11 @@ def build(out_dir: str | Path = "assets/demo", config: DemoConfig | None = None,
                         warmup_lr=config.warmup_lr, visual_lr_scale=config.visual_lr_scale,
                         warmup_images=pre_x, warmup_labels=pre_y, progress=tick(0, 1 + config.pretrain_epochs))
         _save(base, tmp / "base.safetensors")
-        train_x, train_y = world.generate(config.n_train, config.train_seed)
         ft_dtype = getattr(torch, config.trajectory_dtype)
         experts, offset = {}, float(1 + config.pretrain_epochs)
         for task in config.tasks:
+            spec = config.task_data(task)
+            train_x, train_y = world.generate(spec["train"]["n"], spec["train"]["seed"], fixed=spec.get("domain"))
             final, traj, hp = finetune_expert(
                 base, task, lr=config.ft_lr, epochs=config.ft_epochs, batch_size=config.ft_batch_size,
                 data_fraction=config.ft_data_fraction, seed=config.ft_seed, images=train_x,
@@ -145,8 +156,6 @@ def build(out_dir: str | Path = "assets/demo", config: DemoConfig | None = None,
                 _save(state, tmp / "trajectories" / task / f"epoch_{e:03d}.safetensors", ft_dtype)
             experts[task] = {"path": f"experts/{task}.safetensors", "trajectory": f"trajectories/{task}",
                              "hparams": hp}
-        data = {"demo": {"train": {"n": config.n_train, "seed": config.train_seed},
-                         "test": {"n": config.n_test, "seed": config.test_seed}}}
         pool = {
             "name": "demo",
             "architecture": {"config": CLIP_CONFIG},
@@ -156,7 +165,7 @@ def build(out_dir: str | Path = "assets/demo", config: DemoConfig | None = None,
             "base": "base.safetensors",
             "experts": experts,
             "tasks": {t: {"classes": list(world.TASKS[t]), "templates": list(world.TEMPLATES[t]),
-                          "data": data} for t in config.tasks},
+                          "data": {"demo": config.task_data(t)}} for t in config.tasks},
         }
         (tmp / "pool.yaml").write_text(yaml.safe_dump(pool, sort_keys=False, default_flow_style=None))
         files = {p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -199,28 +208,32 @@ def quick_report(pool_dir: str | Path, lams: tuple[float, ...] | None = None) ->
     pool_dir = Path(pool_dir)
     pool = yaml.safe_load((pool_dir / "pool.yaml").read_text())
     tasks = list(pool["tasks"])
-    test = pool["tasks"][tasks[0]]["data"]["demo"]["test"]
-    x, y = world.generate(test["n"], test["seed"])
+    test = {}
+    for t in tasks:
+        entry = pool["tasks"][t]["data"]["demo"]
+        x, y = world.generate(entry["test"]["n"], entry["test"]["seed"], fixed=entry.get("domain"))
+        test[t] = (x, y[t])
     model = create_model(pool["architecture"]["config"])
     base = load_file(str(pool_dir / pool["base"]))
     model.load_state_dict(base)
     heads = {t: task_head(model, t) for t in tasks}
     scale = model.logit_scale.detach().clone()
 
-    def accs(feats):
-        return {t: accuracy(feats, heads[t], scale, y[t]) for t in tasks}
+    def accs(only=None):
+        return {t: accuracy(image_features(model, test[t][0]), heads[t], scale, test[t][1])
+                for t in (only or tasks)}
 
     experts = {t: load_file(str(pool_dir / pool["experts"][t]["path"])) for t in tasks}
-    base_acc = accs(image_features(model, x))
+    base_acc = accs()
     expert_acc = {}
     for t in tasks:
         model.load_state_dict(experts[t], strict=False)
-        expert_acc[t] = accuracy(image_features(model, x), heads[t], scale, y[t])
+        expert_acc[t] = accs([t])[t]
     lams = lams or tuple(round(0.05 * i, 2) for i in range(1, 31))
     ta = {}
     for lam in lams:
         model.load_state_dict(_merge(base, list(experts.values()), lam), strict=False)
-        ta[lam] = accs(image_features(model, x))
+        ta[lam] = accs()
     avg = lambda d: sum(d.values()) / len(d)  # noqa: E731
     best = max(ta, key=lambda lam: avg(ta[lam]))
     return {
