@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", type=int, default=21)
     p.add_argument("--metric", default="loss", choices=["loss", "accuracy"])
     p.add_argument("--task", default=None, help="one task's metric (default: mean over tasks)")
-    p.add_argument("--split", default="live")
+    p.add_argument("--split", default="probe", help="probe (default: 48 test images per task), live, val or test")
     p.add_argument("--paths", default=None, help="comma list: TASK (fine-tuning path) or METHOD@lam|rank_ratio|sparsity")
     p.add_argument("--view", default="contour", choices=["contour", "surface"])
     p.add_argument("--out", required=True, help="output .html (the grid goes beside it as .json)")

@@ -28,7 +28,7 @@ class SplitData:
 
 def _demo_split(entry: Mapping, split: str, task: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], tuple]:
 
-    base_split = "test" if split in ("test", "live") else "train"
+    base_split = "test" if split in ("test", "live", "probe") else "train"
     cfg = entry.get(base_split)
     if not isinstance(cfg, Mapping) or "n" not in cfg or "seed" not in cfg:
         raise PoolError(f"tasks.{task}.data.demo.{base_split}: expected {{n: ..., seed: ...}}")
@@ -82,6 +82,8 @@ def _select(split: str, n: int) -> torch.Tensor | None:
         return split_rules.train_val_indices(n)[1]
     if split == "live":
         return split_rules.live_indices(n)
+    if split == "probe":
+        return split_rules.live_indices(n, split_rules.PROBE_SIZE)
     return None
 
 
@@ -149,7 +151,7 @@ class TaskDataStore:
             images, labels, source = _demo_split(entry, split, label_task)
             labels = labels[label_task]
         elif kind == "memory":  # in-memory pools (benchmarks): {train: (images, labels), test: ...}
-            base_split = "test" if split in ("test", "live") else "train"
+            base_split = "test" if split in ("test", "live", "probe") else "train"
             images, labels = entry[base_split]
             source = ("memory", task, base_split)
         else:

@@ -104,6 +104,7 @@ class Evaluator:
         self.logit_scale = float(self.model.logit_scale.exp())
         self.heads = self._build_heads()
         self._inputs: dict[str, list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]] = {}
+        self._whole: dict[str, tuple[list, torch.Tensor]] = {}  # split -> (its groups, their inputs concatenated)
         self._expert_acc: dict[str, dict[str, float]] = {}
         self.notices: list[str] = []  # out-of-memory fallbacks, shown to the user
 
@@ -207,15 +208,34 @@ class Evaluator:
         self.heads = {t: h.to(self.device) for t, h in self.heads.items()}
         self._inputs = {s: [(x.to(self.device), [(t, y.to(self.device)) for t, y in m]) for x, m in groups]
                         for s, groups in self._inputs.items()}
+        self._whole.clear()
+
+    # Tasks with their own images (the demo's domains, folder pools) are forwarded as one batch
+    # when all of them are evaluated: one pass through the tower instead of one per task. Only
+    # for splits this small, since the concatenation is a second copy of the inputs.
+    _CONCAT_MAX_ELEMENTS = 1 << 25
+
+    def _all_groups_features(self, split: str, groups: list) -> list[torch.Tensor] | None:
+        if len(groups) < 2 or len({tuple(x.shape[1:]) for x, _ in groups}) != 1:
+            return None
+        if sum(x.numel() for x, _ in groups) > self._CONCAT_MAX_ELEMENTS:
+            return None
+        cached = self._whole.get(split)
+        if cached is None or cached[0] is not groups:  # inputs rebuilt or moved since
+            cached = (groups, torch.cat([x for x, _ in groups]))
+            self._whole[split] = cached
+        return list(self._encode(cached[1]).split([x.shape[0] for x, _ in groups]))
 
     @torch.inference_mode()
     def forward(self, split: str, tasks: Sequence[str] | None = None) -> tuple[dict, dict, dict]:
         acc, loss, counts = {}, {}, {}
-        for x, members in self.inputs(split):
+        groups = self.inputs(split)
+        together = self._all_groups_features(split, groups) if tasks is None else None
+        for i, (x, members) in enumerate(groups):
             members = [(t, y) for t, y in members if tasks is None or t in tasks]
             if not members:
                 continue
-            feats = F.normalize(self._encode(x), dim=-1)
+            feats = F.normalize(together[i] if together is not None else self._encode(x), dim=-1)
             for t, y in members:
                 y = y.to(feats.device)
                 logits = self.logit_scale * feats @ self.heads[t].T

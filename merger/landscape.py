@@ -228,7 +228,7 @@ class Landscape:
             self._values[key] = (acc, loss)
         return self._values[key]
 
-    def surface(self, plane: Plane, extent: Sequence[float], n: int, split: str = "live", progress=None) -> Surface:
+    def surface(self, plane: Plane, extent: Sequence[float], n: int, split: str = "probe", progress=None) -> Surface:
         if not 2 <= int(n) <= MAX_GRID:
             raise MergerError(f"landscape grid {n}×{n} is out of bounds (2 to {MAX_GRID} per side)")
         n = int(n)
@@ -245,7 +245,7 @@ class Landscape:
                 progress((i + 1) / n, f"row {i + 1}/{n}")
         return Surface(plane.key, xs, ys, loss, acc, split)
 
-    def progressive(self, plane: Plane, extent: Sequence[float], n: int, split: str = "live",
+    def progressive(self, plane: Plane, extent: Sequence[float], n: int, split: str = "probe",
                     progress=None) -> Iterator[Surface]:
         """A coarse surface first, then the requested resolution (reusing coinciding points)."""
         if not 2 <= int(n) <= MAX_GRID:

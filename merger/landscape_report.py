@@ -66,7 +66,7 @@ def landscape_figure(land: Landscape, plane, surface, metric: str, task: str | N
 
 
 def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_names: Sequence[str], grid: int,
-                    metric: str, task: str | None = None, tasks: Sequence[str] = (), split: str = "live",
+                    metric: str, task: str | None = None, tasks: Sequence[str] = (), split: str = "probe",
                     path_names: Sequence[str] = (), view: str = "contour") -> tuple[Path, Path]:
     if metric not in METRICS:
         raise MergerError(f"unknown metric '{metric}'; one of {', '.join(METRICS)}")

@@ -1,15 +1,19 @@
 """The split protocol shared by the demo builder, the evaluator and the tuner.
 
 Validation is 10 % of the train split chosen with seed 0 (never seen by experts when they are
-fine-tuned here); "live" is a fixed small subset of the test split for the sliders.
+fine-tuned here); "live" is a fixed small subset of the test split for the sliders, and "probe"
+the first ``PROBE_SIZE`` of that subset, for surfaces that evaluate hundreds of points (the
+loss landscape): each task of the demo has its own images, so a grid costs one forward of
+every task's probe per point.
 """
 from __future__ import annotations
 
 import torch
 
-SPLITS = ("train", "val", "test", "live")
+SPLITS = ("train", "val", "test", "live", "probe")
 VAL_FRACTION = 0.1
-LIVE_SIZE = 128
+LIVE_SIZE = 96
+PROBE_SIZE = 48  # LIVE_SIZE 96: seven tasks with their own images forward in ~60 ms on 2 cores
 
 
 def _perm(n: int, seed: int) -> torch.Tensor:
@@ -24,5 +28,5 @@ def train_val_indices(n_train: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def live_indices(n_test: int, size: int = LIVE_SIZE) -> torch.Tensor:
-    """A fixed subset of the test split (seed 0), sorted."""
+    """A fixed subset of the test split (seed 0), sorted; smaller sizes give subsets of larger ones."""
     return _perm(n_test, 0)[: min(size, n_test)].sort().values

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import yaml
 
 import merger
+from merger import splits as split_rules
 from merger.data import preprocess
 from merger.errors import DataError, PoolError
 from merger.evaluation import tokenizer_for
@@ -108,7 +109,12 @@ def test_splits_protocol(demo_like):
     train, val = ex.evaluator.data.split(t, "train"), ex.evaluator.data.split(t, "val")
     test, live = ex.evaluator.data.split(t, "test"), ex.evaluator.data.split(t, "live")
     assert val.labels.numel() == 40 and train.labels.numel() == 360  # 10 % of 400
-    assert live.labels.numel() == 128 and test.labels.numel() == 300
+    assert live.labels.numel() == 96 and test.labels.numel() == 300
+    # the landscape's probe is the start of the live subset
+    probe = ex.evaluator.data.split(t, "probe")
+    assert probe.labels.numel() == 48
+    assert torch.equal(split_rules.live_indices(300, 48), split_rules.live_indices(300)[torch.isin(split_rules.live_indices(300), split_rules.live_indices(300, 48))])
+    assert torch.isin(split_rules.live_indices(300, 48), split_rules.live_indices(300)).all()
 
 
 def test_unknown_split(demo_like):

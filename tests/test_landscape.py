@@ -50,7 +50,7 @@ def test_value_at_a_grid_point_equals_evaluate(land):
     weights = land.space.unflatten(plane.point(x, y))
     full = dict(land.pool.base)
     full.update(weights)
-    res = merger.evaluate(land.pool, full, split="live")
+    res = merger.evaluate(land.pool, full, split="probe")
     for t in land.pool.tasks:
         assert surface.accuracy[t][0][2] == pytest.approx(res.accuracy[t], abs=1e-6)
         assert surface.loss[t][0][2] == pytest.approx(res.loss[t], rel=1e-5)

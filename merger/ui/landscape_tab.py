@@ -134,7 +134,7 @@ def build_landscape_tabs(ctl, pins, inputs, engine: str):
         chosen = gr.CheckboxGroup(lc.path_choices(), value=lc.path_choices()[:2], label="trajectories")
         with gr.Row():
             t_metric = gr.Radio(["accuracy", "loss"], value="accuracy", label="metric")
-            t_split = gr.Dropdown(["live", "val", "test"], value="live", label="split")
+            t_split = gr.Dropdown(["probe", "live", "val", "test"], value="live", label="split")
         t_btn = gr.Button("Evaluate along trajectories")
         t_plot = gr.Plot()
         t_btn.click(lc.curves, [chosen, t_metric, t_split, *inputs], t_plot, concurrency_id=engine,
