@@ -1,9 +1,9 @@
 """The tiny CLIP of the demo world: an inline open_clip config, built by open_clip's own class.
 
-Size is set by the live app's budget: after every slider move it merges and forwards the 128
-"live" images through the image tower, all within ~100 ms on 2 CPU cores, so the tower must
-forward 128 images in well under 40 ms. A 3-layer, 96-wide ViT on 8x8 patches of a 32x32 image
-(16 patches + CLS) takes ~17 ms there (~25-30 ms on a busy machine).
+Size is set by the live app's budget: after every slider move it merges and forwards the live
+images of every task (96 per task, each task with its own images: 672 for seven tasks) through
+the image tower within ~100 ms on 2 CPU cores. A 3-layer, 96-wide ViT on 8x8 patches of a 32x32
+image (16 patches + CLS) does that in ~60 ms (bench live p50 62-67 ms).
 
 The image tower uses fixed 2-D sin-cos position embeddings (not learnable ones): with learnable
 ones, contrastive pretraining from scratch never started to use the small spatial cues (dots).
