@@ -1,9 +1,11 @@
 """Task data: images and labels per split, as tensors.
 
 Two sources, one shape: the demo world (``data: {demo: {train: {n, seed}, test: {n, seed},
-domain: {attribute: class index, ...}}}``, regenerated deterministically; ``domain`` is optional) and, for real pools, image folders. Tasks whose data entries are
-identical share one image tensor, so the evaluator forwards those images once for all of them.
-Splits: train (without validation), val (10 % of train, seed 0), test, live (fixed subset of test).
+domain: {attribute: class index, ...}}}``, regenerated deterministically; ``domain`` is
+optional) and, for real pools, image folders. Tasks whose data entries are identical share one
+image tensor, so the evaluator forwards those images once for all of them. Splits: train
+(without validation), val (10 % of train, seed 0), test, live (fixed subset of test) and probe
+(the start of live).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ class SplitData:
 
 def _demo_split(entry: Mapping, split: str, task: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], tuple]:
 
-    base_split = "test" if split in ("test", "live", "probe") else "train"
+    base_split = split_rules.source_split(split)
     cfg = entry.get(base_split)
     if not isinstance(cfg, Mapping) or "n" not in cfg or "seed" not in cfg:
         raise PoolError(f"tasks.{task}.data.demo.{base_split}: expected {{n: ..., seed: ...}}")
@@ -151,7 +153,7 @@ class TaskDataStore:
             images, labels, source = _demo_split(entry, split, label_task)
             labels = labels[label_task]
         elif kind == "memory":  # in-memory pools (benchmarks): {train: (images, labels), test: ...}
-            base_split = "test" if split in ("test", "live", "probe") else "train"
+            base_split = split_rules.source_split(split)
             images, labels = entry[base_split]
             source = ("memory", task, base_split)
         else:

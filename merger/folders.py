@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .errors import DataError, PoolError
+from .splits import source_split
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ def load_folder_split(pool, task: str, entry, split: str, classes: list[str]):
     from PIL import Image
 
     root, size = _entry_root(pool, task, entry)
-    base_split = "test" if split in ("test", "live") else "train"
+    base_split = source_split(split)
     folder = root / base_split
     if not folder.is_dir():
         present = ", ".join(sorted(p.name for p in root.iterdir() if p.is_dir())) or "nothing"

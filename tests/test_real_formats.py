@@ -167,6 +167,10 @@ def test_folder_tasks_load_with_the_right_labels(folder_pool):
     assert set(res.accuracy) == {"a", "b", "c"} and res.counts["a"] == 12
     # tasks reading the same folder share one forward
     assert len(ev.inputs("test")) == 1
+    # live and the landscape's probe are drawn from the test folder, val from train
+    for split in ("live", "probe"):
+        assert torch.equal(ev.data.split("a", split).images, test.images)  # 12 test images: all of them
+    assert ev.data.split("a", "val").labels.numel() == 2  # 10 % of the 18 train images
 
 
 def test_folder_layout_and_class_mismatches(folder_pool):
