@@ -107,31 +107,56 @@ def reconstruction_and_interference(tv, ks: Sequence[int], centred: bool, keys: 
     return {"k": list(ks), "per_layer": per, "sum": summed, "centred": centred}
 
 
-def heterogeneity(tv, coefficients: Sequence[float], mask_sparsity: float | None = None, seed: int | None = None) -> dict:
-    """ζt² ∝ ‖τt − Σk λk τk‖² per task; with a mask (TIES top-k, or DARE's drop when seed is given)
-    its reduction δt(M) = ζt² − ‖M⊙τt − Σk λk M⊙τk‖²; χ² of the coefficients and simplex warnings."""
+MASKS = ("ties", "dare_linear", "dare_ties")  # the sparsifying operators M of seed 000
+
+
+def merge_mask(tv, kind: str, sparsity: float, seed: int | None = None) -> torch.Tensor:
+    """Per task, the entries its merge keeps, [T, P] bool: TIES keeps the top (1 − sparsity) by
+    magnitude and then only entries whose sign agrees with the elected sign(Σ trimmed τ);
+    DARE keeps its seeded draw (dare_ties then elects signs among the kept entries)."""
+    T = tv.num_tasks
+    flat = torch.stack([_flat(tv, i) for i in range(T)])
+    if kind not in MASKS:
+        raise MergerError(f"mask '{kind}' unknown; one of {', '.join(MASKS)}")
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    for i in range(T):
+        if kind == "ties":
+            n = flat.shape[1]
+            thr = flat[i].abs().kthvalue(n - _n_keep(n, sparsity) + 1).values
+            keep[i] = flat[i].abs() >= thr
+        else:  # the very masks DARE merges with (seeded per task name)
+            from .methods.ties import _U16, prepare_dare
+
+            draws = prepare_dare(tv.subset([tv.tasks[i]]), int(seed or 0))["draws"]
+            drawn = torch.cat([draws[k][0].reshape(-1).to(torch.int32) for k in tv.keys])
+            keep[i] = drawn >= int(round(sparsity * _U16))
+    if kind in ("ties", "dare_ties"):
+        elected = torch.where(keep, flat, 0.0).sum(0).sign()
+        keep &= (flat.sign() == elected) & (flat != 0)
+    return keep
+
+
+def heterogeneity(tv, coefficients: Sequence[float], mask: str | None = None, sparsity: float | None = None,
+                  seed: int | None = None) -> dict:
+    """ζt² ∝ ‖τt − τ̄‖², τ̄ = Σk λk τk, per task; with a merge's mask M its reduction (seed 000, Eq. 10)
+    δt(M) = Σ_{j dropped from τt} [(τt,j − τ̄j)² − (0 − τ̄~j)²], τ̄~ = Σk λk M(τk) the masked consensus,
+    and ζ̂t² = ζt² − δt(M); χ² of the coefficients and simplex warnings."""
     T = tv.num_tasks
     lam = torch.tensor([float(c) for c in coefficients])
     if lam.numel() != T:
         raise MergerError(f"heterogeneity: {lam.numel()} coefficients for {T} tasks")
     flat = torch.stack([_flat(tv, i) for i in range(T)])
-    zeta = ((flat - lam @ flat) ** 2).sum(1)
+    consensus = lam @ flat
+    zeta = ((flat - consensus) ** 2).sum(1)
     out = {"tasks": tv.tasks, "zeta2": zeta.tolist(), "coefficients": lam.tolist(), **chi_square(lam.tolist())}
-    if mask_sparsity is not None and mask_sparsity > 0:
-        masked = flat.clone()
-        for i in range(T):
-            if seed is None:
-                thr = flat[i].abs().kthvalue(flat.shape[1] - _n_keep(flat.shape[1], mask_sparsity) + 1).values
-                masked[i][flat[i].abs() < thr] = 0
-            else:  # the very masks DARE merges with (seeded per task name)
-                from .methods.ties import _U16, prepare_dare
-
-                draws = prepare_dare(tv.subset([tv.tasks[i]]), seed)["draws"]
-                keep = torch.cat([draws[k][0].reshape(-1).to(torch.int32) for k in tv.keys])
-                masked[i][keep < int(round(mask_sparsity * _U16))] = 0
-        zeta_m = ((masked - lam @ masked) ** 2).sum(1)
-        out["zeta2_masked"] = zeta_m.tolist()
-        out["delta"] = (zeta - zeta_m).tolist()
+    if mask is not None and sparsity:
+        keep = merge_mask(tv, mask, sparsity, seed)
+        masked_consensus = lam @ torch.where(keep, flat, 0.0)
+        delta = torch.where(~keep, (flat - consensus) ** 2 - masked_consensus ** 2, 0.0).sum(1)
+        out["delta"] = delta.tolist()
+        out["zeta2_hat"] = (zeta - delta).tolist()
+        out["dropped"] = (~keep).float().mean(1).tolist()
+        out["mask"] = mask
     return out
 
 
@@ -165,8 +190,14 @@ def epoch_dynamics(points: Sequence[torch.Tensor]) -> dict:
 
 # ---- features on a probe batch (seed 004) -------------------------------------------------
 
+def probe_images(evaluator, split: str = "val", per_task: int = 16) -> torch.Tensor:
+    """A probe batch with images of every task: the first ``per_task`` of each image source."""
+    return torch.cat([x[:per_task] for x, _ in evaluator.inputs(split)])
+
+
 def block_features(model_visual, weights: dict, x: torch.Tensor) -> list[torch.Tensor]:
-    """Per transformer block, the output tokens' CLS feature [N, width] under the given weights."""
+    """Per transformer block, its output over all tokens, flattened to [N, tokens × width] (seed 004,
+    B.1.2: the cosine is taken over the whole token × hidden feature, not the class token)."""
     from torch.func import functional_call
 
     feats = []
@@ -178,27 +209,37 @@ def block_features(model_visual, weights: dict, x: torch.Tensor) -> list[torch.T
     finally:
         for h in hooks:
             h.remove()
-    # open_clip blocks are batch-first ([N, L, D]); keep the class token
-    return [f[:, 0, :].float() for f in feats]
+    if not getattr(model_visual.transformer, "batch_first", True):
+        feats = [f.transpose(0, 1) for f in feats]  # [L, N, D] -> [N, L, D]
+    return [f.reshape(f.shape[0], -1).float() for f in feats]
 
 
 def cross_task_linearity(features, merged: dict, experts: Sequence[dict], weights: Sequence[float],
-                         x: torch.Tensor) -> dict:
-    """Per layer: 1 − cos(f(θmerged; x), Σ wt f(θt; x)) (mean and quartiles over x), and the
-    baseline 1 − cos(f(θi; x), f(θj; x)) between experts (mean over pairs).
+                         x: torch.Tensor, base: dict | None = None) -> dict:
+    """Per layer: 1 − cos(f(θmerged; x), prediction) (mean and quartiles over x), against the
+    baseline: the mean over the endpoints e of 1 − cos(f(θmerged; x), f(e; x)) (seed 004).
+
+    The prediction is the affine form (1 − Σ wt) f(θ0) + Σ wt f(θt) when ``base`` is given (the
+    paper's Eq. 2 for task arithmetic: θ0 + Σ wt τt = (1 − Σ wt) θ0 + Σ wt θt), else Σ wt f(θt).
+    The endpoints are the models the prediction combines with a non-zero weight.
     ``features(weights, x)`` returns one [N, D] feature tensor per layer (e.g. block_features)."""
     fm = features(merged, x)
     fe = [features(e, x) for e in experts]
-    out = {"mean": [], "q25": [], "q75": [], "baseline": []}
+    w0 = 1.0 - sum(weights)
+    fb = features(base, x) if base is not None and abs(w0) > 1e-9 else None
+    out = {"mean": [], "q25": [], "q75": [], "baseline": [], "base_weight": w0 if base is not None else 0.0}
     for layer in range(len(fm)):
-        combo = sum(w * f[layer] for w, f in zip(weights, fe))
-        d = 1 - F.cosine_similarity(fm[layer], combo, dim=-1)
+        pred = sum(w * f[layer] for w, f in zip(weights, fe))
+        ends = [f[layer] for w, f in zip(weights, fe) if w != 0]
+        if fb is not None:
+            pred = pred + w0 * fb[layer]
+            ends.append(fb[layer])
+        d = 1 - F.cosine_similarity(fm[layer], pred, dim=-1)
         out["mean"].append(float(d.mean()))
         out["q25"].append(float(d.quantile(0.25)))
         out["q75"].append(float(d.quantile(0.75)))
-        pairs = [1 - F.cosine_similarity(fe[i][layer], fe[j][layer], dim=-1).mean()
-                 for i in range(len(fe)) for j in range(i + 1, len(fe))]
-        out["baseline"].append(float(sum(pairs) / len(pairs)) if pairs else float("nan"))
+        gaps = [float((1 - F.cosine_similarity(fm[layer], e, dim=-1)).mean()) for e in ends]
+        out["baseline"].append(sum(gaps) / len(gaps) if gaps else float("nan"))
     return out
 
 

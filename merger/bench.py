@@ -19,7 +19,7 @@ MERGE_SETTINGS = {
     "dare_linear": [{"lam": l, "sparsity": s, "seed": 0} for l, s in ((0.3, 0.9), (0.4, 0.8), (0.2, 0.7), (0.3, 0.85), (0.5, 0.95))],
     "dare_ties": [{"lam": l, "sparsity": s, "seed": 0} for l, s in ((1.0, 0.9), (0.9, 0.8), (1.1, 0.7), (1.0, 0.85), (1.2, 0.95))],
     "cart": [{"lam": l, "rank_ratio": r} for l, r in ((1.5, 0.04), (1.2, 0.06), (1.5, 0.08), (1.8, 0.12), (1.0, 0.16))],
-    "tsv_m": [{"lam": l, "rank_ratio": r} for l, r in ((1.0, 0.125), (0.9, 0.06), (1.1, 0.08), (1.0, 0.1), (1.2, 0.16))],
+    "tsv_m": [{"lam": l, "rank_ratio": r} for l, r in ((1.0, "auto"), (0.9, 0.06), (1.1, 0.08), (1.0, 0.1), (1.2, 0.12))],
     "iso_c": [{"lam": v} for v in (1.0, 1.2, 1.3, 1.4, 1.5)],
 }
 GOALS = {"task_arithmetic": 1.5, "ties": 1.5, "cart": 1.5}

@@ -36,8 +36,11 @@ def cmd_methods(args) -> int:
         print(f"{m.name}  ({m.display_name}; {m.kind})")
         print(f"    paper: {m.paper}")
         print(f"    {m.description}")
+        if m.conventions:
+            print(f"    conventions: {m.conventions}")
         for p in m.params:
-            default = "1/T" if p.default is None else f"{p.default:g}"
+            default = {None: "depends on T", "auto": f"auto ({p.auto})"}.get(p.default, p.default)
+            default = f"{default:g}" if isinstance(default, (int, float)) else default
             print(f"    --{p.name.replace('_', '-'):<11} range {p.range_text():<14} step {p.step:g}  default {default}  {p.help}")
     return 0
 

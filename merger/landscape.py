@@ -119,6 +119,14 @@ class Surface:
     accuracy: dict[str, list[list[float]]]
     split: str
 
+    @staticmethod
+    def metric_of(values: tuple[dict, dict], metric: str, task: str | None = None) -> float:
+        """One number from (accuracy, loss) per task: a task's, or the mean over tasks."""
+        table = values[0] if metric == "accuracy" else values[1]
+        if task is not None:
+            return table[task]
+        return sum(table.values()) / len(table)
+
     def values(self, metric: str, task: str | None = None) -> list[list[float]]:
         """metric 'loss' or 'accuracy'; task None = the average over tasks."""
         table = self.loss if metric == "loss" else self.accuracy
@@ -162,6 +170,7 @@ class Landscape:
         self.pool = explorer.pool
         self.space = WeightSpace(self.pool.task_vectors)
         self._values: dict[tuple, tuple[dict, dict]] = {}
+        self._point_values: dict[tuple, tuple[dict, dict]] = {}
         self._buf: torch.Tensor | None = None
 
     # ---- points -----------------------------------------------------------------------
@@ -227,6 +236,17 @@ class Landscape:
                 acc, loss, _ = ev.forward(split)
             self._values[key] = (acc, loss)
         return self._values[key]
+
+    def point_values(self, vec: torch.Tensor, split: str = "probe") -> tuple[dict, dict]:
+        """(accuracy, loss) per task at a point itself (one forward; cached by the point's bytes)."""
+        key = (hashlib.sha1(vec.detach().cpu().numpy().tobytes()).hexdigest(), split)
+        if key not in self._point_values:
+            ev = self.explorer.evaluator
+            with self.explorer.lock:
+                ev.load(self.space.unflatten(vec))
+                acc, loss, _ = ev.forward(split)
+            self._point_values[key] = (acc, loss)
+        return self._point_values[key]
 
     def surface(self, plane: Plane, extent: Sequence[float], n: int, split: str = "probe", progress=None) -> Surface:
         if not 2 <= int(n) <= MAX_GRID:

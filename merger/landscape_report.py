@@ -8,7 +8,7 @@ from typing import Sequence
 from . import plots, trajectories
 from .checkpoints import write_text_atomic
 from .errors import MergerError
-from .landscape import Landscape, extent_of, pca_plane, task_vector_plane, three_point_plane
+from .landscape import Landscape, Surface, extent_of, pca_plane, task_vector_plane, three_point_plane
 
 PLANES = ("pca", "tasks", "points")
 METRICS = ("loss", "accuracy")
@@ -51,18 +51,27 @@ def resolve_paths(land: Landscape, names: Sequence[str]) -> list:
 
 
 def landscape_figure(land: Landscape, plane, surface, metric: str, task: str | None, points: dict,
-                     paths: list, view: str = "contour", live=None):
+                     paths: list, view: str = "contour", live=None, live_values=None):
+    """``live``: (label, x, y, off-plane) of the live merge; ``live_values``: its (accuracy, loss) per
+    task on the surface's split (the 3-D view draws every marker at its own measured value)."""
     coords = {label: (*plane.coords(v), point_kind(label, land.pool)) for label, v in points.items()}
     drawn = {}
     for tr in paths:
         xs, ys, offs = trajectories.project(plane, tr)
         drawn[tr.name] = (xs, ys, [f"{lab} (off-plane {o:.3g})" for lab, o in zip(tr.labels, offs)])
     label = f"{'mean ' if task is None else task + ' '}{metric}"
-    z = surface.values(metric, task)
-    if metric == "accuracy":
-        z = [[100 * v for v in row] for row in z]
+    scale = 100.0 if metric == "accuracy" else 1.0
+    z = [[scale * v for v in row] for row in surface.values(metric, task)]
+    heights = None
+    if view == "surface":
+        heights = {name: scale * Surface.metric_of(land.point_values(v, surface.split), metric, task)
+                   for name, v in points.items()}
+        if live is not None:
+            if live_values is None:
+                raise MergerError("3-D landscape: the live merge's values are needed for its marker")
+            heights["live"] = scale * Surface.metric_of(live_values, metric, task)
     return plots.landscape(surface.xs, surface.ys, z, label, coords, drawn, live, view,
-                           title=f"{label} on {plane.label} ({surface.split} split)")
+                           title=f"{label} on {plane.label} ({surface.split} split)", heights=heights)
 
 
 def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_names: Sequence[str], grid: int,

@@ -48,12 +48,18 @@ class Spec:
         return dict(self.params)
 
     def rounded(self) -> "Spec":
-        """Parameters snapped to their slider steps: the cache key of a preview."""
+        """Parameters snapped to their slider steps: the cache key of a slider preview.
+
+        Only static methods' sliders snap. A data-driven method runs with exactly the values it
+        was given (a typed lr = 4e-5 must not become 0), and "auto" stays "auto"."""
         m = methods.get(self.method)
+        if m.kind == "data":
+            return self
         out = []
         for name, value in self.params:
             step = m.param(name).step
-            out.append((name, value if isinstance(value, int) else round(round(value / step) * step, 10)))
+            snap = isinstance(value, float)
+            out.append((name, round(round(value / step) * step, 10) if snap else value))
         return Spec(self.method, tuple(out), self.experts)
 
     def label(self) -> str:

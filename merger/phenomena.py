@@ -1,15 +1,47 @@
 """``python -m merger report phenomena``: the papers' phenomena, measured on the demo pool."""
 from __future__ import annotations
 
+from typing import Mapping
+
 from . import analysis
 from .explorer import Explorer
-from .lab import add_expert, check_settings, finetune
+from .lab import add_expert, finetune, settings_of
 from .reports import TA_GRID
 
 RANKS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.75, 1.0)
 
 
+def rises_then_falls(curve: Mapping[float, float], margin: float = 0.01) -> bool:
+    """The peak lies strictly inside the range and clears both ends by ``margin``."""
+    xs = sorted(curve)
+    peak = max(xs, key=curve.get)
+    return xs[0] < peak < xs[-1] and curve[peak] > max(curve[xs[0]], curve[xs[-1]]) + margin
+
+
+def bell_at_low_rank(curve: Mapping[float, float], low: float = 0.32, margin: float = 0.01) -> bool:
+    """CART's bell (seed 002): rises from the lowest rank, peaks at a rank ratio ≤ ``low``, falls back."""
+    return rises_then_falls(curve, margin) and max(curve, key=curve.get) <= low
+
+
+def full_rank_through_the_arithmetic(ex, lam: float = 1.5, split: str = "test") -> dict:
+    """CART at full rank computed through the SVD sum (no shortcut), against weight averaging:
+    the largest weight difference and the accuracy difference."""
+    from .methods.lowrank import low_rank_sum, prepare_cart
+
+    tv = ex.pool.task_vectors
+    prep = prepare_cart(tv)
+    delta = dict(prep["mean"])
+    for key, (us, vh) in prep["factors"].items():
+        delta[key] = prep["mean"][key] + lam * low_rank_sum(us, vh, min(us.shape[1], vh.shape[2]))
+    with ex.lock:
+        full = ex.evaluator.evaluate(delta=delta, split=split, with_experts=False)
+    wa = ex.preview(ex.spec("weight_averaging"), split)
+    return {"max_weight_difference": max(float((delta[k] - prep["mean"][k]).abs().max()) for k in delta),
+            "accuracy_difference": abs(full.average_accuracy - wa.average_accuracy)}
+
+
 def _best_ta(ex, experts, split_pick="val", split_report="test"):
+    """λ of task arithmetic picked on validation, and the merged tasks' test accuracy there."""
     val = {lam: ex.preview(ex.spec("task_arithmetic", experts=experts, lam=lam), split_pick).average_accuracy
            for lam in TA_GRID}
     lam = max(val, key=val.get)
@@ -22,10 +54,7 @@ def _expert_set(ex, label: str, overrides: dict, progress) -> list[str]:
     pool = ex.pool
     names = []
     for t in list(ex.original_tasks):
-        hp = dict(pool.expert_info[t].get("hparams") or {})
-        settings = check_settings(**{k: hp.get(k, d) for k, d in
-                                     (("lr", 1e-3), ("epochs", 3), ("batch_size", 128), ("data_fraction", 1.0),
-                                      ("seed", 0))} | overrides)
+        settings = settings_of(pool, t, **overrides)
         name = f"{t}@{label}"
         if name not in pool.tasks:
             if progress:
@@ -41,18 +70,15 @@ def phenomena(pool, progress=print) -> dict:
     ex.original_tasks = list(pool.tasks)
     tasks = ex.original_tasks
     out = {}
-    # 1. TA against λ
+    # 1. TA against λ (test curve; λ picked on validation)
     ta = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "test").average_accuracy for lam in TA_GRID}
-    peak = max(ta, key=ta.get)
-    out["ta"] = {"curve": ta, "peak": peak,
-                 "rise_then_fall": TA_GRID[0] < peak < TA_GRID[-1] and ta[peak] > max(ta[TA_GRID[0]], ta[TA_GRID[-1]]) + 0.01}
+    picked, _ = _best_ta(ex, tasks)
+    out["ta"] = {"curve": ta, "peak": max(ta, key=ta.get), "picked": picked, "rise_then_fall": rises_then_falls(ta)}
     # 2. CART against rank ratio
     wa = ex.preview(ex.spec("weight_averaging"), "test").average_accuracy
     cart = {r: ex.preview(ex.spec("cart", rank_ratio=r), "test").average_accuracy for r in RANKS}
-    cpeak = max(cart, key=cart.get)
-    out["cart"] = {"curve": cart, "weight_averaging": wa, "peak": cpeak,
-                   "bell": RANKS[0] < cpeak <= 0.32 and cart[cpeak] > cart[RANKS[-1]] + 0.01,
-                   "full_rank_equals_wa": abs(cart[1.0] - wa) < 1e-9}
+    out["cart"] = {"curve": cart, "weight_averaging": wa, "peak": max(cart, key=cart.get),
+                   "bell": bell_at_low_rank(cart), "full_rank": full_rank_through_the_arithmetic(ex)}
     # 3./4. expert sets fine-tuned differently, merged with TA at λ chosen on validation
     sets = {"converged (the pool's experts)": tasks}
     sets["one epoch"] = _expert_set(ex, "1ep", {"epochs": 1}, progress)
@@ -67,16 +93,16 @@ def phenomena(pool, progress=print) -> dict:
         experts = ex.experts("test")
         rows[label] = {"experts": sum(experts[n] for n in names) / len(names), "lam": lam, "merged": merged}
     out["expert_sets"] = rows
-    # 5. per-layer cross-task linearity of the TA merge against the cross-expert baseline
-    lam = out["ta"]["peak"]
+    # 5. per-layer cross-task linearity of the TA merge (λ picked on validation) against its baseline
+    lam = out["ta"]["picked"]
     ev = ex.evaluator
-    x = ev.inputs("val")[0][0][:64]
+    x = analysis.probe_images(ev)
     tv = pool.task_vectors
     idx = [tv.tasks.index(t) for t in tasks]
     merged = {k: tv.base[k] + lam * tv.stacked[k][idx].sum(0) for k in tv.keys}
     experts_w = [tv.expert(i) for i in idx]
     feats = lambda w, xx: analysis.block_features(ev.model.visual, w, xx)  # noqa: E731
-    lin = analysis.cross_task_linearity(feats, merged, experts_w, [lam] * len(idx), x)
+    lin = analysis.cross_task_linearity(feats, merged, experts_w, [lam] * len(idx), x, base=tv.base)
     out["linearity"] = {**lin, "lam": lam}
     # 6. FW-soft against TA
     fw = ex.spec("fw_soft", experts=tasks)
@@ -90,20 +116,24 @@ def format_phenomena(n: dict) -> str:
     pct = lambda v: f"{100 * v:.1f}"  # noqa: E731
     L = ["Phenomena measured on the demo pool (test split; λ for TA chosen on validation where stated)", ""]
     ta = n["ta"]
-    L.append(f"1. TA accuracy against λ: peak {pct(ta['curve'][ta['peak']])} % at λ={ta['peak']:g}; "
+    L.append(f"1. TA accuracy against λ (test): peak {pct(ta['curve'][ta['peak']])} % at λ={ta['peak']:g}; "
+             f"λ picked on validation {ta['picked']:g} ({pct(ta['curve'][ta['picked']])} %); "
              f"rises then falls: {'yes' if ta['rise_then_fall'] else 'NO'}")
     L.append("   " + "  ".join(f"{lam:g}:{pct(v)}" for lam, v in ta["curve"].items()))
     c = n["cart"]
+    fr = c["full_rank"]
     L.append(f"2. CART against rank ratio (λ=1.5): peak {pct(c['curve'][c['peak']])} % at ratio {c['peak']:g}; bell "
-             f"peaking at low rank: {'yes' if c['bell'] else 'NO'}; full rank = weight averaging "
-             f"({pct(c['weight_averaging'])} %): {'yes' if c['full_rank_equals_wa'] else 'NO'}")
+             f"peaking at low rank: {'yes' if c['bell'] else 'NO'}; full rank through the SVD sum vs weight "
+             f"averaging ({pct(c['weight_averaging'])} %): largest weight difference {fr['max_weight_difference']:.2g}, "
+             f"accuracy difference {100 * fr['accuracy_difference']:.2f} points")
     L.append("   " + "  ".join(f"{r:g}:{pct(v)}" for r, v in c["curve"].items()))
     L.append("3./4. expert sets merged with TA (λ best on validation):")
     for label, r in n["expert_sets"].items():
         L.append(f"   {label:<40} experts {pct(r['experts'])} %  merged {pct(r['merged'])} % (λ={r['lam']:g})")
     lin = n["linearity"]
-    L.append(f"5. cross-task linearity of TA (λ={lin['lam']:g}) per block, mean 1 − cos [q25, q75] vs the "
-             "cross-expert baseline:")
+    L.append(f"5. cross-task linearity of TA (λ={lin['lam']:g}) per block: mean 1 − cos(f(merge), (1 − Σλ) f(θ0) + "
+             "Σ λ f(θt)) [q25, q75] over all tokens of probe images from every task, vs the baseline "
+             "1 − cos(f(merge), f(endpoint)):")
     for i, (m, a, b, base) in enumerate(zip(lin["mean"], lin["q25"], lin["q75"], lin["baseline"])):
         L.append(f"   block {i}: {m:.4f} [{a:.4f}, {b:.4f}]  baseline {base:.4f}  "
                  f"({'below' if m < base else 'NOT below'} the baseline)")

@@ -102,33 +102,37 @@ def _hover(label, x, y, off):
     return f"{label}<br>plane ({x:.3g}, {y:.3g})<br>off-plane distance {off:.3g}"
 
 
-def _nearest(xs, ys, z, x, y):
-    j = min(range(len(xs)), key=lambda k: abs(xs[k] - x))
-    i = min(range(len(ys)), key=lambda k: abs(ys[k] - y))
-    return z[i][j]
-
-
 def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), paths: Mapping[str, tuple] = (),
-              live: tuple | None = None, view: str = "contour", title: str = "") -> go.Figure:
+              live: tuple | None = None, view: str = "contour", title: str = "",
+              heights: Mapping[str, float] | None = None) -> go.Figure:
     """Contour (or 3-D surface) of a metric on a plane.
 
     points: label -> (x, y, off_plane, kind) with kind in MARKERS; paths: name -> (xs, ys, labels);
     live: (label, x, y, off_plane) for the live merge marker. Hover texts give off-plane distances.
+    The 3-D view needs ``heights``: label (and "live") -> the metric of the point itself, measured
+    at the point and not read off the surface, which holds the value at its projection.
     """
     fig = go.Figure()
     points = dict(points or {})
     paths = dict(paths or {})
     if view == "surface":
+        heights = dict(heights or {})
+        missing = [label for label in points if label not in heights] + (
+            ["live"] if live is not None and "live" not in heights else [])
+        if missing:
+            raise ValueError(f"3-D landscape: no measured height for {', '.join(missing)}")
         fig.add_trace(go.Surface(x=xs, y=ys, z=z, colorscale="Viridis", opacity=0.9, name=metric_label,
                                  colorbar=dict(title=metric_label)))
         for label, (x, y, off, kind) in points.items():
             sym, col = MARKERS.get(kind, MARKERS["merge"])
-            fig.add_trace(go.Scatter3d(x=[x], y=[y], z=[_nearest(xs, ys, z, x, y)], mode="markers+text", text=[label],
-                                       name=label, marker=dict(size=5, color=col), hovertext=_hover(label, x, y, off)))
+            fig.add_trace(go.Scatter3d(x=[x], y=[y], z=[heights[label]], mode="markers+text", text=[label],
+                                       name=label, marker=dict(size=5, color=col),
+                                       hovertext=_hover(label, x, y, off) + f"<br>{metric_label} {heights[label]:.4g}"))
         if live is not None:
             label, x, y, off = live
-            fig.add_trace(go.Scatter3d(x=[x], y=[y], z=[_nearest(xs, ys, z, x, y)], mode="markers", name="live merge",
-                                       marker=dict(size=8, color=MARKERS["live"][1]), hovertext=_hover(label, x, y, off)))
+            fig.add_trace(go.Scatter3d(x=[x], y=[y], z=[heights["live"]], mode="markers", name="live merge",
+                                       marker=dict(size=8, color=MARKERS["live"][1]),
+                                       hovertext=_hover(label, x, y, off) + f"<br>{metric_label} {heights['live']:.4g}"))
         fig.update_layout(title=title, scene=dict(zaxis_title=metric_label), template="plotly_white",
                           height=560, margin=dict(l=0, r=0, t=40, b=0))
         return fig
@@ -209,13 +213,21 @@ def heatmap(matrix, xlabels, ylabels, title: str, zmid: float | None = None, fmt
     return fig
 
 
+def _error_bars(err) -> dict | None:
+    """Symmetric errors [e, ...], or a (below, above) pair of lists (e.g. quartiles around a mean)."""
+    if err is None:
+        return None
+    if len(err) == 2 and all(isinstance(e, (list, tuple)) for e in err):
+        return dict(type="data", symmetric=False, arrayminus=list(err[0]), array=list(err[1]), visible=True)
+    return dict(type="data", array=list(err), visible=True)
+
+
 def bars(series: Mapping[str, Sequence[float]], labels: Sequence[str], title: str, y_title: str = "",
-         errors: Mapping[str, Sequence[float]] | None = None) -> go.Figure:
+         errors: Mapping[str, Sequence] | None = None) -> go.Figure:
     fig = go.Figure()
     for i, (name, ys) in enumerate(series.items()):
-        err = (errors or {}).get(name)
         fig.add_trace(go.Bar(x=list(labels), y=list(ys), name=name, marker_color=PALETTE[i % len(PALETTE)],
-                             error_y=dict(type="data", array=list(err), visible=True) if err is not None else None))
+                             error_y=_error_bars((errors or {}).get(name))))
     fig.update_layout(title=title, barmode="group", yaxis=dict(title=y_title), **_LAYOUT)
     return fig
 

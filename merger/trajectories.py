@@ -86,7 +86,8 @@ def parameter_path(landscape, method: str, axis: str, values: Sequence[float], f
     if axis not in m.param_names:
         raise MergerError(f"{m.name} has no parameter {axis}")
     points, steps = [], []
-    for v in values:
+    lo, hi = m.bounds(axis, len(experts) if experts else len(landscape.pool.tasks))
+    for v in [v for v in values if lo <= v <= hi + 1e-12]:  # TSV-M's rank path stops at 1/T
         params = dict(fixed or {})
         params[axis] = v
         spec = Spec.make(m.name, params, experts, landscape.pool.tasks)

@@ -75,11 +75,17 @@ def sweep(explorer, method_names: Sequence[str], axis: str, values: Sequence[flo
     if len(values) * len(method_names) > MAX_GRID_POINTS:
         raise MergerError(f"sweep of {len(values) * len(method_names)} points is too large (at most {MAX_GRID_POINTS})")
     out, total, done = {}, len(values) * len(method_names), 0
+    n_experts = len(experts) if experts else len(explorer.tasks)
     for m in method_names:
-        if axis not in methods.get(m).param_names:
+        rec = methods.get(m)
+        if axis not in rec.param_names:
             raise MergerError(f"{m} has no parameter {axis}: it cannot be swept along {SWEEP_AXES[axis][0]}")
+        lo, hi = rec.bounds(axis, n_experts)  # e.g. TSV-M's rank ratio stops at 1/T
         xs, avg, per = [], [], {t: [] for t in explorer.tasks}
         for v in values:
+            if not lo <= v <= hi + 1e-12:
+                done += 1
+                continue
             params = {k: val for k, val in (fixed or {}).get(m, {}).items() if k != axis}
             params[axis] = v
             res = explorer.preview(explorer.spec(m, experts=experts, **params), split=split)

@@ -46,8 +46,10 @@ def base_and_experts(n_experts: int = 3, scale: float = 0.05, seed: int = 0, con
     return base, experts
 
 
-def write_pool(root: Path, n_experts: int = 3, scale: float = 0.05, tasks=None, demo_data: bool = False) -> Path:
-    """A random pool; with ``demo_data`` its tasks are the demo world's, with small data splits."""
+def write_pool(root: Path, n_experts: int = 3, scale: float = 0.05, tasks=None, demo_data: bool = False,
+               own_images: bool = False) -> Path:
+    """A random pool; with ``demo_data`` its tasks are the demo world's, with small data splits
+    (one image set labelled by every task, or with ``own_images`` a set per task)."""
     from merger.demo import world
 
     config = demo_config() if demo_data else TINY_CONFIG
@@ -69,8 +71,11 @@ def write_pool(root: Path, n_experts: int = 3, scale: float = 0.05, tasks=None, 
 
         spec["tokenizer"] = "demo"
         spec["preprocess"] = {"image_size": 32, "mean": list(demo_model.MEAN), "std": list(demo_model.STD)}
-        data = {"demo": {"train": {"n": 400, "seed": 11}, "test": {"n": 300, "seed": 12}}}
-        spec["tasks"] = {t: {"classes": list(world.TASKS[t]), "templates": list(world.TEMPLATES[t]), "data": data}
-                         for t in tasks}
+        def data(i):
+            off = 100 * i if own_images else 0
+            return {"demo": {"train": {"n": 400, "seed": 11 + off}, "test": {"n": 300, "seed": 12 + off}}}
+
+        spec["tasks"] = {t: {"classes": list(world.TASKS[t]), "templates": list(world.TEMPLATES[t]), "data": data(i)}
+                         for i, t in enumerate(tasks)}
     (root / "pool.yaml").write_text(yaml.safe_dump(spec))
     return root / "pool.yaml"

@@ -66,16 +66,52 @@ def test_reconstruction_and_interference(tv):
 
 def test_heterogeneity_and_chi_square(tv):
     lam = [0.2, 0.3, 0.5]
-    out = analysis.heterogeneity(tv, lam, mask_sparsity=0.5)
+    out = analysis.heterogeneity(tv, lam)
     flats = torch.stack([flat(tv, i) for i in range(3)])
     mean = sum(l * f for l, f in zip(lam, flats))
     assert out["zeta2"][1] == pytest.approx(float((flats[1] - mean).pow(2).sum()), rel=1e-5)
-    assert len(out["delta"]) == 3
+    assert "delta" not in out
     assert out["chi2"] == pytest.approx(sum((1 / 3 - c) ** 2 / c ** 2 for c in lam))
     assert out["warnings"] == []
     warn = analysis.chi_square([0.5, 0.5, 0.5])["warnings"]
     assert "Σλ = 1.5 ≠ 1" in warn[0]
     assert any("λ < 0" in w for w in analysis.chi_square([1.2, -0.2])["warnings"])
+
+
+def hand_made_tv():
+    """Two task vectors of four entries, small enough to compute δ(M) by hand."""
+    base = {"visual.w": torch.zeros(4)}
+    experts = {"a": {"visual.w": torch.tensor([3.0, -1.0, 2.0, 0.5])},
+               "b": {"visual.w": torch.tensor([-4.0, 1.5, 1.0, 0.1])}}
+    return TaskVectors(base, experts)
+
+
+def test_ties_mask_elects_signs_and_delta_sums_over_the_dropped_entries_only():
+    # top-2 per task: a keeps entries 0, 2; b keeps 0, 1. Trimmed sum [-1, 1.5, 2, 0]: elected signs
+    # [-, +, +, 0], so a's entry 0 (+3, kept by magnitude) is dropped by the election.
+    tv = hand_made_tv()
+    keep = analysis.merge_mask(tv, "ties", 0.5)
+    assert keep.tolist() == [[False, False, True, False], [True, True, False, False]]
+    out = analysis.heterogeneity(tv, [0.5, 0.5], "ties", 0.5)
+    # consensus c = [-0.5, 0.25, 1.5, 0.3]; masked consensus c~ = [-2, 0.75, 1, 0]
+    # δa = Σ over a's dropped {0, 1, 3} of (τa − c)² − c~² = (12.25 − 4) + (1.5625 − 0.5625) + 0.04
+    # δb = Σ over b's dropped {2, 3}: (0.25 − 1) + 0.04
+    assert out["delta"] == pytest.approx([9.29, -0.71], abs=1e-5)
+    assert out["zeta2_hat"] == pytest.approx([z - d for z, d in zip(out["zeta2"], out["delta"])])
+    assert out["dropped"] == pytest.approx([0.75, 0.5])
+
+
+def test_dare_masks_are_the_merge_masks(tv):
+    keep = analysis.merge_mask(tv, "dare_linear", 0.6, seed=3)
+    # the entries dare_linear keeps are exactly those that differ from the base in its merge
+    from merger.methods.ties import apply_dare_linear, prepare_dare
+
+    one = tv.subset([tv.tasks[0]])
+    delta = apply_dare_linear(prepare_dare(one, 3), lam=1.0, sparsity=0.6, seed=3)
+    kept = torch.cat([(delta[k] != 0).reshape(-1) for k in tv.keys])
+    assert torch.equal(keep[0], kept)
+    ties_keep = analysis.merge_mask(tv, "dare_ties", 0.6, seed=3)
+    assert bool((ties_keep <= keep).all()) and int(ties_keep.sum()) < int(keep.sum())  # election drops more
 
 
 def test_epoch_dynamics():
@@ -89,54 +125,68 @@ def test_epoch_dynamics():
         analysis.epoch_dynamics(pts[:2])
 
 
-def test_one_epoch_of_full_batch_gd_is_minus_eta_gradient(tmp_path):
+def test_one_epoch_of_full_batch_gd_in_the_lab_is_minus_eta_gradient(tmp_path):
+    """Through the lab's own code path (its gradient-descent preset): τ(1) = −η ∇L(θ0)."""
+    from merger import lab
+
     pool = merger.open_pool(write_pool(tmp_path, n_experts=2, scale=0.1, demo_data=True))
     ev = merger.Evaluator(pool)
     t = pool.tasks[0]
+    settings = lab.check_settings(**{**lab.GRADIENT_DESCENT, "data_fraction": 1.0, "seed": 0})
+    sd, traj, hp = lab.finetune(pool, t, settings)
+    assert len(traj) == 1 and hp["batch_size"] == 0 and hp["optimizer"] == "sgd"
+    keys = pool.task_vectors.keys
+    tau1 = torch.cat([(sd[k] - pool.task_vectors.base[k]).reshape(-1) for k in keys])
     grad = analysis.gradient_at_base(ev, t)
-    eta = 0.05
-    # one epoch of full-batch gradient descent from the base, done with an optimiser
-    params = {k: v.clone().requires_grad_(True) for k, v in pool.task_vectors.base.items()}
-    opt = torch.optim.SGD(list(params.values()), lr=eta)
-    from torch.func import functional_call
-
-    from merger.data import preprocess
-
-    d = ev.data.split(t, "train")
-    x = preprocess(d.images, pool.preprocess_cfg)
-    f = F.normalize(functional_call(ev.model.visual, {k[7:]: v for k, v in params.items()}, (x,)), dim=-1)
-    F.cross_entropy(ev.logit_scale * f @ ev.heads[t].T, d.labels).backward()
-    opt.step()
-    tau1 = torch.cat([(params[k].detach() - pool.task_vectors.base[k]).reshape(-1) for k in params])
-    g = torch.cat([grad[k].reshape(-1) for k in params])
-    assert torch.allclose(tau1, -eta * g, atol=1e-6)
-    assert analysis.gradient_alignment(tau1, g) == pytest.approx(1.0, abs=1e-5)
+    g = torch.cat([grad[k].reshape(-1) for k in keys])
+    assert analysis.gradient_alignment(tau1, g) == pytest.approx(1.0, abs=1e-4)
+    assert torch.allclose(tau1, -settings["lr"] * g, atol=1e-5)
+    # the AdamW default with its schedule does not give the identity
+    adam, _, _ = lab.finetune(pool, t, lab.check_settings(1e-3, 1, 64, 1.0, 0))
+    tau_adam = torch.cat([(adam[k] - pool.task_vectors.base[k]).reshape(-1) for k in keys])
+    assert analysis.gradient_alignment(tau_adam, g) < 0.99
 
 
-def test_cross_task_linearity_of_a_linear_model_is_zero():
+def linear_features(weights, x):
+    h = x @ weights["w"].T
+    return [h, 2 * h]  # two "layers", both linear in the weights
+
+
+def test_cross_task_linearity_keeps_the_base_term():
+    """Task arithmetic with Σλ ≠ 1: for a model linear in its weights, the affine prediction
+    (1 − Σλ) f(θ0) + Σ λ f(θt) is exact; Σ λ f(θt) alone is not."""
     torch.manual_seed(0)
-    experts = [{"w": torch.randn(5, 3)} for _ in range(3)]
-    w = [0.2, 0.5, 0.3]
-    merged = {"w": sum(c * e["w"] for c, e in zip(w, experts))}
-
-    def features(weights, x):
-        h = x @ weights["w"].T
-        return [h, 2 * h]  # two "layers", both linear in the weights
-
-    out = analysis.cross_task_linearity(features, merged, experts, w, torch.randn(16, 3))
+    base = {"w": torch.randn(5, 3)}
+    experts = [{"w": base["w"] + 0.5 * torch.randn(5, 3)} for _ in range(3)]
+    w = [0.7, 0.7, 0.7]  # Σ = 2.1, as TA at λ = 0.7 over three tasks
+    merged = {"w": base["w"] + sum(c * (e["w"] - base["w"]) for c, e in zip(w, experts))}
+    x = torch.randn(16, 3)
+    out = analysis.cross_task_linearity(linear_features, merged, experts, w, x, base=base)
     assert max(out["mean"]) == pytest.approx(0.0, abs=1e-6)
-    assert all(b > 0 for b in out["baseline"])
+    without = analysis.cross_task_linearity(linear_features, merged, experts, w, x)
+    assert min(without["mean"]) > 1e-3  # the prediction without the base term misses
+    # baseline: the merge against each endpoint (the experts and, as 1 − Σλ ≠ 0, the base)
+    fm = linear_features(merged, x)[0]
+    ends = [linear_features(e, x)[0] for e in experts] + [linear_features(base, x)[0]]
+    expected = sum(float((1 - F.cosine_similarity(fm, e, dim=-1)).mean()) for e in ends) / 4
+    assert out["baseline"][0] == pytest.approx(expected, rel=1e-5)
+    assert out["base_weight"] == pytest.approx(1 - 2.1)
 
 
-def test_block_features_on_open_clip(tmp_path):
-    pool = merger.open_pool(write_pool(tmp_path, n_experts=2, scale=0.1, demo_data=True))
+def test_block_features_cover_every_token_and_the_probe_every_task(tmp_path):
+    pool = merger.open_pool(write_pool(tmp_path, n_experts=2, scale=0.1, demo_data=True, own_images=True))
     ev = merger.Evaluator(pool)
-    x = ev.inputs("live")[0][0][:8]
+    x = analysis.probe_images(ev, "live", per_task=4)
+    groups = ev.inputs("live")
+    assert len(x) == 4 * len(groups) and torch.equal(x[4:8], groups[1][0][:4])  # images of the second task too
     feats = analysis.block_features(ev.model.visual, pool.task_vectors.base, x)
-    assert len(feats) == len(ev.model.visual.transformer.resblocks) and feats[0].shape[0] == 8
+    tokens = (32 // 8) ** 2 + 1
+    width = ev.model.visual.transformer.width
+    assert len(feats) == len(ev.model.visual.transformer.resblocks) and feats[0].shape == (len(x), tokens * width)
     experts = [pool.task_vectors.expert(i) for i in range(2)]
     fn = lambda wts, xx: analysis.block_features(ev.model.visual, wts, xx)  # noqa: E731
-    out = analysis.cross_task_linearity(fn, pool.task_vectors.expert(0), experts, [1.0, 0.0], x)
+    out = analysis.cross_task_linearity(fn, pool.task_vectors.expert(0), experts, [1.0, 0.0], x,
+                                        base=pool.task_vectors.base)
     assert max(out["mean"]) == pytest.approx(0.0, abs=1e-5)  # the merge is expert 0 itself
 
 

@@ -15,6 +15,11 @@ def ex(tmp_path_factory):
 
 
 @pytest.mark.parametrize("field, value, message", [
+    ("optimizer", "lion", "optimizer='lion' must be one of adamw, sgd"),
+    ("schedule", "step", "schedule='step' must be one of cosine, constant"),
+    ("momentum", 1.0, "momentum=1.0 must be in \\[0, 1\\)"),
+    ("weight_decay", -0.1, "weight_decay=-0.1 must be in \\[0, 10\\]"),
+    ("batch_size", -1, "batch_size=-1 must be between 1 and 100000 \\(or 0"),
     ("epochs", 0, "epochs=0 must be between 1"),
     ("lr", 0, "lr=0.0 must be > 0"),
     ("lr", -1e-3, "lr=-0.001 must be > 0"),
@@ -56,8 +61,22 @@ def test_lab_needs_the_demo_world(tiny_pool):
 
 def test_trend_fit_is_a_least_squares_line_in_g():
     fit = lab.fit_trend("lr", [1e-3, 2e-3, 3e-3], [1 + 5e4 * x ** 2 for x in (1e-3, 2e-3, 3e-3)])
-    assert fit["a"] == pytest.approx(1.0) and fit["b"] == pytest.approx(5e4, rel=1e-6)
+    assert fit["a"] == pytest.approx(1.0) and fit["b"][0] == pytest.approx(5e4, rel=1e-6)
     assert "trend" in fit["label"]
+
+
+def test_steps_and_tasks_trends_are_trade_offs_not_lines():
+    ks = [1, 2, 4, 8, 16]
+    fit = lab.fit_trend("epochs", ks, [0.5 + 0.02 * k + 0.8 / k for k in ks])  # U-shaped in K
+    assert fit["a"] == pytest.approx(0.5) and fit["b"] == pytest.approx([0.02, 0.8], rel=1e-6)
+    ys = fit["y"]
+    low = ys.index(min(ys))
+    assert 0 < low < len(ys) - 1  # the fitted trend has its minimum inside: a trade-off
+    ns = [1, 2, 3, 5, 7]
+    fit = lab.fit_trend("num_tasks", ns, [0.3 + 0.05 * n + 0.2 / n ** 0.5 for n in ns])
+    assert fit["b"] == pytest.approx([0.05, 0.2], rel=1e-6)
+    with pytest.raises(MergerError, match="at least 3 values"):
+        lab.fit_trend("epochs", [1, 2], [0.5, 0.4])
 
 
 def test_lab_expert_has_its_epoch_dynamics(ex):
@@ -70,3 +89,57 @@ def test_lab_expert_has_its_epoch_dynamics(ex):
     path = trajectories.finetune_trajectory(Landscape(ex), f"{t}@2ep")
     d = analysis.epoch_dynamics(path.points)
     assert len(d["shares"]) == 2 and sum(d["shares"]) == pytest.approx(1.0)
+
+
+def test_scaling_view_merges_by_weight_averaging_with_its_default_names(ex):
+    t = ex.pool.tasks[0]
+    base = lab.check_settings(1e-3, 1, 64, 0.5, 0)
+    r = lab.scaling_view(ex, "lr", [1e-3, 2e-3], base, [t])
+    assert [n for n in ex.pool.tasks if n.startswith(f"{t}@lr=")] == [f"{t}@lr=0.001", f"{t}@lr=0.002"]
+    wa = ex.preview(ex.spec("weight_averaging", experts=[f"{t}@lr=0.001"]), "test")
+    assert r["accuracy"][0] == pytest.approx(wa.accuracy[f"{t}@lr=0.001"]) and "weight averaging" in r["merge"]
+
+
+def test_scaling_view_over_the_number_of_tasks(tmp_path):
+    ex3 = merger.Explorer(merger.open_pool(write_pool(tmp_path, n_experts=3, scale=0.1, demo_data=True)))
+    tasks = list(ex3.pool.tasks)
+    r = lab.scaling_view(ex3, "num_tasks", [1, 2, 3], {}, tasks)
+    full = ex3.preview(ex3.spec("weight_averaging"), "test")
+    assert r["loss"][2] == pytest.approx(full.average_loss) and len(r["trend"]["y"]) == 50
+    with pytest.raises(MergerError, match="num_tasks=4 must be a whole number between 1 and 3"):
+        lab.scaling_view(ex3, "num_tasks", [1, 4], {}, tasks)
+
+
+def test_cancel_stops_a_lab_run_and_adds_nothing(ex):
+    from types import SimpleNamespace
+
+    from merger.ui.lab_tab import LabController
+
+    lc = LabController(SimpleNamespace(pool=ex.pool, explorer=ex))
+    request = SimpleNamespace(session_hash="person-a")
+    before = list(ex.pool.tasks)
+    assert lc.cancel(request) == "No lab run in progress."
+    msg = lc.run(request, ex.pool.tasks[0], "cancelled-one", 1e-3, 2, 64, 1.0, 0, "adamw", 0.9, 0.1, "cosine",
+                 progress=lambda f, desc=None: lc.cancel(request))
+    assert msg[0].startswith("Cancelled") and ex.pool.tasks == before
+
+
+def test_gradio_gives_every_lab_and_run_callback_the_browser_session():
+    """Gradio injects gr.Request (and gr.Progress) only among positional parameters: a request
+    after *values is silently None, and Cancel then never finds the run it should stop."""
+    from types import SimpleNamespace
+
+    from gradio.helpers import special_args
+
+    from merger.ui.lab_tab import LabController
+    from merger.ui.runs import RunController
+
+    lc = LabController(SimpleNamespace(pool=None, explorer=None))
+    rc = RunController(SimpleNamespace())
+    marker = object()
+    for fn, n_inputs in ((lc.run, 11), (lc.one_epoch_set, 9), (lc.scaling, 11), (lc.cancel, 0),
+                         (rc.run, 12), (rc.cancel, 0)):
+        inputs, progress_index, _, _ = special_args(fn, [None] * n_inputs, marker)
+        assert inputs[0] is marker, fn.__name__
+        if fn.__name__ in ("run", "one_epoch_set", "scaling") and fn.__self__ is lc:
+            assert progress_index is not None, fn.__name__

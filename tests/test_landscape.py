@@ -150,3 +150,39 @@ def test_cli_writes_html_and_grid(land, tmp_path):
     grid = json.loads(out.with_suffix(".json").read_text())
     assert len(grid["x"]) == 5 and len(grid["loss"][land.pool.tasks[0]]) == 5
     assert grid["points"]["base"]["off_plane"] >= 0
+
+
+def test_off_plane_distance_of_a_known_point(land):
+    base = land.base_point()
+    a, b = land.pool.tasks[:2]
+    plane = task_vector_plane(base, land.expert_point(a) - base, land.expert_point(b) - base, (a, b))
+    g = torch.Generator().manual_seed(5)
+    n = torch.randn(base.shape, generator=g)
+    n -= plane.dirs.T @ (plane.dirs @ n)  # orthogonal to the plane
+    n /= n.norm()
+    x, y, off = plane.coords(base + 0.7 * plane.dirs[0] - 0.2 * plane.dirs[1] + 3.0 * n)
+    assert (x, y, off) == pytest.approx((0.7, -0.2, 3.0), abs=1e-3)
+
+
+def test_3d_markers_sit_at_their_own_measured_value(land):
+    from merger.landscape_report import landscape_figure
+
+    pool = land.pool
+    pts = land.named_points(["base", "experts"])
+    plane = pca_plane(pts)
+    surface = land.surface(plane, (-1.0, 1.0, -1.0, 1.0), 3)
+    spec = land.explorer.spec("task_arithmetic", lam=0.4)
+    live = land.explorer.preview(spec, "probe")
+    x, y, off = plane.coords(land.spec_point(spec))
+    fig = landscape_figure(land, plane, surface, "loss", None, pts, [], "surface", ("ta", x, y, off),
+                           (live.accuracy, live.loss))
+    markers = {t.name: t.z[0] for t in fig.data if t.type == "scatter3d"}
+    for label, vec in pts.items():
+        res = merger.evaluate(pool, {**pool.base, **land.space.unflatten(vec)}, "probe")
+        assert markers[label] == pytest.approx(res.average_loss, rel=1e-5)
+    assert markers["live merge"] == pytest.approx(
+        merger.evaluate(pool, merger.merge(pool, "task_arithmetic", lam=0.4), "probe").average_loss, rel=1e-5)
+    acc = landscape_figure(land, plane, surface, "accuracy", pool.tasks[0], pts, [], "surface")
+    base_res = merger.evaluate(pool, pool.base, "probe")
+    assert {t.name: t.z[0] for t in acc.data if t.type == "scatter3d"}["base"] == pytest.approx(
+        100 * base_res.accuracy[pool.tasks[0]])

@@ -167,7 +167,7 @@ def test_cart_formula(world, rank_ratio):
     expected = {}
     for k in keys:
         if is_matrix(k, base[k].shape):
-            kk = max(1, math.floor(rank_ratio * min(base[k].shape)))
+            kk = math.ceil(rank_ratio * min(base[k].shape))  # seed 002, Algorithm 1, line 6: k = ⌈γ · r⌉
             expected[k] = avg[k] + lam * sum(svd_k(e[k] - avg[k], kk) for e in experts)
         else:
             expected[k] = avg[k]
@@ -193,6 +193,15 @@ def test_cart_at_rank_zero_and_full_rank_is_weight_averaging(world, lam):
     assert torch.allclose(low_rank_sum(us, vh, min(us.shape[1], vh.shape[2])), torch.zeros(()), atol=1e-5)
 
 
+def test_cart_keeps_the_ceiling_of_the_rank_ratio():
+    from merger.methods.registry import kept_rank
+
+    # the demo's matrices have min dimension 96: 8 % keeps 8 (not 7), 1 % and 2 % keep 1 and 2
+    assert [kept_rank(r, 96, 288) for r in (0.01, 0.02, 0.08, 0.5, 1.0)] == [1, 2, 8, 48, 96]
+    assert kept_rank(0.08, 100, 100) == 8  # a product that lands on an integer is not pushed up
+    assert kept_rank(0.08, 768, 768) == 62  # ViT-B/32 (the authors' code keeps 61)
+
+
 def test_cart_note_says_lambda_has_no_effect_at_full_rank():
     cart = merger.methods.get("cart")
     assert "no effect" in cart.note({"rank_ratio": 1.0, "lam": 1.0}, None)
@@ -209,10 +218,10 @@ def test_tsv_m_formula(world, rank_ratio):
     base, experts, keys, taus = world
     lam = 1.1
     expected = {}
-    ratio = rank_ratio if rank_ratio is not None else 1 / 3
     for k in keys:
         if is_matrix(k, base[k].shape):
-            kk = max(1, math.floor(ratio * min(base[k].shape) + 1e-9))
+            r = min(base[k].shape)
+            kk = r // 3 if rank_ratio is None else math.floor(rank_ratio * r + 1e-9)
             us, ss, vs = [], [], []
             for t in taus:
                 u, s, vh = torch.linalg.svd(t[k], full_matrices=False)
@@ -226,17 +235,89 @@ def test_tsv_m_formula(world, rank_ratio):
     close(out, expected, atol=1e-4)
 
 
+def iso_c_reference(base, taus, keys, lam):
+    """The Iso authors' iso_c: the mean task vector, and on matrices the sum with its spectrum
+    flattened to the mean singular value."""
+    out = {}
+    for k in keys:
+        mean = sum(t[k] for t in taus) / len(taus)
+        if is_matrix(k, base[k].shape):
+            u, s, vh = torch.linalg.svd(mean * len(taus), full_matrices=False)
+            mean = torch.linalg.multi_dot((u, torch.diag(torch.ones_like(s) * s.mean()), vh))
+        out[k] = base[k] + lam * mean
+    return out
+
+
 def test_iso_c_formula(world):
     base, experts, keys, taus = world
     lam = 1.3
-    expected = {}
-    for k in keys:
-        total = sum(t[k] for t in taus)
-        if is_matrix(k, base[k].shape):
-            u, s, vh = torch.linalg.svd(total, full_matrices=False)
-            total = s.mean() * u @ vh
-        expected[k] = base[k] + lam * total
-    close(merger.merge_state_dicts(base, experts, "iso_c", lam=lam), expected, atol=1e-4)
+    out = merger.merge_state_dicts(base, experts, "iso_c", lam=lam)
+    close(out, iso_c_reference(base, taus, keys, lam), atol=1e-4)
+    bias = next(k for k in keys if k.endswith("ln_1.bias"))  # an "other" tensor moves by λ · mean τ
+    assert torch.allclose(out[bias] - base[bias], lam * sum(t[bias] for t in taus) / 3, atol=1e-6)
+
+
+# Widths divisible by every T tested below (168 = 8 · 3 · 7): r / T is a whole number, where a
+# rank rule that is one short shows.
+WIDE = {"embed_dim": 16, "vision_cfg": {"image_size": 16, "patch_size": 8, "width": 168, "layers": 1, "head_width": 24,
+                                        "mlp_ratio": 2},
+        "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 32, "heads": 2, "layers": 1}}
+
+
+@pytest.fixture(scope="module")
+def wide():
+    base, experts = base_and_experts(n_experts=12, scale=0.05, config=WIDE)
+    keys = [k for k in base if k.startswith("visual.") and base[k].is_floating_point()]
+    return base, experts, keys, [{k: e[k] - base[k] for k in keys} for e in experts]
+
+
+def tsv_m_reference(base, taus, keys, lam, k_of):
+    """The TSV authors' merge: per matrix, the top-k triplets of every task side by side, U and V
+    replaced by their nearest orthogonal matrices; the mean task vector elsewhere."""
+    out = {}
+    for key in keys:
+        if not is_matrix(key, base[key].shape):
+            out[key] = base[key] + lam * sum(t[key] for t in taus) / len(taus)
+            continue
+        k = k_of(min(base[key].shape))
+        svds = [torch.linalg.svd(t[key], full_matrices=False) for t in taus]
+        U = torch.cat([u[:, :k] for u, _, _ in svds], 1)
+        S = torch.cat([s[:k] for _, s, _ in svds])
+        V = torch.cat([vh[:k] for _, _, vh in svds], 0)
+        uu, _, vu = torch.linalg.svd(U, full_matrices=False)
+        uv, _, vv = torch.linalg.svd(V, full_matrices=False)
+        out[key] = base[key] + lam * torch.linalg.multi_dot((uu @ vu, torch.diag(S), uv @ vv))
+    return out
+
+
+@pytest.mark.parametrize("T", [3, 6, 7, 8, 12])
+def test_tsv_m_default_rank_is_exactly_r_over_T(wide, T):
+    base, experts, keys, taus = wide
+    out = merger.merge_state_dicts(base, experts[:T], "tsv_m", lam=1.0)
+    expected = tsv_m_reference(base, taus[:T], keys, 1.0, lambda r: r // T)  # the authors' int(r · 1/T)
+    close(out, expected, atol=2e-4)
+    # 1/T given as a number is the same merge; one step of the slider above 1/T is refused
+    same = merger.merge_state_dicts(base, experts[:T], "tsv_m", lam=1.0, rank_ratio=1 / T)
+    close(same, merged_visual(out, keys), atol=1e-6)
+    with pytest.raises(merger.MethodError, match=rf"rank_ratio=.* is above {1 / T:.6g} with {T} experts"):
+        merger.merge_state_dicts(base, experts[:T], "tsv_m", lam=1.0, rank_ratio=round(1 / T, 2) + 0.01)
+
+
+def test_tsv_m_rank_is_not_one_short_where_rounding_1_over_T_was(wide):
+    base, experts, keys, taus = wide
+    from merger.methods.lowrank import tsv_rank
+
+    assert tsv_rank("auto", 768, 768, 3) == 256 and tsv_rank(round(1 / 3, 6), 768, 768, 3) == 255
+    assert tsv_rank("auto", 768, 3072, 8) == 96
+    spec = merger.Spec.make("tsv_m", {}, None, [f"t{i}" for i in range(8)])
+    assert spec.kwargs["rank_ratio"] == "auto" and spec.rounded().kwargs["rank_ratio"] == "auto"
+
+
+def test_iso_c_against_the_authors_formula_on_a_wide_tower(wide):
+    base, experts, keys, taus = wide
+    for T in (3, 8):
+        out = merger.merge_state_dicts(base, experts[:T], "iso_c", lam=1.4)
+        close(out, iso_c_reference(base, taus[:T], keys, 1.4), atol=2e-4)
 
 
 def test_every_static_method_is_deterministic(world):

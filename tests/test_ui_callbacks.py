@@ -23,7 +23,8 @@ def controls(ctl, method="task_arithmetic", experts=None, **values):
     """The Merge tab's inputs: experts, method, then one value per registry parameter."""
     from merger.methods.registry import PARAM_NAMES
 
-    defaults = dict(lam=0.3, rank_ratio=0.08, sparsity=0.8, seed=0, steps=5, lr=1e-3, init=0.3, samples=16, k=2)
+    defaults = dict(lam=0.3, rank_ratio=0.08, sparsity=0.8, seed=0, steps=5, lr=1e-3, init=0.3, samples=16, k=2,
+                    step_size=0.5)
     defaults.update(values)
     return [experts if experts is not None else list(ctl.pool.tasks), method] + [defaults[n] for n in PARAM_NAMES]
 
@@ -41,6 +42,27 @@ def test_method_controls_disable_unused_with_a_reason(ctl):
     assert "CART" in about and "2412.12153" in about
     *updates, _ = ctl.method_controls("tsv_m", ctl.pool.tasks)
     assert updates[1]["value"] == pytest.approx(1 / 3, abs=1e-6)  # TSV-M's default rank is 1/T
+
+
+def test_tsv_m_auto_rank_survives_the_slider_and_follows_the_experts(ctl):
+    tasks = list(ctl.pool.tasks)
+    *updates, about = ctl.method_controls("tsv_m", tasks)
+    assert updates[1]["value"] == 1 / 3 and updates[1]["maximum"] == 1 / 3  # capped at 1/T
+    assert "Conventions" in about
+    spec = ctl.spec_from_controls(*controls(ctl, "tsv_m", rank_ratio=1 / 3))
+    assert spec.kwargs["rank_ratio"] == "auto" and spec.rounded().kwargs["rank_ratio"] == "auto"
+    assert ctl.spec_from_controls(*controls(ctl, "tsv_m", rank_ratio=0.33)).kwargs["rank_ratio"] == 0.33
+    # unticking an expert: the cap becomes 1/2 and the slider moves from its old auto position
+    from merger.methods.registry import PARAM_NAMES
+
+    ups = dict(zip(PARAM_NAMES, ctl.refresh_limits(*controls(ctl, "tsv_m", experts=tasks[:2], rank_ratio=1 / 3))))
+    assert ups["rank_ratio"]["value"] == 0.5 and ups["rank_ratio"]["maximum"] == 0.5
+    kept = dict(zip(PARAM_NAMES, ctl.refresh_limits(*controls(ctl, "tsv_m", experts=tasks[:2], rank_ratio=0.2))))
+    assert kept["rank_ratio"]["value"] == 0.2  # an explicit ratio under the new cap stays
+    before_update = ctl.spec_from_controls(*controls(ctl, "tsv_m", experts=tasks[:2], rank_ratio=1 / 3))
+    assert before_update.kwargs["rank_ratio"] == "auto"
+    *_, summary = ctl.preview(*controls(ctl, "tsv_m", rank_ratio=0.4))
+    assert "rank_ratio=0.4 is above 0.333333 with 3 experts" in summary
 
 
 def test_preview_shows_what_evaluate_computes(ctl):
@@ -208,7 +230,7 @@ def test_data_driven_run_from_the_merge_tab(ctl):
     *_, summary = ctl.preview(*controls(ctl, "adamerging_task", steps=6))
     assert "press **Run**" in summary
     runs = RunController(ctl)
-    frames = list(runs.run(*controls(ctl, "adamerging_task", steps=6)))
+    frames = list(runs.run(None, *controls(ctl, "adamerging_task", steps=6)))
     status, objective, heat, fw, acc, loss, radar, summary = frames[-1]
     assert status.startswith("✅") and len(objective.data[0].y) == 6
     run = ctl.explorer.cached_run(ctl.spec_from_controls(*controls(ctl, "adamerging_task", steps=6)))
@@ -217,7 +239,7 @@ def test_data_driven_run_from_the_merge_tab(ctl):
                                                       samples=16, seed=0))
     assert shown_average(summary) == pytest.approx(100 * expected.average_accuracy, abs=0.005)
     # FW: barycentric weights and gap are drawn
-    *_, last = runs.run(*controls(ctl, "fw_hard", steps=3))
+    *_, last = runs.run(None, *controls(ctl, "fw_hard", steps=3))
     assert last[0].startswith("✅") and any(t.name == "FW gap" for t in last[3].data)
     # the iterates are a trajectory on the landscape
     lc = LandscapeController(ctl)
@@ -231,7 +253,7 @@ def test_cancelled_run_reports_and_caches_nothing(ctl, monkeypatch):
     from merger.ui.runs import RunController
 
     runs = RunController(ctl)
-    gen = runs.run(*controls(ctl, "adamerging_layer", steps=5000, samples=8))
+    gen = runs.run(None, *controls(ctl, "adamerging_layer", steps=5000, samples=8))
     first = next(gen)
     assert first[0].startswith("⏳")
     assert runs.cancel() == "Cancelling…"

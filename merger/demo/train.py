@@ -169,14 +169,20 @@ def finetune_expert(base_state_dict: dict[str, torch.Tensor], task: str, *, lr: 
                     batch_size: int, data_fraction: float, seed: int, images: torch.Tensor,
                     labels: dict[str, torch.Tensor] | torch.Tensor, progress: Progress = None,
                     cancel: Cancel = None, weight_decay: float = 0.1, config: dict = CLIP_CONFIG,
-                    optimizer: str = "adamw", momentum: float = 0.9
+                    optimizer: str = "adamw", momentum: float = 0.9, schedule: str = "cosine"
                     ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], dict]:
     """Fine-tune the image tower on one task with its zero-shot head frozen.
 
     ``images``/``labels`` are the whole train split; the validation indices of
     ``merger.splits.train_val_indices`` are removed first, then a ``data_fraction`` of the rest
-    is drawn with ``seed``. Returns (final visual state, per-epoch visual states, hparams).
+    is drawn with ``seed``. ``batch_size`` 0 is the whole (drawn) train split: full-batch
+    training. ``schedule``: "cosine" (short linear warm-up, then cosine decay) or "constant".
+    SGD with momentum 0, weight decay 0, a constant schedule, one epoch and a full batch is one
+    step of gradient descent: τ(1) = −lr ∇L(θ0). Returns (final visual state, per-epoch visual
+    states, hparams).
     """
+    if schedule not in ("cosine", "constant"):
+        raise ValueError(f"unknown schedule {schedule!r} (cosine or constant)")
     if task not in world.TASKS:
         raise KeyError(f"unknown demo task {task!r}")
     y_all = labels[task] if isinstance(labels, dict) else labels
@@ -195,6 +201,8 @@ def finetune_expert(base_state_dict: dict[str, torch.Tensor], task: str, *, lr: 
     if data_fraction < 1.0:
         keep = max(batch_size, int(round(data_fraction * len(train_idx))))
         train_idx = train_idx[torch.randperm(len(train_idx), generator=gen)[:keep]].sort().values
+    full_batch = batch_size <= 0
+    batch_size = len(train_idx) if full_batch else batch_size
     x_all = preprocess(images[train_idx])
     y_all = y_all[train_idx]
 
@@ -214,8 +222,9 @@ def finetune_expert(base_state_dict: dict[str, torch.Tensor], task: str, *, lr: 
         for b in range(steps_per_epoch):
             _check(cancel)
             idx = perm[b * batch_size:(b + 1) * batch_size]
+            factor = _cosine(step, total, max(1, total // 20)) if schedule == "cosine" else 1.0
             for g in opt.param_groups:
-                g["lr"] = lr * _cosine(step, total, max(1, total // 20))
+                g["lr"] = lr * factor
             loss = F.cross_entropy(head_logits(model.encode_image(x_all[idx]), head, scale), y_all[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -224,8 +233,9 @@ def finetune_expert(base_state_dict: dict[str, torch.Tensor], task: str, *, lr: 
             if progress is not None:
                 progress(step / total, f"{task} epoch {epoch + 1}/{epochs} loss {loss.item():.3f}")
         trajectory.append(visual_state(model))
-    hparams = {"lr": lr, "epochs": epochs, "batch_size": batch_size, "data_fraction": data_fraction,
-               "seed": seed, "weight_decay": weight_decay, "optimizer": optimizer}
+    hparams = {"lr": lr, "epochs": epochs, "batch_size": 0 if full_batch else batch_size,
+               "data_fraction": data_fraction, "seed": seed, "weight_decay": weight_decay, "optimizer": optimizer,
+               "schedule": schedule}
     if optimizer == "sgd":
         hparams["momentum"] = momentum
     return copy.deepcopy(trajectory[-1]), trajectory, hparams

@@ -18,7 +18,8 @@ from torch.func import functional_call
 
 from ..errors import DataError, MergerError
 from .lowrank import prepare_cart
-from .registry import INIT, LAM, LR, RANK_RATIO, SAMPLES, STEPS, TOP_K, Method, Param, Paper, register, with_default
+from .registry import (INIT, LAM, LR, RANK_RATIO, SAMPLES, STEP_SIZE, STEPS, TOP_K, Method, Param, Paper, register,
+                       with_default)
 
 VISUAL = "visual."
 
@@ -186,11 +187,8 @@ def run_adamerging(ctx: Context, progress=None, cancel=None, *, granularity: str
 
 # ---- Frank–Wolfe --------------------------------------------------------------------------
 
-def _project_capped_simplex(v: torch.Tensor) -> torch.Tensor:
-    """Euclidean projection onto {λ ≥ 0, Σ λ ≤ 1}."""
-    w = v.clamp(min=0)
-    if float(w.sum()) <= 1:
-        return w
+def project_simplex(v: torch.Tensor) -> torch.Tensor:
+    """Euclidean projection onto the probability simplex {λ ≥ 0, Σ λ = 1} (sort-based)."""
     u, _ = torch.sort(v, descending=True)
     css = u.cumsum(0) - 1
     ks = torch.arange(1, len(v) + 1, dtype=v.dtype, device=v.device)
@@ -198,57 +196,119 @@ def _project_capped_simplex(v: torch.Tensor) -> torch.Tensor:
     return (v - css[rho] / (rho + 1)).clamp(min=0)
 
 
+def simplex_argmin(value_and_grad: Callable, k: int, iters: int = 25, tol: float = 1e-5):
+    """min over the k-simplex of a smooth f by projected gradient with backtracking (Armijo);
+    ``value_and_grad(λ, need_grad) -> (f, ∇f or None)``. Returns (best λ, its f, evaluations):
+    the best point seen, not the last, so a noisy tail cannot lose the minimum."""
+    lam = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    val, grad = value_and_grad(lam, True)
+    best, best_val, evals = lam, val, 1
+    step = 1.0 / (float(grad.abs().max()) + 1e-12)
+    for _ in range(iters):
+        while True:
+            cand = project_simplex(lam - step * grad)
+            moved = cand - lam
+            if float(moved.abs().max()) < tol:
+                return best, best_val, evals
+            cand_val, _ = value_and_grad(cand, False)
+            evals += 1
+            if cand_val <= val + 1e-4 * float(grad @ moved) or step < 1e-8:
+                break
+            step *= 0.5
+        if cand_val < best_val:
+            best, best_val = cand, cand_val
+        lam = cand
+        val, grad = value_and_grad(lam, True)
+        evals += 1
+        step *= 2.0  # let the step grow back after a backtrack
+    return best, best_val, evals
+
+
+def calibration_set(ctx: Context, samples: int, seed: int):
+    """FW's labelled calibration set: ``samples`` validation images per task, drawn with ``seed``."""
+    g = torch.Generator().manual_seed(int(seed))
+    return _subset(ctx.groups("val"), lambda n: torch.randperm(n, generator=g)[: min(samples, n)].to(ctx.device))
+
+
 def run_fw(ctx: Context, progress=None, cancel=None, *, soft: bool, steps: int, lam: float, samples: int,
-           k: int, seed: int) -> Run:
-    """FW over conv{start, θ1..θT}, start = θ0 + lam Σ τ. Iterates are barycentric weights w."""
+           k: int, seed: int, step_size: float = 1.0) -> Run:
+    """Frank–Wolfe over the convex hull of the experts θ1..θT (seed 001), from θ(0) = θ0 + lam Σ τ.
+
+    The LMO picks the expert minimising ⟨∇ℓ(θ(i)), θt⟩. Hard: θ(i+1) = (1 − γi) θ(i) + γi s(i),
+    γi = step_size · 2/(i + 2). Soft: λ* = argmin over the k-simplex of ℓ(Σj λj s̃j) over the
+    top-k LMO vertices, θ(i+1) = θ(i) + Σj λ*j (s̃j − θ(i)); the result is its best iterate.
+    Iterates are barycentric weights w over [start, θ1..θT]."""
     t0 = time.perf_counter()
     tv = ctx.tv
     T = tv.num_tasks
     comb = Combination(tv.base, tv.stacked, [list(tv.keys)])
-    vertices = torch.cat([torch.full((1, T), float(lam)), torch.eye(T)]).to(tv.device)  # [T+1, T] coefficients
+    # Coefficients on the task vectors of [start, θ1..θT]; the start is not a vertex of the hull.
+    points = torch.cat([torch.full((1, T), float(lam)), torch.eye(T)]).to(tv.device)
     labels = ["start"] + ctx.tasks
-    w = torch.zeros(T + 1, device=tv.device)
+    w = torch.zeros(T + 1, device=tv.device, dtype=torch.float64)
     w[0] = 1.0
-    g = torch.Generator().manual_seed(int(seed))
-    calib = _subset(ctx.groups("val"), lambda n: torch.randperm(n, generator=g)[: min(samples, n)].to(ctx.device))
-    trace = {"loss": [], "gap": [], "chosen": [], "weights": [w.tolist()], "objective": []}
-    iterates = [(w @ vertices)[:, None].clone()]
+    calib = calibration_set(ctx, samples, seed)
+    trace = {"loss": [], "gap": [], "chosen": [], "weights": [w.tolist()], "objective": [], "lambda": []}
+    iterates = [(w.float() @ points)[:, None].clone()]
+    best = (float("inf"), w.clone())
+    solved: dict[tuple, tuple] = {}  # soft: λ* per vertex set (same calibration set, same answer)
+
+    def loss_at(c):
+        return cross_entropy_objective(ctx, comb.params(c[:, None]), calib)
+
     for i in range(steps):
         _check(cancel)
-        c = (w @ vertices).detach().requires_grad_(True)
-        loss = cross_entropy_objective(ctx, comb.params(c[:, None]), calib)
+        c = (w.float() @ points).detach().requires_grad_(True)
+        loss = loss_at(c)
         (grad_c,) = torch.autograd.grad(loss, c)  # ⟨∇θℓ, τt⟩ for every t, by the chain rule
-        scores = vertices @ grad_c  # ⟨∇ℓ, vertex⟩ up to a constant shared by all vertices
+        scores = grad_c  # ⟨∇ℓ, θt⟩ − ⟨∇ℓ, θ0⟩ for every expert: the LMO's argmin is the same
         current = c.detach() @ grad_c
         order = torch.argsort(scores)
         gap = float(current - scores[order[0]])
+        value = float(loss.detach())
+        if value < best[0]:
+            best = (value, w.clone())
         if not soft:
-            gamma = 2.0 / (i + 2)
+            gamma = step_size * 2.0 / (i + 2)
             w = (1 - gamma) * w
-            w[order[0]] += gamma
-            chosen = [labels[int(order[0])]]
+            w[1 + int(order[0])] += gamma
+            chosen = [labels[1 + int(order[0])]]
+            trace["lambda"].append([gamma])
         else:
-            top = order[: min(k, T + 1)]
-            lam_v = torch.full((len(top),), 1.0 / (len(top) + 1), device=tv.device)
-            for _ in range(10):  # projected gradient on the line search over the top-k vertices
-                lam_v = lam_v.detach().requires_grad_(True)
-                cc = c.detach() + lam_v @ (vertices[top] - c.detach())
-                inner = cross_entropy_objective(ctx, comb.params(cc[:, None]), calib)
-                (gl,) = torch.autograd.grad(inner, lam_v)
-                lam_v = _project_capped_simplex(lam_v.detach() - 0.5 * gl / (gl.norm() + 1e-12))
-            w = (1 - float(lam_v.sum())) * w
-            w[top] += lam_v
-            chosen = [f"{labels[int(j)]}:{float(x):.2f}" for j, x in zip(top, lam_v)]
-        trace["loss"].append(float(loss.detach()))
-        trace["objective"].append(float(loss.detach()))
+            top = order[: min(k, T)]
+            vertices = torch.eye(T, device=tv.device)[top]
+
+            def value_and_grad(lam_v, need_grad, vertices=vertices):
+                lam_v = lam_v.to(tv.device, torch.float32).requires_grad_(need_grad)
+                with torch.set_grad_enabled(need_grad):
+                    f = loss_at(lam_v @ vertices)  # θ + Σ λj (s̃j − θ) = Σ λj s̃j on the simplex
+                if not need_grad:
+                    return float(f), None
+                (g,) = torch.autograd.grad(f, lam_v)
+                return float(f.detach()), g.double().cpu()
+
+            key = tuple(int(j) for j in top)
+            if key not in solved:
+                solved[key] = simplex_argmin(value_and_grad, len(top))[:2]
+            lam_star, inner = solved[key]
+            w = torch.zeros_like(w)
+            w[1 + top.cpu()] = lam_star.to(w)
+            chosen = [f"{labels[1 + int(j)]}:{float(x):.2f}" for j, x in zip(top, lam_star)]
+            trace["lambda"].append(lam_star.tolist())
+            if inner < best[0]:
+                best = (inner, w.clone())
+        trace["loss"].append(value)
+        trace["objective"].append(value)
         trace["gap"].append(gap)
         trace["chosen"].append(", ".join(chosen))
         trace["weights"].append(w.tolist())
-        iterates.append((w @ vertices)[:, None].clone())
+        iterates.append((w.float() @ points)[:, None].clone())
         if progress:
-            progress((i + 1) / steps, f"iteration {i + 1}/{steps}: loss {trace['loss'][-1]:.4f}, gap {gap:.4f}",
-                     trace["loss"][-1])
-    final = (w @ vertices)[:, None]
+            progress((i + 1) / steps, f"iteration {i + 1}/{steps}: loss {value:.4f}, gap {gap:.4f}", value)
+    if soft:  # the iterate with the lowest calibration loss (the simplex step may overshoot)
+        w = best[1]
+        trace["best_loss"] = best[0]
+    final = (w.float() @ points)[:, None]
     trace["vertices"] = labels
     return Run("", ctx.tasks, ["all layers"], final.cpu(), comb.delta(final, tv.base), trace,
                [c.cpu() for c in iterates], time.perf_counter() - t0, comb)
@@ -261,6 +321,8 @@ CART = Paper("Revisiting weight averaging for model merging (AdaMerging+CART)", 
 FW = Paper("FW-Merging: scaling model merging with Frank-Wolfe optimization", "2503.12649")
 SEED = Param("seed", 0, 0, 2**31 - 1, 1, kind="int", help="random seed of the batch / calibration-set draws")
 ADA_PARAMS = (STEPS, LR, INIT, SAMPLES, SEED)
+ADA_NOTE = ("Entropy on the unlabeled validation images (the paper adapts on unlabeled test images; the test split "
+            "is kept for reporting here). Layer-wise: one coefficient per tensor of the image tower.")
 
 
 def _ada(granularity: str, cart: bool = False) -> Callable:
@@ -281,31 +343,43 @@ for name, display, gran, paper in (("adamerging_task", "AdaMerging (task-wise)",
         name=name, display_name=display, paper=paper, kind="data",
         description=f"θ0 + Σt λt{'' if gran == 'task' else ',l'} τt{'' if gran == 'task' else ',l'}, λ learned by "
                     "minimising prediction entropy on unlabeled validation images (Adam, clamp [0, 1]).",
-        params=ADA_PARAMS, prepare=_unused, apply=_unused, run=_ada(gran)))
+        params=ADA_PARAMS, prepare=_unused, apply=_unused, run=_ada(gran),
+        conventions=ADA_NOTE))
 
 register(Method(
     name="adamerging_cart", display_name="AdaMerging + CART", paper=CART, kind="data",
     description="θavg + Σt λt,l SVD_k(θt − θavg), layer-wise λ learned by entropy minimisation (clamp [0, 3]).",
     params=(RANK_RATIO, with_default(STEPS, 300), LR, with_default(INIT, 1.0), SAMPLES, SEED),
-    prepare=_unused, apply=_unused, run=_ada("layer", cart=True)))
+    prepare=_unused, apply=_unused, run=_ada("layer", cart=True),
+    conventions=ADA_NOTE + " Low rank k = ⌈rank_ratio · r⌉ per attention/MLP matrix, as CART."))
 
 
 def _fw(soft: bool) -> Callable:
-    def run(ctx, progress=None, cancel=None, *, steps, lam, samples, seed, k=1):
-        return run_fw(ctx, progress, cancel, soft=soft, steps=steps, lam=lam, samples=samples, k=k, seed=seed)
+    def run(ctx, progress=None, cancel=None, *, steps, lam, samples, seed, k=1, step_size=1.0):
+        return run_fw(ctx, progress, cancel, soft=soft, steps=steps, lam=lam, samples=samples, k=k, seed=seed,
+                      step_size=step_size)
     return run
 
 
 
 register(Method(
     name="fw_hard", display_name="FW-Merging (hard)", paper=FW, kind="data",
-    description="Frank–Wolfe over the convex hull of the experts and the start (TA with λ = lam): each "
-                "iteration moves 2/(i+2) of the way to the expert the linearised loss prefers.",
-    params=(with_default(LAM, 0.3), with_default(STEPS, 10), with_default(SAMPLES, 100), SEED),
-    prepare=_unused, apply=_unused, run=_fw(False)))
+    description="Frank–Wolfe over the convex hull of the experts, from the start θ0 + lam Σ τ (TA; 0: the base): "
+                "each iteration moves γi = step_size · 2/(i+2) of the way to the expert the linearised "
+                "calibration loss prefers (the LMO).",
+    params=(with_default(LAM, 0.0), with_default(STEPS, 10), with_default(SAMPLES, 100),
+            with_default(STEP_SIZE, 0.5), SEED),
+    prepare=_unused, apply=_unused, run=_fw(False),
+    conventions="LMO by the inner product ⟨∇ℓ, θt⟩ (the textbook rule; the authors' code scores per-tensor "
+                "cosines against full weights). Cross-entropy on a labelled calibration set from validation."))
 register(Method(
     name="fw_soft", display_name="FW-Merging (soft)", paper=FW, kind="data",
-    description="Frank–Wolfe with the top-k LMO vertices combined by a projected-gradient line search on "
-                "the calibration loss; start = TA with λ = lam (0: the base).",
-    params=(with_default(LAM, 0.0), with_default(STEPS, 15), with_default(SAMPLES, 100), TOP_K, SEED),
-    prepare=_unused, apply=_unused, run=_fw(True)))
+    description="Frank–Wolfe with the top-k LMO vertices: λ* = argmin over the k-simplex of the calibration loss "
+                "of Σj λj s̃j (projected gradient with backtracking), θ ← θ + Σj λ*j (s̃j − θ); start = TA with "
+                "λ = lam (0: the base); the result is the iterate with the lowest calibration loss.",
+    params=(with_default(LAM, 0.0), with_default(STEPS, 15), with_default(SAMPLES, 100), with_default(TOP_K, None),
+            SEED),
+    prepare=_unused, apply=_unused, run=_fw(True), defaults_for=lambda T: {"k": min(T, TOP_K.max)},
+    conventions="λ* on the simplex Σλ = 1 as the paper's Theorem 1 (the authors' code learns unconstrained "
+                "layer-wise AdaMerging coefficients instead); k defaults to the number of experts, as the authors' "
+                "code does (max_num_models)."))

@@ -6,10 +6,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import math
+
 import torch
 
 from ..task_vectors import TaskVectors
 from .registry import LAM, RANK_RATIO, Method, Paper, kept_rank, register, with_default
+
+MATRICES_NOTE = ("Matrices = the 2-D attention and MLP weights (in_proj, out_proj, c_fc, c_proj); "
+                 "every other tensor (biases, norms, embeddings, conv1, visual projection) is 'other'.")
 
 
 def _svd(x: torch.Tensor):
@@ -69,6 +74,8 @@ register(Method(
     prepare=prepare_cart,
     apply=apply_cart,
     note=cart_note,
+    conventions=MATRICES_NOTE + " k = ⌈rank_ratio · r⌉ as the paper's Algorithm 1 (the authors' code rounds "
+                "down: max(1, ⌊γ · min(m, n)⌋), one rank fewer at most ratios).",
 ))
 
 
@@ -86,7 +93,16 @@ def prepare_tsv(tv: TaskVectors) -> dict:
     return {"mean": mean, "factors": factors, "T": tv.num_tasks, "by_rank": OrderedDict()}
 
 
-def _tsv_direction(prepared: dict, rank_ratio: float) -> dict:
+def tsv_rank(rank_ratio, m: int, n: int, T: int) -> int:
+    """TSV-M's kept rank per task: "auto" is exactly ⌊r/T⌋ (the authors' int(r · 1/T)), else
+    ⌊rank_ratio · r⌋; r = min(m, n). Either way T·k ≤ r (the ratio is capped at 1/T)."""
+    r = min(m, n)
+    if rank_ratio == "auto":
+        return r // T
+    return min(r // T, math.floor(rank_ratio * r + 1e-9))
+
+
+def _tsv_direction(prepared: dict, rank_ratio) -> dict:
     cache = prepared["by_rank"]
     if rank_ratio in cache:
         cache.move_to_end(rank_ratio)
@@ -94,7 +110,10 @@ def _tsv_direction(prepared: dict, rank_ratio: float) -> dict:
     out = dict(prepared["mean"])
     for key, (u, s, vh) in prepared["factors"].items():
         T, m, _ = u.shape
-        k = kept_rank(rank_ratio, m, vh.shape[2])
+        k = tsv_rank(rank_ratio, m, vh.shape[2], T)
+        if k == 0:  # fewer dimensions than tasks: no task keeps a singular vector here
+            out[key] = torch.zeros_like(prepared["mean"][key])
+            continue
         u_cat = u[:, :, :k].permute(1, 0, 2).reshape(m, T * k)
         v_cat = vh[:, :k, :].reshape(T * k, -1).T
         s_cat = s[:, :k].reshape(-1)
@@ -105,7 +124,7 @@ def _tsv_direction(prepared: dict, rank_ratio: float) -> dict:
     return out
 
 
-def apply_tsv(prepared: dict, lam: float, rank_ratio: float) -> dict:
+def apply_tsv(prepared: dict, lam: float, rank_ratio) -> dict:
     return {k: v * lam for k, v in _tsv_direction(prepared, rank_ratio).items()}
 
 
@@ -115,20 +134,27 @@ register(Method(
     paper=Paper("Task singular vectors: reducing task interference in model merging", "2412.00081"),
     description="Per matrix, top-k singular vectors of each τt, concatenated and orthogonalised, "
                 "rebuilt with their singular values; mean τ elsewhere; θ0 + λ·that.",
-    params=(LAM, with_default(RANK_RATIO, None)),
+    params=(LAM, with_default(RANK_RATIO, "auto", auto="k = ⌊r/T⌋",
+                              help="kept rank per task k = ⌊rank_ratio · r⌋, r = min(m, n); auto (default): "
+                                   "exactly ⌊r/T⌋ as the authors' code; at most 1/T, so that T·k ≤ r")),
     prepare=prepare_tsv,
     apply=apply_tsv,
-    defaults_for=lambda T: {"rank_ratio": round(1.0 / T, 6)},
+    limits_for=lambda T: {"rank_ratio": (1.0 / T, "TSV-M concatenates T·k singular vectors, which must not "
+                                                   "exceed the rank r (k ≤ ⌊r/T⌋); use auto for exactly ⌊r/T⌋")},
+    conventions=MATRICES_NOTE + " The TSV authors' code also decomposes the positional embedding and the visual "
+                "projection; here those get the mean. The default rank is exactly ⌊r/T⌋ (auto).",
 ))
 
 
 # ---- Iso-C --------------------------------------------------------------------------------
 
 def prepare_iso(tv: TaskVectors) -> dict:
-    direction = {k: v.sum(0) for k, v in tv.stacked.items()}
+    # The mean task vector off the matrices, as the authors' code and FusionBench do: with a λ
+    # near 1.3 a sum would move biases, norms and embeddings T times too far.
+    direction = {k: v.mean(0) for k, v in tv.stacked.items()}
     for k in tv.matrices:
-        u, s, vh = _svd(direction[k])
-        direction[k] = (u @ vh) * s.mean()  # flatten the spectrum: Σ → σ̄ I
+        u, s, vh = _svd(tv.stacked[k].sum(0))
+        direction[k] = (u @ vh) * s.mean()  # flatten the spectrum of Σ τt: Σ → σ̄ I
     return {"direction": direction}
 
 
@@ -141,8 +167,11 @@ register(Method(
     display_name="Iso-C",
     paper=Paper("No task left behind: isotropic model merging with common and task-specific "
                 "subspaces", "2502.04959"),
-    description="Per matrix, Σ τt = U Σ Vᵀ with Σ replaced by its mean singular value; Σ τt elsewhere; θ0 + λ·that.",
+    description="Per matrix, Σ τt = U Σ Vᵀ with Σ replaced by its mean singular value; the mean τ elsewhere; "
+                "θ0 + λ·that.",
     params=(with_default(LAM, 1.3),),
     prepare=prepare_iso,
     apply=apply_iso,
+    conventions=MATRICES_NOTE + " The Iso authors' code treats every 2-D tensor but the embeddings as a matrix "
+                "(so also the visual projection, which gets the mean here).",
 ))

@@ -7,13 +7,13 @@ are θ0 + Δ on the merged keys.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from ..errors import MethodError
 
 # The parameter vocabulary shared by every method, the CLI and the UI.
-PARAM_NAMES = ("lam", "rank_ratio", "sparsity", "seed", "steps", "lr", "init", "samples", "k")
+PARAM_NAMES = ("lam", "rank_ratio", "sparsity", "seed", "steps", "lr", "init", "samples", "k", "step_size")
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,9 @@ class Param:
     min_open: bool = False  # True: the minimum itself is not allowed
     max_open: bool = False
     help: str = ""
+    # When set, the value "auto" is allowed and means this rule (e.g. TSV-M's k = ⌊r/T⌋), which a
+    # number cannot always express exactly (1/3 of 768 is not a float times 768 rounded down).
+    auto: str | None = None
 
     def range_text(self) -> str:
         lo = "(" if self.min_open else "["
@@ -34,7 +37,9 @@ class Param:
         fmt = (lambda v: str(int(v))) if self.kind == "int" else (lambda v: f"{v:g}")
         return f"{lo}{fmt(self.min)}, {fmt(self.max)}{hi}"
 
-    def check(self, value: Any, method: str) -> float | int:
+    def check(self, value: Any, method: str) -> float | int | str:
+        if self.auto is not None and isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
         if isinstance(value, bool) or value is None:
             raise MethodError(f"{method}: parameter {self.name}={value!r} is not a number")
         try:
@@ -78,10 +83,15 @@ class Method:
     # A one-line remark for the current setting (e.g. "λ has no effect at full rank"), or None.
     note: Callable[[Mapping[str, Any], Any], str | None] | None = None
     defaults_for: Callable[[int], dict[str, Any]] | None = None  # defaults that depend on T
+    # Upper bounds that depend on T, {name: (bound, reason)}: e.g. TSV-M keeps T·k ≤ r.
+    limits_for: Callable[[int], dict[str, tuple[float, str]]] | None = None
     kind: str = "static"  # "static" (sliders) or "data" (learns coefficients: run(...) instead)
     # Data-driven methods: run(context, progress, cancel, **params) -> Run (see methods/adaptive.py)
     run: Callable[..., Any] | None = None
     extra: dict = field(default_factory=dict)
+    # Where the field's tools differ (mergekit, FusionBench, the authors' code): users comparing
+    # numbers must be able to tell why they differ.
+    conventions: str = ""
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -101,11 +111,23 @@ class Method:
             takes = ", ".join(self.param_names) or "no parameters"
             raise MethodError(f"{self.name}: does not take {', '.join(unknown)} (it takes {takes})")
         auto = self.defaults_for(num_experts) if self.defaults_for else {}
+        limits = self.limits_for(num_experts) if self.limits_for else {}
         out = {}
         for p in self.params:
             value = given.get(p.name, auto.get(p.name, p.default))
             out[p.name] = p.check(value, self.name)
+            if p.name in limits and not isinstance(out[p.name], str):
+                bound, reason = limits[p.name]
+                if out[p.name] > bound + 1e-12:
+                    raise MethodError(f"{self.name}: parameter {p.name}={value!r} is above {bound:.6g} "
+                                      f"with {num_experts} experts: {reason}")
         return out
+
+    def bounds(self, name: str, num_experts: int) -> tuple[float, float]:
+        """The slider range of a parameter for this many experts (T-dependent caps applied)."""
+        p = self.param(name)
+        limits = self.limits_for(num_experts) if self.limits_for else {}
+        return p.min, min(p.max, limits[name][0]) if name in limits else p.max
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -143,7 +165,7 @@ SPARSITY = Param(
 )
 RANK_RATIO = Param(
     "rank_ratio", 0.08, 0.0, 1.0, 0.01, min_open=True,
-    help="kept rank k = max(1, floor(rank_ratio · min(m, n))) per matrix",
+    help="kept rank k = ⌈rank_ratio · r⌉ per attention/MLP matrix, r = min(m, n) (CART, Algorithm 1)",
 )
 SEED = Param("seed", 0, 0, 2**31 - 1, 1, kind="int", help="random seed of the drop masks")
 STEPS = Param("steps", 300, 1, 5000, 1, kind="int", help="optimisation steps (iterations)")
@@ -152,11 +174,18 @@ INIT = Param("init", 0.3, 0.0, 3.0, 0.05, help="initial value of every learned c
 SAMPLES = Param("samples", 64, 1, 10000, 1, kind="int",
                 help="validation images per task used per step (AdaMerging) or as calibration set (FW)")
 TOP_K = Param("k", 2, 1, 64, 1, kind="int", help="FW-soft: how many LMO vertices to combine")
+STEP_SIZE = Param("step_size", 1.0, 0.0, 1.0, 0.01, min_open=True,
+                  help="FW step factor s: iteration i moves γi = s · 2/(i + 2) of the way to the chosen vertex")
 
 
-def with_default(p: Param, default) -> Param:
-    return Param(p.name, default, p.min, p.max, p.step, p.kind, p.min_open, p.max_open, p.help)
+def with_default(p: Param, default, **changes) -> Param:
+    return replace(p, default=default, **changes)
 
 
 def kept_rank(rank_ratio: float, m: int, n: int) -> int:
-    return max(1, math.floor(rank_ratio * min(m, n) + 1e-9))
+    """CART's kept rank k = ⌈γ · r⌉ (seed 002, Algorithm 1, line 6), r = min(m, n), γ in (0, 1].
+
+    The tolerance keeps a product that lands on an integer up to rounding (0.08 · 100) from
+    being pushed to the next one."""
+    r = min(m, n)
+    return min(r, max(1, math.ceil(rank_ratio * r - 1e-9)))

@@ -142,6 +142,12 @@ def apply_ties(prepared: dict, lam: float, sparsity: float) -> dict:
     return delta
 
 
+TRIM_NOTE = ("Top-k over the whole flattened task vector (global, as the paper and FusionBench; mergekit trims "
+             "each tensor on its own).")
+MEAN_NOTE = ("The disjoint MEAN of the entries that agree with the elected sign, as the paper (FusionBench's "
+             "default merge_func is a sum: the mean times the number of agreeing tasks).")
+TIES_NOTE = TRIM_NOTE + " " + MEAN_NOTE
+
 register(Method(
     name="ties",
     display_name="TIES-merging",
@@ -150,6 +156,7 @@ register(Method(
     params=(LAM, SPARSITY),
     prepare=prepare_ties,
     apply=apply_ties,
+    conventions=TIES_NOTE,
 ))
 
 
@@ -219,6 +226,7 @@ register(Method(
     prepare=prepare_dare,
     apply=apply_dare_linear,
     prepare_params=("seed",),
+    conventions="Masks are seeded per task name, so a task's mask does not change with the expert subset.",
 ))
 
 register(Method(
@@ -230,4 +238,6 @@ register(Method(
     prepare=prepare_dare,
     apply=apply_dare_ties,
     prepare_params=("seed",),
+    conventions="Masks are seeded per task name, so a task's mask does not change with the expert subset. "
+                "After dropping, as TIES. " + MEAN_NOTE,
 ))

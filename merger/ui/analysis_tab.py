@@ -5,9 +5,9 @@ import gradio as gr
 
 from .. import analysis, methods, plots, trajectories
 from ..errors import MergerError
-from ..lab import TRENDS, add_expert, check_settings, finetune, scaling_view
 from ..landscape import Landscape
 from ..methods.registry import PARAM_NAMES
+from .lab_tab import build_lab_tab
 
 KS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -81,12 +81,12 @@ class AnalysisController:
         v = spec.kwargs
         name = spec.method
         lam, how = self.effective_weights(spec)
-        mask = v.get("sparsity") if name in ("ties", "dare_linear", "dare_ties") else None
-        seed = v.get("seed") if name.startswith("dare") else None
-        h = analysis.heterogeneity(tv, lam, mask, seed)
+        mask = name if name in analysis.MASKS else None
+        h = analysis.heterogeneity(tv, lam, mask, v.get("sparsity"), v.get("seed"))
         series = {"ζt²": h["zeta2"]}
         if "delta" in h:
-            series[f"δt(M), {name} mask at sparsity {mask:g}"] = h["delta"]
+            series[f"δt(M): {name} mask at sparsity {v['sparsity']:g}, over the dropped entries"] = h["delta"]
+            series["ζ̂t² = ζt² − δt(M)"] = h["zeta2_hat"]
         fig = plots.bars(series, tv.tasks, "Heterogeneity ζt² ∝ ‖τt − Σ λk τk‖² and its reduction by the mask")
         text = f"Effective coefficients ({how}) λ = [{', '.join(f'{x:.3g}' for x in lam)}] · χ²(p‖λ) = {h['chi2']:.4g}"
         if h["warnings"]:
@@ -99,12 +99,15 @@ class AnalysisController:
             traj = trajectories.finetune_trajectory(land, task)
         except MergerError as exc:
             raise gr.Error(f"{exc}: epoch dynamics need per-epoch checkpoints (a trajectory)")
-        d = analysis.epoch_dynamics(traj.points)
-        epochs = [f"epoch {s}" for s in traj.steps[1:]]
-        shares = plots.bars({"share of Σ‖update‖": d["shares"]}, epochs, f"{task}: update-norm share per epoch")
-        cos = plots.heatmap(d["cosine"], epochs, epochs, "Cosine between epoch updates", zmid=0)
-        first = plots.lines({"cos(τ(k), τ(1))": (traj.steps[1:], d["cos_to_first"])}, "epoch k", "cosine",
-                            "cos(τ(k), τ(1))")
+        if len(traj.points) >= 3:
+            d = analysis.epoch_dynamics(traj.points)
+            epochs = [f"epoch {s}" for s in traj.steps[1:]]
+            shares = plots.bars({"share of Σ‖update‖": d["shares"]}, epochs, f"{task}: update-norm share per epoch")
+            cos = plots.heatmap(d["cosine"], epochs, epochs, "Cosine between epoch updates", zmid=0)
+            first = plots.lines({"cos(τ(k), τ(1))": (traj.steps[1:], d["cos_to_first"])}, "epoch k", "cosine",
+                                "cos(τ(k), τ(1))")
+        else:  # a one-epoch expert: nothing to compare across epochs, the gradient check still holds
+            shares = cos = first = plots.empty(f"{task} has one epoch: the per-epoch views need two or more.")
         grad = analysis.gradient_at_base(self.ex.evaluator, task)
         tau1 = traj.points[1] - traj.points[0]
         g = land.space.flatten(grad)
@@ -119,14 +122,15 @@ class AnalysisController:
         merged = {k: tv.base[k] + delta[k] for k in tv.keys}
         w, _ = self.effective_weights(spec)
         ev = self.ex.evaluator
-        x = ev.inputs("val")[0][0][:64]
+        x = analysis.probe_images(ev)
         feats = lambda wts, xx: analysis.block_features(ev.model.visual, wts, xx)  # noqa: E731
-        lin = analysis.cross_task_linearity(feats, merged, [tv.expert(i) for i in idx], w, x)
+        lin = analysis.cross_task_linearity(feats, merged, [tv.expert(i) for i in idx], w, x, base=tv.base)
         blocks = [f"block {i}" for i in range(len(lin["mean"]))]
-        err_hi = [b - m for m, b in zip(lin["mean"], lin["q75"])]
-        fig = plots.bars({"1 − cos(merge, Σ wt f(θt))": lin["mean"], "baseline 1 − cos(f(θi), f(θj))": lin["baseline"]},
-                         blocks, f"Cross-task linearity of {spec.label()} (weights {', '.join(f'{v:.2g}' for v in w)})",
-                         errors={"1 − cos(merge, Σ wt f(θt))": err_hi})
+        pred = "1 − cos(merge, (1 − Σw) f(θ0) + Σ wt f(θt))"
+        err = [[m - a for m, a in zip(lin["mean"], lin["q25"])], [b - m for m, b in zip(lin["mean"], lin["q75"])]]
+        fig = plots.bars({pred: lin["mean"], "baseline: 1 − cos(merge, each endpoint)": lin["baseline"]},
+                         blocks, f"Cross-task linearity of {spec.label()} (weights {', '.join(f'{v:.2g}' for v in w)}; "
+                         f"{len(x)} probe images from every task, all tokens)", errors={pred: err})
         return fig
 
     def interpolation(self, endpoints, experts, method, *values):
@@ -144,7 +148,7 @@ class AnalysisController:
             a, b = land.expert_point(spec.experts[0]), land.expert_point(spec.experts[1])
             title = f"{spec.experts[0]} → {spec.experts[1]}"
         ev = self.ex.evaluator
-        x = ev.inputs("val")[0][0][:64]
+        x = analysis.probe_images(ev)
         feats = lambda wts, xx: analysis.block_features(ev.model.visual, wts, xx)  # noqa: E731
         p = analysis.interpolation_path(ev, land.space, a, b, feats, x, lock=self.ex.lock)
         return plots.lines({"accuracy (avg, fraction)": (p["alpha"], p["accuracy"]),
@@ -170,6 +174,7 @@ class AnalysisController:
 
 
 def build_analysis_tabs(ctl, inputs, experts_box, engine: str):
+    """The Analysis tab and the Expert lab."""
     ac = AnalysisController(ctl)
     pool = ctl.pool
     with gr.Tab("Analysis", id="analysis"):
@@ -193,7 +198,7 @@ def build_analysis_tabs(ctl, inputs, experts_box, engine: str):
             h_plot, h_text = gr.Plot(), gr.Markdown()
             h_btn.click(ac.heterogeneity, inputs, [h_plot, h_text], api_visibility="private")
         with gr.Accordion("Epoch dynamics (seed 003)", open=False):
-            has = [t for t in pool.tasks if pool.expert_info[t].get("trajectory")]
+            has = [t for t in pool.tasks if pool.expert_info[t].get("trajectory") or pool.expert_info[t].get("lab_trajectory")]
             d_task = gr.Dropdown(has or pool.tasks, value=(has or pool.tasks)[0], label="expert")
             d_btn = gr.Button("Compute")
             with gr.Row():
@@ -214,76 +219,5 @@ def build_analysis_tabs(ctl, inputs, experts_box, engine: str):
                 i_plot, e_plot = gr.Plot(), gr.Plot()
             i_btn.click(ac.interpolation, [i_ends, *inputs], i_plot, concurrency_id=engine, api_visibility="private")
             e_btn.click(ac.ensemble, inputs, e_plot, concurrency_id=engine, api_visibility="private")
-    with gr.Tab("Expert lab", id="lab"):
-        gr.Markdown("Fine-tune new experts from the demo base (image tower, frozen head), add them to the pool, "
-                    "merge and compare as usual.")
-        with gr.Row():
-            lab_task = gr.Dropdown(pool.tasks, value=pool.tasks[0], label="task")
-            lab_name = gr.Textbox(label="name of the new expert", value=f"{pool.tasks[0]}-lab")
-        with gr.Row():
-            lab_lr = gr.Number(value=1e-3, label="learning rate")
-            lab_epochs = gr.Number(value=1, precision=0, label="epochs")
-            lab_bs = gr.Number(value=128, precision=0, label="batch size")
-            lab_frac = gr.Number(value=1.0, label="data fraction")
-            lab_seed = gr.Number(value=0, precision=0, label="seed")
-        with gr.Row():
-            lab_btn = gr.Button("Fine-tune and add", variant="primary")
-            lab_one = gr.Button("Preset: one-epoch experts for every task")
-        lab_status = gr.Markdown()
-        gr.Markdown("### Scaling view (seed 000)")
-        with gr.Row():
-            sc_param = gr.Dropdown(list(TRENDS), value="lr", label="hyperparameter")
-            sc_values = gr.Textbox(value="0.0003, 0.001, 0.003", label="values (comma-separated)")
-        sc_btn = gr.Button("Fine-tune expert sets and merge (slow: one expert per task and value)")
-        with gr.Row():
-            sc_acc, sc_loss = gr.Plot(), gr.Plot()
-
-        def settings(lr, epochs, bs, frac, seed):
-            return check_settings(lr, epochs, bs, frac, seed)
-
-        def lab_run(task, name, lr, epochs, bs, frac, seed, progress=gr.Progress()):
-            try:
-                s = settings(lr, epochs, bs, frac, seed)
-                sd, traj, hp = finetune(pool, task, s, progress=lambda f, m: progress(f, desc=m))
-                add_expert(ctl.explorer, name.strip(), task, sd, hp, traj)
-            except MergerError as exc:
-                raise gr.Error(str(exc))
-            return f"Added expert **{name.strip()}** ({hp}).", gr.update(choices=pool.tasks)
-
-        def lab_preset(lr, bs, frac, seed, progress=gr.Progress()):
-            added = []
-            try:
-                for t in [t for t in list(pool.tasks) if "@" not in t and "-lab" not in t]:
-                    if f"{t}@1ep" in pool.tasks:
-                        continue
-                    s = settings(lr, 1, bs, frac, seed)
-                    sd, traj, hp = finetune(pool, t, s, progress=lambda f, m: progress(f, desc=m))
-                    add_expert(ctl.explorer, f"{t}@1ep", t, sd, hp, traj)
-                    added.append(f"{t}@1ep")
-            except MergerError as exc:
-                raise gr.Error(str(exc))
-            return f"Added one-epoch experts: {', '.join(added) or 'none (already there)'}.", gr.update(choices=pool.tasks)
-
-        def scaling(param, values, lr, epochs, bs, frac, seed, progress=gr.Progress()):
-            try:
-                vals = [float(v) for v in values.split(",") if v.strip()]
-                base = settings(lr, epochs, bs, frac, seed)
-                originals = [t for t in pool.tasks if "@" not in t and "-lab" not in t]
-                r = scaling_view(ctl.explorer, param, vals, base, originals,
-                                 progress=lambda f, m: progress(f, desc=m))
-            except (MergerError, ValueError) as exc:
-                raise gr.Error(str(exc))
-            acc = plots.lines({"merged accuracy (TA λ=0.3)": (r["values"], [100 * a for a in r["accuracy"]])},
-                              param, "accuracy %", f"Merged accuracy against {param}", log_x=param == "lr")
-            loss = plots.lines({"merged loss": (r["values"], r["loss"]), r["trend"]["label"]: (r["trend"]["x"], r["trend"]["y"])},
-                               param, "loss", f"Merged loss against {param} (dotted: a trend, not a prediction)",
-                               log_x=param == "lr", dashed=[r["trend"]["label"]])
-            return acc, loss, gr.update(choices=pool.tasks)
-
-        lab_btn.click(lab_run, [lab_task, lab_name, lab_lr, lab_epochs, lab_bs, lab_frac, lab_seed],
-                      [lab_status, experts_box], concurrency_id=engine, api_visibility="private")
-        lab_one.click(lab_preset, [lab_lr, lab_bs, lab_frac, lab_seed], [lab_status, experts_box],
-                      concurrency_id=engine, api_visibility="private")
-        sc_btn.click(scaling, [sc_param, sc_values, lab_lr, lab_epochs, lab_bs, lab_frac, lab_seed],
-                     [sc_acc, sc_loss, experts_box], concurrency_id=engine, api_visibility="private")
+    build_lab_tab(ctl, experts_box, d_task, engine)
     return ac

@@ -18,16 +18,20 @@ CSS = """
 """
 
 
-def _param_control(name: str):
+def _param_control(name: str, num_experts: int):
     users = [m for m in methods.all_methods() if name in m.param_names]
-    p = users[0].param(name)
+    m = users[0]
+    p = m.param(name)
+    value = (m.defaults_for(num_experts) if m.defaults_for else {}).get(name, p.default)
+    if value == "auto":  # the slider's auto position: the top of its range for this many experts
+        value = m.bounds(name, num_experts)[1]
     label = {"lam": "λ (merge coefficient)", "rank_ratio": "rank ratio", "sparsity": "sparsity",
              "seed": "seed", "steps": "steps", "lr": "learning rate", "init": "initial coefficient",
-             "samples": "samples per task", "k": "top-k vertices"}[name]
+             "samples": "samples per task", "k": "top-k vertices", "step_size": "FW step factor"}[name]
     if p.kind == "int":
-        return gr.Number(value=p.default, label=label, precision=0, minimum=p.min, maximum=p.max,
+        return gr.Number(value=value, label=label, precision=0, minimum=p.min, maximum=p.max,
                          elem_id=f"ctl-{name}", info=p.help)
-    return gr.Slider(minimum=p.min, maximum=p.max, step=p.step, value=p.default, label=label,
+    return gr.Slider(minimum=p.min, maximum=p.max, step=p.step, value=value, label=label,
                      elem_id=f"ctl-{name}", info=p.help)
 
 
@@ -49,7 +53,7 @@ def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
                         method = gr.Dropdown([(m.display_name, m.name) for m in methods.all_methods()],
                                              value=default_method, label="method", elem_id="ctl-method")
                         about = gr.Markdown()
-                        controls = [_param_control(n) for n in PARAM_NAMES]
+                        controls = [_param_control(n, len(pool.tasks)) for n in PARAM_NAMES]
                         with gr.Row():
                             pin_btn = gr.Button("Pin", elem_id="pin")
                             export_btn = gr.Button("Export", elem_id="export")
@@ -75,13 +79,15 @@ def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
                 inputs = [experts, method, *controls]
                 outputs = [acc_plot, loss_plot, radar_plot, summary]
                 method.change(ctl.method_controls, [method, experts], [*controls, about], queue=False)
+                experts.change(ctl.refresh_limits, inputs, controls, queue=False, api_visibility="private")
                 for c in [experts, method, *controls]:
                     c.change(ctl.preview, inputs, outputs, trigger_mode="always_last",
                              concurrency_id=ENGINE, concurrency_limit=1, show_progress="hidden", api_visibility="private")
                 runs = RunController(ctl)
                 run_btn.click(runs.run, inputs, [run_status, objective_plot, coef_plot, fw_plot, *outputs],
                                           api_visibility="private")
-                cancel_btn.click(runs.cancel, None, run_status, queue=False, api_visibility="private")
+                cancel_btn.click(runs.cancel, None, run_status, concurrency_id="cancel", concurrency_limit=None,
+                         api_visibility="private")
                 pin_btn.click(ctl.pin, [pins, *inputs], [pins, pins_md], api_visibility="private")
                 export_btn.click(ctl.export, inputs, [files, export_msg], concurrency_id=ENGINE, api_visibility="private")
 

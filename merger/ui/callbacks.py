@@ -26,6 +26,20 @@ def _fmt(v) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
+def _at_auto(method, name: str, value, num_experts: int) -> bool:
+    """A slider sits at a parameter's auto position: the top of its T-dependent range (TSV-M:
+    1/T), or a value the app set for another T (1/n, off the slider's grid: no drag lands there)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return False
+    if abs(v - method.bounds(name, num_experts)[1]) < 1e-9:
+        return True
+    step = method.param(name).step
+    off_grid = abs(v / step - round(v / step)) > 1e-6
+    return v > 0 and off_grid and abs(1 / v - round(1 / v)) < 1e-6
+
+
 class Controller:
     def __init__(self, explorer, history=None):
         self.explorer = explorer
@@ -36,12 +50,16 @@ class Controller:
     # ---- specs --------------------------------------------------------------------------
     def spec_from_controls(self, experts, method, *values):
         """The spec the controls describe (values in PARAM_NAMES order); only the parameters the
-        method uses are read."""
+        method uses are read. A parameter with an "auto" rule reads "auto" where the slider sits at
+        its auto position (see ``_at_auto``), so snapping to the slider step cannot change it."""
         m = methods.get(method)
         values = dict(zip(PARAM_NAMES, values))
         params = {k: values[k] for k in m.param_names if values.get(k) is not None}
         if not experts:
             raise MergerError("experts: empty subset, tick at least one expert")
+        for k, v in params.items():
+            if m.param(k).auto and _at_auto(m, k, v, len(experts)):
+                params[k] = "auto"
         return self.explorer.spec(m.name, experts=list(experts), **params)
 
     def method_controls(self, method, experts):
@@ -53,13 +71,35 @@ class Controller:
         for name in PARAM_NAMES:
             if name in m.param_names:
                 p = m.param(name)
+                lo, hi = m.bounds(name, n)
                 default = auto.get(name, p.default)
-                updates.append(gr.update(interactive=True, value=default, minimum=p.min, maximum=p.max,
-                                         step=p.step, info=p.help))
+                updates.append(gr.update(interactive=True, value=hi if default == "auto" else default, minimum=lo,
+                                         maximum=hi, step=p.step, info=p.help))
             else:
                 updates.append(gr.update(interactive=False, info=f"not used by {m.display_name}"))
         about = f"**{m.display_name}**: {m.description}  \n*{m.paper}*"
+        if m.conventions:
+            about += f"  \nConventions: {m.conventions}"
         return (*updates, about)
+
+    def refresh_limits(self, experts, method, *values):
+        """The expert subset changed: ranges that depend on T follow it (TSV-M's rank ratio ≤ 1/T),
+        and a slider at its auto position moves to the new one."""
+        m = methods.get(method)
+        n = max(1, len(experts or []))
+        values = dict(zip(PARAM_NAMES, values))
+        limits = m.limits_for(n) if m.limits_for else {}
+        updates = []
+        for name in PARAM_NAMES:
+            if name not in limits or name not in m.param_names:
+                updates.append(gr.skip())
+                continue
+            lo, hi = m.bounds(name, n)
+            v = values.get(name)
+            if v is None or v > hi or (m.param(name).auto and _at_auto(m, name, v, n)):
+                v = hi
+            updates.append(gr.update(minimum=lo, maximum=hi, value=v))
+        return tuple(updates)
 
     # ---- merge tab ----------------------------------------------------------------------
     def preview(self, experts, method, *values):
@@ -225,7 +265,10 @@ class Controller:
         updates = []
         for name in PARAM_NAMES:
             if name in m.param_names:
-                updates.append(gr.update(value=params.get(name), interactive=True))
+                value = params.get(name)
+                if value == "auto":  # the slider's auto position for this subset
+                    value = m.bounds(name, max(1, len(experts)))[1]
+                updates.append(gr.update(value=value, interactive=True))
             else:
                 updates.append(gr.update(interactive=False, info=f"not used by {m.display_name}"))
         return (gr.update(value=experts), gr.update(value=m.name), *updates)

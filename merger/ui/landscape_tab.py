@@ -76,13 +76,16 @@ class LandscapeController:
             raise gr.Error(str(exc))
 
     def figure(self, state, spec=None):
-        live = None
+        live = live_values = None
         if spec is not None:
             label, vec = self._live(spec)
             x, y, off = state["plane"].coords(vec)
             live = (label, x, y, off)
+            if state["view"] == "surface":  # the marker sits at the merge's own value (cached per spec)
+                res = self.ctl.explorer.preview(spec, state["surface"].split)
+                live_values = (res.accuracy, res.loss)
         return landscape_figure(self.land, state["plane"], state["surface"], state["metric"], state["task"],
-                                state["points"], state["paths"], state["view"], live)
+                                state["points"], state["paths"], state["view"], live, live_values)
 
     def move_live(self, state, experts, method, *values):
         """The slider moved: only the live marker moves; the surface is not recomputed."""

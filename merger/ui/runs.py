@@ -29,8 +29,9 @@ class RunController:
             fw = plots.empty("Frank–Wolfe diagnostics appear here for fw_hard / fw_soft.")
         return heat, fw
 
-    def run(self, experts, method, *values, request: gr.Request = None):
-        """Generator: status and the objective while the run goes; then every view of the result."""
+    def run(self, request: gr.Request, experts, method, *values):
+        """Generator: status and the objective while the run goes; then every view of the result.
+        (``request`` comes first: Gradio injects it only among the positional parameters.)"""
         session = getattr(request, "session_hash", None) or "default"
         skip7 = (gr.skip(),) * 7
         try:

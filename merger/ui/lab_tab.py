@@ -1,0 +1,166 @@
+"""The Expert lab tab (demo world): fine-tune experts with chosen settings, presets, Cancel, and
+the scaling view of seed 000."""
+from __future__ import annotations
+
+import threading
+
+import gradio as gr
+
+from .. import plots
+from ..demo.train import Cancelled
+from ..errors import MergerError
+from ..lab import GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, TRENDS, add_expert, check_settings, finetune, scaling_view
+
+
+def _session(request) -> str:
+    return getattr(request, "session_hash", None) or "default"
+
+
+class LabController:
+    """Lab runs per browser session, each with its own Cancel flag."""
+
+    def __init__(self, ctl):
+        self.ctl = ctl
+        self.pool = ctl.pool
+        self._cancel: dict[str, threading.Event] = {}
+
+    def _guarded(self, request, work):
+        """work(cancel flag) with this session's Cancel flag set up: (result, cancelled). Bad input
+        becomes a message; the flag is gone afterwards."""
+        key = _session(request)
+        flag = self._cancel[key] = threading.Event()
+        try:
+            return work(flag), False
+        except Cancelled:
+            return None, True
+        except (MergerError, ValueError) as exc:
+            raise gr.Error(str(exc))
+        finally:
+            self._cancel.pop(key, None)
+
+    def cancel(self, request: gr.Request = None) -> str:
+        flag = self._cancel.get(_session(request))
+        if flag is None:
+            return "No lab run in progress."
+        flag.set()
+        return "Cancelling… (the run stops at its next step; nothing is added)"
+
+    def originals(self) -> list[str]:
+        return [t for t in self.pool.tasks if "@" not in t and "-lab" not in t]
+
+    def _train(self, task, name, settings, progress, flag):
+        sd, traj, hp = finetune(self.pool, task, settings, progress=lambda f, m: progress(f, desc=m),
+                                cancel=flag.is_set)
+        add_expert(self.ctl.explorer, name, task, sd, hp, traj)
+        return hp
+
+    # Gradio injects the request and the progress tracker only among positional parameters,
+    # so the settings are spelled out (in SETTING_KEYS order) instead of *values.
+    def run(self, request: gr.Request, task, name, lr, epochs, batch_size, data_fraction, seed, optimizer, momentum,
+            weight_decay, schedule, progress=gr.Progress()):
+        name = str(name).strip()
+        settings = (lr, epochs, batch_size, data_fraction, seed, optimizer, momentum, weight_decay, schedule)
+        hp, cancelled = self._guarded(request, lambda flag: self._train(task, name, check_settings(*settings),
+                                                                         progress, flag))
+        if cancelled:
+            return "Cancelled: no expert was added.", gr.skip(), gr.skip()
+        choices = gr.update(choices=self.pool.tasks)
+        return f"Added expert **{name}** ({hp}).", choices, choices
+
+    def one_epoch_set(self, request: gr.Request, lr, epochs, batch_size, data_fraction, seed, optimizer, momentum,
+                      weight_decay, schedule, progress=gr.Progress()):
+        """One-epoch experts for every original task (the settings above, epochs = 1)."""
+        added = []
+
+        def work(flag):
+            settings = check_settings(lr, 1, batch_size, data_fraction, seed, optimizer, momentum, weight_decay,
+                                      schedule)
+            for t in self.originals():
+                if f"{t}@1ep" not in self.pool.tasks:
+                    self._train(t, f"{t}@1ep", settings, progress, flag)
+                    added.append(f"{t}@1ep")
+
+        _, cancelled = self._guarded(request, work)
+        note = " Cancelled before the rest." if cancelled else ""
+        choices = gr.update(choices=self.pool.tasks)
+        return f"Added one-epoch experts: {', '.join(added) or 'none'}.{note}", choices, choices
+
+    @staticmethod
+    def gradient_descent_preset():
+        """Controls set to one step of full-batch gradient descent (cos(τ(1), −∇L(θ0)) = 1)."""
+        g = GRADIENT_DESCENT
+        return (g["lr"], g["epochs"], g["batch_size"], 1.0, g["optimizer"], g["momentum"], g["weight_decay"],
+                g["schedule"], "Preset set: SGD, momentum 0, weight decay 0, constant schedule, one epoch, full batch "
+                "(batch size 0). Press **Fine-tune and add**, then Analysis → Epoch dynamics.")
+
+    def scaling(self, request: gr.Request, param, values, lr, epochs, batch_size, data_fraction, seed, optimizer,
+                momentum, weight_decay, schedule, progress=gr.Progress()):
+        settings = (lr, epochs, batch_size, data_fraction, seed, optimizer, momentum, weight_decay, schedule)
+
+        def work(flag):
+            vals = [float(v) for v in str(values).split(",") if v.strip()]
+            return scaling_view(self.ctl.explorer, param, vals, check_settings(*settings), self.originals(),
+                                progress=lambda f, m: progress(f, desc=m), cancel=flag.is_set)
+
+        r, cancelled = self._guarded(request, work)
+        if cancelled:
+            return gr.skip(), gr.skip(), gr.skip(), "Cancelled."
+        log_x = param == "lr"
+        acc = plots.lines({f"merged accuracy ({r['merge']})": (r["values"], [100 * a for a in r["accuracy"]])},
+                          param, "accuracy %", f"Merged accuracy against {param}", log_x=log_x)
+        loss = plots.lines({"merged loss": (r["values"], r["loss"]), r["trend"]["label"]: (r["trend"]["x"], r["trend"]["y"])},
+                           param, "loss", f"Merged loss against {param} (dotted: a trend, not a prediction)",
+                           log_x=log_x, dashed=[r["trend"]["label"]])
+        return acc, loss, gr.update(choices=self.pool.tasks), f"Merged with {r['merge']}."
+
+
+def build_lab_tab(ctl, experts_box, dynamics_task, engine: str) -> LabController:
+    lc = LabController(ctl)
+    pool = ctl.pool
+    with gr.Tab("Expert lab", id="lab"):
+        gr.Markdown("Fine-tune new experts from the demo base (image tower, frozen head), add them to the pool, "
+                    "merge and compare as usual.")
+        with gr.Row():
+            task = gr.Dropdown(pool.tasks, value=pool.tasks[0], label="task")
+            name = gr.Textbox(label="name of the new expert", value=f"{pool.tasks[0]}-lab")
+        with gr.Row():
+            lr = gr.Number(value=1e-3, label="learning rate")
+            epochs = gr.Number(value=1, precision=0, label="epochs")
+            bs = gr.Number(value=128, precision=0, label="batch size (0: full batch)")
+            frac = gr.Number(value=1.0, label="data fraction")
+            seed = gr.Number(value=0, precision=0, label="seed")
+        with gr.Row():
+            opt = gr.Dropdown(list(OPTIMIZERS), value="adamw", label="optimiser")
+            momentum = gr.Number(value=0.9, label="momentum (SGD)")
+            wd = gr.Number(value=0.1, label="weight decay")
+            schedule = gr.Dropdown(list(SCHEDULES), value="cosine", label="schedule",
+                                   info="cosine: short linear warm-up, then cosine decay")
+        settings = [lr, epochs, bs, frac, seed, opt, momentum, wd, schedule]
+        with gr.Row():
+            run_btn = gr.Button("Fine-tune and add", variant="primary")
+            one_btn = gr.Button("Preset: one-epoch experts for every task")
+            gd_btn = gr.Button("Preset: gradient descent, one epoch, full batch")
+            cancel_btn = gr.Button("Cancel", elem_id="lab-cancel")
+        status = gr.Markdown()
+        gr.Markdown("### Scaling view (seed 000)\nExpert sets merged by weight averaging (Σλ = 1, as the theory "
+                    "assumes); the paper's trend is fitted to the merged loss. `num_tasks` merges random subsets of "
+                    "the pool's experts.")
+        with gr.Row():
+            sc_param = gr.Dropdown(list(TRENDS), value="lr", label="variable")
+            sc_values = gr.Textbox(value="0.0003, 0.001, 0.003", label="values (comma-separated)")
+        sc_btn = gr.Button("Fine-tune expert sets and merge (slow: one expert per task and value)")
+        with gr.Row():
+            sc_acc, sc_loss = gr.Plot(), gr.Plot()
+
+        gd_btn.click(lc.gradient_descent_preset, None, [lr, epochs, bs, frac, opt, momentum, wd, schedule, status],
+                     queue=False, api_visibility="private")
+        run_btn.click(lc.run, [task, name, *settings], [status, experts_box, dynamics_task], concurrency_id=engine,
+                      api_visibility="private")
+        one_btn.click(lc.one_epoch_set, settings, [status, experts_box, dynamics_task], concurrency_id=engine,
+                      api_visibility="private")
+        sc_btn.click(lc.scaling, [sc_param, sc_values, *settings], [sc_acc, sc_loss, experts_box, status],
+                     concurrency_id=engine, api_visibility="private")
+        # Queued (so the request carries the browser session), in its own queue: never behind a run.
+        cancel_btn.click(lc.cancel, None, status, concurrency_id="cancel", concurrency_limit=None,
+                         api_visibility="private")
+    return lc

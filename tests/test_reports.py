@@ -1,0 +1,43 @@
+"""The printed reports' checks on synthetic curves, and what the reports pick and measure."""
+import pytest
+
+import merger
+from merger.phenomena import bell_at_low_rank, full_rank_through_the_arithmetic, rises_then_falls
+from merger.reports import TA_GRID, demo_numbers
+from helpers import write_pool
+
+
+@pytest.mark.parametrize("curve, expected", [
+    ({0.1: 0.5, 0.3: 0.7, 0.5: 0.8, 1.0: 0.6}, True),       # rises, then falls
+    ({0.1: 0.5, 0.3: 0.6, 0.5: 0.7, 1.0: 0.8}, False),      # only rises: the peak is at the end
+    ({0.1: 0.8, 0.3: 0.7, 0.5: 0.6, 1.0: 0.5}, False),      # only falls
+    ({0.1: 0.70, 0.3: 0.705, 1.0: 0.70}, False),            # a bump within the margin is no peak
+])
+def test_rises_then_falls(curve, expected):
+    assert rises_then_falls(curve) is expected
+
+
+@pytest.mark.parametrize("curve, expected", [
+    ({0.01: 0.6, 0.04: 0.75, 0.08: 0.8, 0.32: 0.72, 1.0: 0.65}, True),   # the CART bell near 8 %
+    ({0.01: 0.6, 0.08: 0.7, 0.5: 0.8, 1.0: 0.65}, False),                 # peaks at a high rank
+    ({0.01: 0.8, 0.08: 0.7, 1.0: 0.65}, False),                           # no rise from the lowest rank
+])
+def test_bell_at_low_rank(curve, expected):
+    assert bell_at_low_rank(curve) is expected
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    return merger.open_pool(write_pool(tmp_path_factory.mktemp("reports"), n_experts=3, scale=0.2, demo_data=True))
+
+
+def test_full_rank_cart_is_weight_averaging_through_the_arithmetic(pool):
+    out = full_rank_through_the_arithmetic(merger.Explorer(pool))
+    assert out["max_weight_difference"] < 1e-4 and out["accuracy_difference"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_demo_report_picks_lambda_on_validation(pool):
+    n = demo_numbers(pool, split="test")
+    ex = merger.Explorer(pool)
+    val = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "val").average_accuracy for lam in TA_GRID}
+    assert n["best_lam"] == max(val, key=val.get)
