@@ -116,6 +116,12 @@ def run(what: str, args) -> int:
         return bench_scale(args)
     if what == "load":
         return bench_load(args)
+    if what == "attacks":
+        from .attacks import format_outcomes, run_catalogue
+
+        outcomes, peak = run_catalogue()
+        print(format_outcomes(outcomes, peak))
+        return 0 if all(o.verdict in ("refused", "accepted") for o in outcomes) else 1
     raise SystemExit(f"unknown benchmark {what}")
 
 

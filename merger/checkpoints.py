@@ -15,6 +15,7 @@ from typing import Mapping
 
 import torch
 
+from . import inputs
 from .errors import CheckpointError
 
 STRIP_PREFIXES = ("module.", "model.")
@@ -27,10 +28,12 @@ _WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Read a state dict from safetensors or a weights-only torch file (on the CPU)."""
     path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: file not found")
-    if path.is_dir():
-        raise CheckpointError(f"{path}: is a folder, expected a weights file")
+    try:
+        inputs.regular_file(path, "weights file", CheckpointError)
+    except CheckpointError as exc:
+        if str(exc).endswith("weights file not found"):
+            raise CheckpointError(f"{path}: file not found") from None
+        raise
     suffix = path.suffix.lower()
     if suffix in TENSOR_SUFFIXES:
         return _load_safetensors(path)
@@ -49,7 +52,7 @@ def load_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], str]
     """
     from . import hf_clip
 
-    path = Path(path)
+    path = inputs.check_path(str(path), "weights path", CheckpointError)
     sd = hf_clip.load_hf_dir(path) if path.is_dir() else load_state_dict(path)
     if hf_clip.is_hf_vision(sd):
         return hf_clip.hf_to_open_clip(sd, str(path)), "hf_clip_vision"
@@ -82,6 +85,9 @@ def _load_torch(path: Path) -> dict[str, torch.Tensor]:
             obj = obj[key]
     if not isinstance(obj, Mapping):
         raise CheckpointError(f"{path}: holds a {type(obj).__name__}, expected a state dict of tensors")
+    named = [k for k in obj if not isinstance(k, str)]
+    if named:
+        raise CheckpointError(f"{path}: keys that are not tensor names (strings): {', '.join(map(repr, named[:5]))}")
     bad = [k for k, v in obj.items() if not torch.is_tensor(v)]
     if bad:
         raise CheckpointError(f"{path}: entries that are not tensors: {', '.join(map(str, bad[:5]))}")
@@ -150,10 +156,19 @@ def validate_expert(
         t, b = sd[k], base[k]
         if b.is_floating_point() and not t.is_floating_point():
             raise CheckpointError(f"{name}: key {k} is {t.dtype}, expected a floating-point weight")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
+        bad = _non_finite(t)
+        if bad:
             raise CheckpointError(f"{name}: key {k} holds {bad} non-finite values (NaN or Inf)")
     return {k: sd[k] for k in scope}
+
+
+def _non_finite(t: torch.Tensor) -> int:
+    """How many NaN/Inf a weight holds (1-byte floats such as float8 are checked in float32, as
+    torch has no isfinite for them; they are merged in float32 anyway)."""
+    if not t.is_floating_point():
+        return 0
+    finite = torch.isfinite(t.float() if t.element_size() == 1 else t)
+    return int((~finite).sum())
 
 
 def _architecture_hint(sd, base) -> str:
@@ -173,7 +188,7 @@ def _architecture_hint(sd, base) -> str:
 
 def validate_base(base: Mapping[str, torch.Tensor], name: str) -> None:
     for k, t in base.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if _non_finite(t):
             raise CheckpointError(f"{name}: key {k} holds non-finite values (NaN or Inf)")
 
 
@@ -224,24 +239,14 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return path
 
 
-def read_yaml(path: Path, error: type[Exception], what: str):
-    """Parse a YAML file safely; a missing or malformed file raises ``error`` naming it."""
-    import yaml
-
-    if not path.exists():
-        raise error(f"{path}: {what} not found")
-    try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise error(f"{path}: not valid YAML ({exc})") from None
-
-
 def content_hash(path: str | os.PathLike) -> str:
-    """sha256 of a file's bytes, or of a folder's files (names and bytes, sorted) (hex)."""
+    """sha256 of a file's bytes, or of a folder's files (names and bytes, sorted) (hex). Only
+    regular files are read (a FIFO or device would never end)."""
     path = Path(path)
     h = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for f in files:
+        inputs.regular_file(f, "file to hash", CheckpointError)
         if path.is_dir():
             h.update(str(f.relative_to(path)).encode() + b"\0")
         with open(f, "rb") as fh:

@@ -2,11 +2,41 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from . import methods
 from .errors import MergerError
 from .methods.registry import PARAM_NAMES
+
+
+@contextlib.contextmanager
+def progress_bar(desc: str):
+    """A tqdm bar on stderr for a long command; yields ``update(fraction, message, ...)``, the
+    callback shape the engine's long operations take."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=1000, desc=desc, file=sys.stderr, leave=True, dynamic_ncols=True,
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining} {postfix}")
+
+    def update(fraction, message="", *_):
+        bar.n = min(1000, int(round(1000 * fraction)))
+        bar.set_postfix_str(str(message)[:70], refresh=False)
+        bar.refresh()
+
+    try:
+        yield update
+    finally:
+        bar.close()
+
+
+def _run_data_driven(pool, spec) -> None:
+    """A data-driven merge learns first, with a progress bar (the run is cached for what follows)."""
+    from .explorer import explorer_for
+
+    if methods.get(spec.method).kind == "data":
+        with progress_bar(spec.method) as update:
+            explorer_for(pool).run(spec, progress=update)
 
 
 def _flag(name: str) -> str:
@@ -47,7 +77,6 @@ def cmd_methods(args) -> int:
 
 def cmd_merge(args) -> int:
     from .export import check_hashes, export_merge, read_spec_file
-    from .merging import Spec
     from .pool import open_pool
 
     if args.spec:
@@ -56,12 +85,13 @@ def cmd_merge(args) -> int:
         check_hashes(pool, record, args.spec)
         params = dict(record.get("params") or {})
         params.update(method_params(args))
-        spec = Spec.make(args.method or record["method"], params, args.experts or record.get("experts"), pool.tasks)
+        spec = pool.make_spec(args.method or record["method"], params, args.experts or record.get("experts"))
     else:
         if not args.pool or not args.method:
             raise MergerError("merge: give --pool and --method, or --spec FILE")
         pool = open_pool(args.pool, device=args.device)
-        spec = Spec.make(args.method, method_params(args), args.experts, pool.tasks)
+        spec = pool.make_spec(args.method, method_params(args), args.experts)
+    _run_data_driven(pool, spec)
     weights, yaml_path = export_merge(pool, spec, args.out)
     print(f"wrote {weights} and {yaml_path}: {spec.label()} over {', '.join(spec.experts)}")
     return 0
@@ -78,6 +108,7 @@ def cmd_eval(args) -> int:
     pool = open_pool(args.pool, device=args.device)
     ex = Explorer(pool)
     spec = ex.spec(args.method, experts=args.experts, **method_params(args))
+    _run_data_driven(pool, spec)
     # Exact parameters (not snapped to slider steps): merge, then evaluate.
     result = ex.evaluator.evaluate(delta=ex.delta(spec), split=args.split)
     if args.json:
@@ -103,7 +134,9 @@ def cmd_demo(args) -> int:
     from .pool import open_pool
     from .reports import demo_numbers, format_demo_report
 
-    print(format_demo_report(demo_numbers(open_pool(args.pool), split=args.split)))
+    with progress_bar("demo report") as update:
+        numbers = demo_numbers(open_pool(args.pool), split=args.split, progress=update)
+    print(format_demo_report(numbers))
     return 0
 
 
@@ -117,9 +150,11 @@ def cmd_landscape(args) -> int:
 
     t0 = time.perf_counter()
     land = Landscape(Explorer(open_pool(args.pool, device=args.device)))
-    html, js = write_landscape(land, args.out, args.plane, args.points.split(","), args.grid, args.metric,
-                               task=args.task, tasks=[t for t in (args.tasks or "").split(",") if t],
-                               split=args.split, path_names=(args.paths or "").split(","), view=args.view)
+    with progress_bar("landscape") as update:
+        html, js = write_landscape(land, args.out, args.plane, args.points.split(","), args.grid, args.metric,
+                                   task=args.task, tasks=[t for t in (args.tasks or "").split(",") if t],
+                                   split=args.split, path_names=(args.paths or "").split(","), view=args.view,
+                                   progress=update)
     print(f"wrote {html} and {js} ({args.grid}×{args.grid}, {time.perf_counter() - t0:.1f} s)")
     return 0
 
@@ -161,6 +196,7 @@ def cmd_bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m merger", description="Model merging explorer")
+    ap.add_argument("--debug", action="store_true", help="show a traceback when a command fails")
     sub = ap.add_subparsers(dest="command", required=True)
 
     sub.add_parser("methods", help="list the registered merge methods").set_defaults(func=cmd_methods)
@@ -216,9 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_screenshot)
 
     p = sub.add_parser("bench", help="benchmarks (medians and ratios in one run)")
-    p.add_argument("what", choices=["merge", "live", "api", "landscape", "scale", "load"],
+    p.add_argument("what", choices=["merge", "live", "api", "landscape", "scale", "load", "attacks"],
                    help="merge: prepare/apply per method on ViT-B-32; live: slider → result on the demo pool; "
-                        "api: the app's evaluate endpoint through gradio_client")
+                        "api: the app's evaluate endpoint through gradio_client; attacks: the bad-input catalogue")
     p.add_argument("--url", default=None, help="api: a running app to target (default: start one)")
     p.add_argument("--grid", type=int, default=21, help="landscape: grid points per side")
     p.add_argument("--clients", type=int, default=20, help="load: concurrent gradio_client clients")
@@ -232,13 +268,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--naive", type=int, default=30, help="live: how many of them to repeat naively")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods")
     p.set_defaults(func=cmd_bench)
+    for command in sub.choices.values():  # --debug also after the command's name
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show a traceback when the command fails")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0 on success; 2 and one line on stderr for bad input (a MergerError names the file,
+    key or parameter); 1 and one line for an operation that failed (a disk, a signal, a bug).
+    ``--debug`` shows the traceback instead."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except MergerError as exc:
+        if args.debug:
+            raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001  anything else is a failed operation, said in one line
+        if args.debug:
+            raise
+        detail = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename else str(exc)
+        print(f"error: {args.command} failed: {type(exc).__name__}: {detail.splitlines()[0] if detail else ''} "
+              "(--debug shows the traceback)", file=sys.stderr)
+        return 1

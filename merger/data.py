@@ -15,6 +15,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
+from . import inputs
 from . import splits as split_rules
 from .errors import DataError, PoolError
 
@@ -103,12 +104,9 @@ class TaskDataStore:
             raise DataError(f"task '{task}' has no class names (tasks.{task}.classes in {self.pool.source})")
         classes = info["classes"]
         if isinstance(classes, str):
-            path = self.pool.resolve(classes, f"tasks.{task}.classes")
-            if not path.is_file():
-                raise DataError(f"tasks.{task}.classes: class-names file {path} not found")
-            classes = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+            classes = self._lines(task, "classes", classes, "class-names file")
             if not classes:
-                raise DataError(f"tasks.{task}.classes: {path} holds no class names")
+                raise DataError(f"tasks.{task}.classes: the file holds no class names")
         if len(set(map(str, classes))) != len(classes):
             raise DataError(f"tasks.{task}.classes: a class name appears twice")
         return [str(c) for c in classes]
@@ -121,15 +119,23 @@ class TaskDataStore:
         if value in (None, "standard"):
             return list(STANDARD_TEMPLATES)
         if isinstance(value, str):
-            path = self.pool.resolve(value, f"tasks.{task}.templates")
-            if not path.is_file():
-                raise DataError(f"tasks.{task}.templates: {path} not found (or use 'standard')")
-            value = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+            value = self._lines(task, "templates", value, "templates file (or use 'standard')")
         bad = [t for t in value if "{}" not in str(t)]
         if not value or bad:
             raise DataError(f"tasks.{task}.templates: every template needs a '{{}}' for the class name"
                             + (f" (not: {bad[0]!r})" if bad else ""))
         return [str(t) for t in value]
+
+    def _lines(self, task: str, key: str, value: str, what: str) -> list[str]:
+        """The non-empty lines of a class-names or templates file (a bounded read of a regular file)."""
+        from .pool_schema import MAX_CLASSES
+
+        path = self.pool.resolve(value, f"tasks.{task}.{key}")
+        lines = [line.strip() for line in inputs.read_text(path, f"tasks.{task}.{key}: {what}", DataError).splitlines()
+                 if line.strip()]
+        if len(lines) > MAX_CLASSES:
+            raise DataError(f"tasks.{task}.{key}: {path} has {len(lines)} lines (at most {MAX_CLASSES})")
+        return lines
 
     def split(self, task: str, split: str) -> SplitData:
         if split not in split_rules.SPLITS:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -58,14 +59,19 @@ class Result:
         return sum(vals) / len(vals)
 
     def to_dict(self) -> dict:
+        """Plain JSON values: a non-finite number (an infinite loss, a ratio over an expert with
+        0 % accuracy) becomes None, which every JSON encoder can write."""
+        def finite(v):
+            return v if math.isfinite(v) else None
+
         return {
             "split": self.split,
             "accuracy": self.accuracy,
-            "loss": self.loss,
-            "normalized": self.normalized if self.expert_accuracy else {},
+            "loss": {t: finite(v) for t, v in self.loss.items()},
+            "normalized": {t: finite(v) for t, v in self.normalized.items()} if self.expert_accuracy else {},
             "average_accuracy": self.average_accuracy,
-            "average_loss": self.average_loss,
-            "normalized_accuracy": self.normalized_accuracy if self.expert_accuracy else None,
+            "average_loss": finite(self.average_loss),
+            "normalized_accuracy": finite(self.normalized_accuracy) if self.expert_accuracy else None,
             "counts": self.counts,
         }
 
@@ -105,7 +111,7 @@ class Evaluator:
         self.heads = self._build_heads()
         self._inputs: dict[str, list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]] = {}
         self._whole: dict[str, tuple[list, torch.Tensor]] = {}  # split -> (its groups, their inputs concatenated)
-        self._expert_acc: dict[str, dict[str, float]] = {}
+        self._expert_acc: dict[tuple[str, str], float] = {}
         self.notices: list[str] = []  # out-of-memory fallbacks, shown to the user
 
     def _build_heads(self) -> dict[str, torch.Tensor]:
@@ -260,15 +266,19 @@ class Evaluator:
         return Result(split, acc, loss, experts, counts, seconds)
 
     def expert_accuracy(self, split: str) -> dict[str, float]:
-        """Each task's accuracy under its own expert (cached per split)."""
-        if split not in self._expert_acc:
+        """Each task's accuracy under the pool's own expert for it (the reference of a result)."""
+        return {t: self.expert_task_accuracy(t, split) for t in self.pool.tasks}
+
+    def expert_task_accuracy(self, expert: str, split: str) -> float:
+        """An expert's accuracy on the task it was fine-tuned for (cached per expert and split)."""
+        key = (expert, split)
+        if key not in self._expert_acc:
             tv = self.pool.task_vectors
-            out = {}
-            for i, t in enumerate(tv.tasks):
-                self.load_delta({k: tv.stacked[k][i] for k in tv.keys})
-                out[t] = self.forward(split, tasks=[t])[0][t]
-            self._expert_acc[split] = out
-        return self._expert_acc[split]
+            i = tv.tasks.index(expert)
+            task = self.pool.task_of(expert)
+            self.load_delta({k: tv.stacked[k][i] for k in tv.keys})
+            self._expert_acc[key] = self.forward(split, tasks=[task])[0][task]
+        return self._expert_acc[key]
 
     def base_result(self, split: str) -> Result:
         return self.evaluate(None, split)

@@ -42,7 +42,7 @@ class Explorer:
         return self.pool.tasks
 
     def spec(self, method: str, experts=None, **params) -> Spec:
-        return Spec.make(method, params, experts, self.pool.tasks)
+        return self.pool.make_spec(method, params, experts)
 
     def delta(self, spec: Spec) -> dict:
         m = methods.get(spec.method)

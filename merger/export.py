@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import datetime as _dt
+import os
+import uuid
 from pathlib import Path
 
 import yaml
 
-from . import checkpoints
+from . import checkpoints, inputs
 from .errors import MergerError, PoolError
 from .merging import Spec, merge_spec
 
@@ -48,29 +50,100 @@ def spec_record(pool, spec: Spec, weights: Path) -> dict:
 
 
 def export_merge(pool, spec: Spec, out: str | Path) -> tuple[Path, Path]:
-    """Merge and write ``out`` (.safetensors) and its spec beside it; nothing is left on failure."""
-    out = Path(out)
+    """Merge and write ``out`` (.safetensors) and its spec beside it. Both are written to temporary
+    files first and then renamed together: on any failure the pair on disk is the old one (or
+    none), never new weights beside an old spec."""
+    out = Path(inputs.check_path(str(out), "--out", MergerError))
     if out.suffix != ".safetensors":
         raise MergerError(f"{out}: the output must end in .safetensors")
+    check_writable(out.parent)  # before a merge that may take minutes
     merged = merge_spec(pool, spec)  # fails before anything is written
     record = spec_record(pool, spec, out)
-    meta = {"merger_spec": yaml.safe_dump(record, sort_keys=False)}
-    checkpoints.save_safetensors(merged, out, metadata=meta)
-    yaml_path = checkpoints.write_text_atomic(spec_path_for(out), yaml.safe_dump(record, sort_keys=False))
+    text = yaml.safe_dump(record, sort_keys=False)
+    yaml_path = spec_path_for(out)
+    weights_tmp = checkpoints.save_safetensors(merged, _temporary(out), metadata={"merger_spec": text})
+    try:
+        spec_tmp = checkpoints.write_text_atomic(_temporary(yaml_path), text)
+    except BaseException:
+        weights_tmp.unlink(missing_ok=True)
+        raise
+    _replace_together([(weights_tmp, out), (spec_tmp, yaml_path)])
     return out, yaml_path
 
 
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+
+
+def _replace_together(moves: list[tuple[Path, Path]]) -> None:
+    """Rename every temporary file onto its target; if one rename fails, put back what the
+    earlier ones replaced, so the targets stay a consistent set."""
+    backups: list[tuple[Path, Path | None]] = []
+    try:
+        for tmp, target in moves:
+            backup = None
+            if target.exists():
+                backup = _temporary(target)
+                os.replace(target, backup)
+            backups.append((target, backup))
+            os.replace(tmp, target)
+    except BaseException:
+        for target, backup in reversed(backups):
+            if backup is not None:
+                os.replace(backup, target)
+            else:
+                target.unlink(missing_ok=True)
+        for tmp, _ in moves:
+            tmp.unlink(missing_ok=True)
+        raise
+    for _, backup in backups:
+        if backup is not None:
+            backup.unlink(missing_ok=True)
+
+
+def check_writable(folder: Path) -> None:
+    """The output folder exists (or can be made) and takes a file: said before any work is done.
+    Tried with a real temporary file, as permissions alone do not tell (root, /proc, read-only mounts)."""
+    import tempfile
+
+    probe = folder
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise MergerError(f"{folder}: cannot write there: {probe} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        raise MergerError(f"{folder}: cannot write there ({exc.strerror})") from None
+
+
+SPEC_TYPES = {"merger_version": str, "method": str, "params": dict, "experts": list, "pool": str, "base": dict,
+              "expert_files": dict, "weights": str, "created": str}
+
+
 def read_spec_file(path: str | Path) -> dict:
+    """A spec YAML written by an export, every key of the expected type."""
     path = Path(path)
-    record = checkpoints.read_yaml(path, MergerError, "spec file")
-    if not isinstance(record, dict):
-        raise MergerError(f"{path}: expected a mapping")
-    unknown = sorted(set(record) - SPEC_KEYS)
-    if unknown:
-        raise MergerError(f"{path}: unknown key(s) {', '.join(unknown)}")
+    record = inputs.load_yaml(path, MergerError, "spec file")
+    inputs.mapping(record, f"{path}: the top level", MergerError)
+    inputs.known_keys(record, SPEC_KEYS, "the spec", str(path), MergerError)
     for key in ("method", "pool"):
         if key not in record:
             raise MergerError(f"{path}: missing '{key}'")
+    for key, kind in SPEC_TYPES.items():
+        value = record.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise MergerError(f"{path}: {key}: expected a {kind.__name__}, got {type(value).__name__} {value!r}"[:300])
+    for name, value in (record.get("params") or {}).items():
+        if isinstance(value, (dict, list)):
+            raise MergerError(f"{path}: params.{name}: expected a number (or auto), got {type(value).__name__}")
+    for name, value in (record.get("expert_files") or {}).items():
+        if not isinstance(value, dict) or not isinstance(value.get("sha256", ""), str):
+            raise MergerError(f"{path}: expert_files.{name}: expected {{path: ..., sha256: ...}}")
+    base = record.get("base") or {}
+    if not isinstance(base.get("sha256", ""), str):
+        raise MergerError(f"{path}: base.sha256: expected a string")
     return record
 
 

@@ -17,6 +17,7 @@ from .errors import DataError, PoolError
 from .splits import source_split
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+MAX_SPLIT_BYTES = 8 << 30  # uint8 pixels of one split held in memory
 log = logging.getLogger(__name__)
 SKIPPED: dict[str, int] = {}  # folder -> unreadable images skipped (shown by the loader's caller)
 
@@ -50,15 +51,22 @@ def load_folder_split(pool, task: str, entry, split: str, classes: list[str]):
                         + (f"; missing: {', '.join(missing)}" if missing else "")
                         + (f"; unexpected: {', '.join(extra)}" if extra else ""))
     images, labels, skipped = [], [], 0
-    for label, c in enumerate(classes):
-        files = sorted(p for p in (folder / c).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    per_class = [sorted(p for p in (folder / c).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES) for c in classes]
+    total = sum(len(files) for files in per_class)
+    if total * 3 * size * size > MAX_SPLIT_BYTES:  # refuse before allocating, not halfway through
+        raise DataError(f"tasks.{task}: {folder} holds {total} images; at {size}×{size} that is "
+                        f"{total * 3 * size * size / 2**30:.1f} GiB (at most {MAX_SPLIT_BYTES / 2**30:g} GiB per split)")
+    for label, files in enumerate(per_class):
         for f in files:
+            if not f.is_file():  # a FIFO, socket or device named like an image would never end
+                skipped += 1
+                continue
             try:
                 with Image.open(f) as im:
                     im = im.convert("RGB").resize((size, size), Image.BICUBIC)
                     images.append(np.asarray(im, dtype=np.uint8).transpose(2, 0, 1).copy())
                 labels.append(label)
-            except (OSError, ValueError, SyntaxError):
+            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
                 skipped += 1
     if skipped:
         SKIPPED[str(folder)] = skipped

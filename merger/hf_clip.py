@@ -6,7 +6,6 @@ A ``CLIPVisionModel`` has no projection: the pool fills ``visual.proj`` from the
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -100,12 +99,25 @@ def load_hf_dir(path: Path) -> dict[str, torch.Tensor]:
             return load_state_dict(path / name)
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (path / index).exists():
-            try:
-                shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
-            except (ValueError, KeyError) as exc:
-                raise CheckpointError(f"{path / index}: unreadable shard index ({exc})") from None
             sd: dict[str, torch.Tensor] = {}
-            for shard in shards:
+            for shard in _shards(path / index):
                 sd.update(load_state_dict(path / shard))
             return sd
     raise CheckpointError(f"{path}: a folder without {' or '.join(HF_WEIGHT_FILES)} (or a shard index)")
+
+
+def _shards(index: Path) -> list[str]:
+    """The shard files a Hugging Face index names: file names inside its folder."""
+    from . import inputs
+
+    doc = inputs.load_json(index, CheckpointError, "shard index")
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: weight_map must map tensor names to shard files, got "
+                              f"{type(weight_map).__name__}")
+    shards = sorted({v for v in weight_map.values() if isinstance(v, str)})
+    bad = [v for v in weight_map.values() if not isinstance(v, str)] + [
+        v for v in shards if Path(v).name != v or v in (".", "..")]
+    if bad:
+        raise CheckpointError(f"{index}: weight_map entries must be file names in its folder, not {bad[0]!r}")
+    return shards

@@ -11,7 +11,6 @@ from typing import Sequence
 import torch
 
 from .errors import MergerError
-from .task_vectors import TaskVectors
 
 LIMITS = {"lr": (0.0, 1.0), "epochs": (1, 100), "batch_size": (0, 100_000), "data_fraction": (0.0, 1.0),
           "momentum": (0.0, 1.0), "weight_decay": (0.0, 10.0)}
@@ -89,8 +88,9 @@ def finetune(pool, task: str, settings: dict, progress=None, cancel=None):
     """(final image-tower weights, per-epoch weights, hparams) of a new expert for ``task``."""
     from .demo import train, world
 
+    task = pool.task_of(task)
     data = _require_demo(pool, task)
-    base_task = pool.expert_info.get(task, {}).get("lab_task", task)
+    base_task = task
     if base_task not in world.TASKS:
         raise MergerError(f"lab: '{base_task}' is not a task of the demo world ({', '.join(world.TASKS)})")
     from .data import demo_domain
@@ -102,36 +102,25 @@ def finetune(pool, task: str, settings: dict, progress=None, cancel=None):
 
 
 def add_expert(explorer, name: str, like_task: str, weights: dict, hparams: dict | None = None,
-               trajectory: Sequence[dict] | None = None) -> None:
-    """Add an expert under ``name`` for the data and classes of ``like_task``; caches are reset."""
+               trajectory: Sequence[dict] | None = None, owner: str | None = None) -> None:
+    """Add an expert under ``name`` for the task ``like_task`` (a lab expert's own task when it is
+    one), made by the session ``owner``. The pool's tasks do not change: results stay per task."""
     pool = explorer.pool
     if not re.fullmatch(r"[A-Za-z0-9_.@=\-]{1,40}", name or ""):
         raise MergerError(f"lab: name {name!r}: use 1-40 letters, digits, '_', '-', '.', '@', '='")
-    if name in pool.tasks:
-        raise MergerError(f"lab: an expert named '{name}' already exists")
-    if like_task not in pool.tasks:
+    if name in pool.expert_info:
+        raise MergerError(f"lab: an expert named '{name}' already exists (names are shared by every session)")
+    if like_task not in pool.expert_info:
         raise MergerError(f"lab: unknown task '{like_task}'")
-    from .checkpoints import validate_expert
-
-    sd = validate_expert(weights, pool.base, f"lab expert '{name}'")
-    tv = pool.task_vectors
     with explorer.lock:
-        stacked = {k: torch.cat([tv.stacked[k], (sd[k].to(tv.device, torch.float32) - tv.base[k])[None]])
-                   for k in tv.keys}
-        new = TaskVectors._from_parts(tv.tasks + [name], tv.device, tv.keys, tv.frozen, tv.base, stacked)
-        pool.task_vectors = new
-        pool.tasks.append(name)
-        pool.expert_info[name] = {"path": None, "hparams": dict(hparams or {}), "lab_task": pool.expert_info[like_task].get("lab_task", like_task),
-                                  "lab_trajectory": list(trajectory or [])}
-        pool.task_info[name] = {**pool.task_info[like_task],
-                                "labels_of": pool.task_info[like_task].get("labels_of", like_task)}
-        pool._prepared.clear()
-        ev = explorer.evaluator
-        ev.heads[name] = ev.heads[like_task]
-        ev._inputs.clear()
-        ev._expert_acc.clear()
-        explorer._results.clear()
-        explorer._runs.clear()
+        pool.add_expert(name, pool.task_of(like_task), weights,
+                        {"hparams": dict(hparams or {}), "lab_trajectory": list(trajectory or []), "owner": owner})
+
+
+def lab_experts(pool, owner: str | None = None, everyone: bool = False) -> list[str]:
+    """The experts added in the lab: a session's own (``owner``), or every session's."""
+    return [e for e in pool.experts if e not in pool.tasks
+            and (everyone or pool.expert_info[e].get("owner") == owner)]
 
 
 # ---- scaling view -------------------------------------------------------------------------
@@ -167,13 +156,14 @@ def fit_trend(param: str, xs: Sequence[float], losses: Sequence[float]) -> dict:
 
 def _merge_set(explorer, names: Sequence[str]) -> tuple[float, float]:
     """Weight averaging of an expert set (Σλ = 1, the merge the paper's theory and experiments use):
-    (accuracy, loss) averaged over the merged tasks, test split."""
+    (accuracy, loss) averaged over the tasks of the merged experts, test split."""
     res = explorer.preview(explorer.spec("weight_averaging", experts=list(names)), "test")
-    return (sum(res.accuracy[n] for n in names) / len(names), sum(res.loss[n] for n in names) / len(names))
+    tasks = [explorer.pool.task_of(n) for n in names]
+    return sum(res.accuracy[t] for t in tasks) / len(tasks), sum(res.loss[t] for t in tasks) / len(tasks)
 
 
 def scaling_view(explorer, param: str, values: Sequence[float], base_settings: dict, tasks: Sequence[str],
-                 progress=None, cancel=None, subsets: int = 5, seed: int = 0) -> dict:
+                 progress=None, cancel=None, subsets: int = 5, seed: int = 0, owner: str | None = None) -> dict:
     """Merged accuracy and loss against one variable, with the paper's trend fitted to the loss.
 
     A fine-tuning hyperparameter: for each value, fine-tune an expert per task and merge the set.
@@ -202,12 +192,12 @@ def scaling_view(explorer, param: str, values: Sequence[float], base_settings: d
             names = []
             for ti, t in enumerate(tasks):
                 name = f"{t}@{param}={v:g}"
-                if name not in pool.tasks:
+                if name not in pool.expert_info:
                     done = (vi * len(tasks) + ti) / (len(values) * len(tasks))
                     sd, traj, hp = finetune(pool, t, settings, cancel=cancel,
                                             progress=(lambda f, m, d=done: progress(d + f / (len(values) * len(tasks)), m))
                                             if progress else None)
-                    add_expert(explorer, name, t, sd, hp, traj)
+                    add_expert(explorer, name, t, sd, hp, traj, owner)
                 names.append(name)
             acc, loss = _merge_set(explorer, names)
             accs.append(acc)

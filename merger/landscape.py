@@ -196,8 +196,6 @@ class Landscape:
 
     def named_points(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """'base', 'experts', a task name, 'file:PATH', or 'METHOD:param=value:...' (ta = task_arithmetic)."""
-        from .merging import Spec
-
         out: dict[str, torch.Tensor] = {}
         for raw in names:
             name = raw.strip()
@@ -208,7 +206,7 @@ class Landscape:
             elif name == "experts":
                 for t in self.pool.tasks:
                     out[t] = self.expert_point(t)
-            elif name in self.pool.tasks:
+            elif name in self.pool.experts:
                 out[name] = self.expert_point(name)
             elif name.startswith("file:"):
                 out[name[5:]] = self.file_point(name[5:])
@@ -221,7 +219,7 @@ class Landscape:
                     if not sep:
                         raise MergerError(f"landscape point '{name}': expected METHOD:param=value")
                     params[k.strip()] = v.strip()
-                spec = Spec.make(method, params, None, self.pool.tasks)
+                spec = self.pool.make_spec(method, params)
                 out[spec.label()] = self.spec_point(spec)
         return out
 

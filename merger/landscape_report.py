@@ -31,7 +31,7 @@ def make_plane(land: Landscape, kind: str, points: dict, tasks: Sequence[str] = 
 
 
 def point_kind(label: str, pool) -> str:
-    return "base" if label == "base" else "expert" if label in pool.tasks else "merge"
+    return "base" if label == "base" else "expert" if label in pool.experts else "merge"
 
 
 def resolve_paths(land: Landscape, names: Sequence[str]) -> list:
@@ -76,7 +76,7 @@ def landscape_figure(land: Landscape, plane, surface, metric: str, task: str | N
 
 def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_names: Sequence[str], grid: int,
                     metric: str, task: str | None = None, tasks: Sequence[str] = (), split: str = "probe",
-                    path_names: Sequence[str] = (), view: str = "contour") -> tuple[Path, Path]:
+                    path_names: Sequence[str] = (), view: str = "contour", progress=None) -> tuple[Path, Path]:
     if metric not in METRICS:
         raise MergerError(f"unknown metric '{metric}'; one of {', '.join(METRICS)}")
     out = Path(out)
@@ -91,7 +91,7 @@ def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_nam
         coords += list(zip(xs, ys))
     extent = extent_of(coords)
     surface = None
-    for surface in land.progressive(plane, extent, grid, split):
+    for surface in land.progressive(plane, extent, grid, split, progress=progress):
         pass
     fig = landscape_figure(land, plane, surface, metric, task, points, paths, view)
     html = write_text_atomic(out, fig.to_html(include_plotlyjs=True, full_html=True))

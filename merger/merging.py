@@ -11,21 +11,23 @@ from .errors import MergerError
 from .task_vectors import TaskVectors
 
 
-def parse_experts(experts: str | Iterable[str] | None, tasks: Sequence[str]) -> tuple[str, ...]:
-    """An expert subset from a list or "a,b,c"; None means every task. Unknown names refused."""
+def parse_experts(experts: str | Iterable[str] | None, names: Sequence[str],
+                  default: Sequence[str] | None = None) -> tuple[str, ...]:
+    """An expert subset from a list or "a,b,c"; None means ``default`` (else every name). Unknown
+    names refused; the order is canonical (that of ``names``)."""
     if experts is None:
-        return tuple(tasks)
+        return tuple(default if default is not None else names)
     if isinstance(experts, str):
         experts = [e.strip() for e in experts.split(",") if e.strip()]
     chosen = [str(e) for e in experts]
     if not chosen:
         raise MergerError("experts: empty subset, pick at least one expert")
-    unknown = [e for e in chosen if e not in tasks]
+    unknown = [e for e in chosen if e not in names]
     if unknown:
-        raise MergerError(f"experts: unknown task(s) {', '.join(unknown)}; known: {', '.join(tasks)}")
+        raise MergerError(f"experts: unknown task(s) {', '.join(unknown)}; known: {', '.join(names)}")
     if len(set(chosen)) != len(chosen):
         raise MergerError(f"experts: a task is named twice in {', '.join(chosen)}")
-    return tuple(t for t in tasks if t in chosen)  # canonical order: the pool's
+    return tuple(t for t in names if t in chosen)
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,10 @@ class Spec:
     experts: tuple[str, ...]
 
     @classmethod
-    def make(cls, method: str, params: Mapping[str, Any], experts, tasks: Sequence[str], strict: bool = True) -> "Spec":
+    def make(cls, method: str, params: Mapping[str, Any], experts, names: Sequence[str], strict: bool = True,
+             default: Sequence[str] | None = None) -> "Spec":
         m = methods.get(method)
-        chosen = parse_experts(experts, tasks)
+        chosen = parse_experts(experts, names, default)
         resolved = m.resolve(params, len(chosen), strict=strict)
         return cls(m.name, tuple(sorted(resolved.items())), chosen)
 
@@ -84,8 +87,7 @@ def assemble(base: Mapping[str, torch.Tensor], tv: TaskVectors, delta: Mapping[s
 
 def merge(pool, method: str, *, experts=None, **params) -> dict[str, torch.Tensor]:
     """Merge a pool's experts; returns the full state dict (image tower merged, rest = base)."""
-    spec = Spec.make(method, params, experts, pool.tasks)
-    return merge_spec(pool, spec)
+    return merge_spec(pool, pool.make_spec(method, params, experts))
 
 
 def merge_spec(pool, spec: Spec) -> dict[str, torch.Tensor]:

@@ -42,21 +42,24 @@ def full_rank_through_the_arithmetic(ex, lam: float = 1.5, split: str = "test") 
 
 def _best_ta(ex, experts, split_pick="val", split_report="test"):
     """λ of task arithmetic picked on validation, and the merged tasks' test accuracy there."""
-    val = {lam: ex.preview(ex.spec("task_arithmetic", experts=experts, lam=lam), split_pick).average_accuracy
-           for lam in TA_GRID}
+    tasks = [ex.pool.task_of(e) for e in experts]
+    val = {}
+    for lam in TA_GRID:
+        res = ex.preview(ex.spec("task_arithmetic", experts=experts, lam=lam), split_pick)
+        val[lam] = sum(res.accuracy[t] for t in tasks) / len(tasks)
     lam = max(val, key=val.get)
     res = ex.preview(ex.spec("task_arithmetic", experts=experts, lam=lam), split_report)
-    return lam, sum(res.accuracy[t] for t in experts) / len(experts)
+    return lam, sum(res.accuracy[t] for t in tasks) / len(tasks)
 
 
 def _expert_set(ex, label: str, overrides: dict, progress) -> list[str]:
     """Fine-tune one expert per original task with the pool's own hparams changed by ``overrides``."""
     pool = ex.pool
     names = []
-    for t in list(ex.original_tasks):
+    for t in pool.tasks:
         settings = settings_of(pool, t, **overrides)
         name = f"{t}@{label}"
-        if name not in pool.tasks:
+        if name not in pool.expert_info:
             if progress:
                 progress(f"  fine-tuning {name} ({settings})")
             sd, traj, hparams = finetune(pool, t, settings)
@@ -67,8 +70,7 @@ def _expert_set(ex, label: str, overrides: dict, progress) -> list[str]:
 
 def phenomena(pool, progress=print) -> dict:
     ex = Explorer(pool)
-    ex.original_tasks = list(pool.tasks)
-    tasks = ex.original_tasks
+    tasks = list(pool.tasks)
     out = {}
     # 1. TA against λ (test curve; λ picked on validation)
     ta = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "test").average_accuracy for lam in TA_GRID}
@@ -86,12 +88,11 @@ def phenomena(pool, progress=print) -> dict:
     sets[f"high learning rate (×10: {10 * base_lr:g})"] = _expert_set(ex, "lr10", {"lr": min(1.0, 10 * base_lr)}, progress)
     base_ep = int((pool.expert_info[tasks[0]].get("hparams") or {}).get("epochs", 3))
     sets[f"many steps (×3 epochs: {3 * base_ep})"] = _expert_set(ex, "ep3x", {"epochs": 3 * base_ep}, progress)
-    ex.experts("test")
     rows = {}
     for label, names in sets.items():
         lam, merged = _best_ta(ex, names)
-        experts = ex.experts("test")
-        rows[label] = {"experts": sum(experts[n] for n in names) / len(names), "lam": lam, "merged": merged}
+        own = [ex.evaluator.expert_task_accuracy(n, "test") for n in names]
+        rows[label] = {"experts": sum(own) / len(own), "lam": lam, "merged": merged}
     out["expert_sets"] = rows
     # 5. per-layer cross-task linearity of the TA merge (λ picked on validation) against its baseline
     lam = out["ta"]["picked"]

@@ -21,21 +21,12 @@ from typing import Any, Mapping
 
 import torch
 
-from . import checkpoints
+from . import checkpoints, inputs, pool_schema
 from .errors import CheckpointError, PoolError
 from .task_vectors import TaskVectors
 
-TOP_KEYS = {"name", "description", "architecture", "tokenizer", "preprocess", "base", "experts", "tasks"}
-ARCH_KEYS = {"model", "config"}
-EXPERT_KEYS = {"path", "trajectory", "hparams"}
-TASK_KEYS = {"classes", "templates", "data"}
 DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
-
-
-def _check_keys(where: str, given: Mapping, allowed: set[str], source: str) -> None:
-    unknown = sorted(set(given) - allowed)
-    if unknown:
-        raise PoolError(f"{source}: unknown key(s) {', '.join(unknown)} in {where}; allowed: {', '.join(sorted(allowed))}")
+MAX_PARAMETERS = 3_000_000_000  # a full CLIP ViT-bigG-14 has 2.5 billion
 
 
 class Pool:
@@ -51,17 +42,13 @@ class Pool:
         self.device = resolve_device(device)
         # Task vectors may stay in host memory when the GPU cannot hold them (slower merges).
         self.tv_device = resolve_device(tv_device) if tv_device else self.device
-        if not isinstance(spec, Mapping):
-            raise PoolError(f"{source}: expected a mapping at the top level")
-        _check_keys("the pool", spec, TOP_KEYS, source)
-        for required in ("architecture", "base", "experts"):
-            if required not in spec:
-                raise PoolError(f"{source}: missing required key '{required}'")
+        spec = pool_schema.check(spec, source, in_memory=preloaded is not None)
         self.name = str(spec.get("name") or Path(source).stem)
-        self.architecture = self._architecture(spec["architecture"])
+        self.architecture = spec["architecture"]
         self.tokenizer_name = spec.get("tokenizer")
         self.preprocess_cfg = dict(spec.get("preprocess") or {})
         self.preprocess_cfg.setdefault("image_size", self._image_size())
+        self._reference = self._meta_state_dict()  # the architecture, checked before any file is read
         self.base_path = self._path(spec["base"], "base")
         self.expert_info = self._experts(spec["experts"])
         if preloaded is not None:  # an in-memory pool (benchmarks): same checks, no files
@@ -90,13 +77,11 @@ class Pool:
 
     # ---- parsing ------------------------------------------------------------------------
     def _path(self, value: Any, field: str) -> Path:
-        if not isinstance(value, (str, os.PathLike)) or not str(value):
-            raise PoolError(f"{self.source}: {field} must be a file path")
         return self.resolve(value, field)
 
     def resolve(self, value, field: str) -> Path:
         """A path named by the pool (relative to its YAML), checked against the allowed roots."""
-        p = Path(value).expanduser()
+        p = inputs.check_path(value, f"{self.source}: {field}", PoolError).expanduser()
         p = p if p.is_absolute() else (self.root / p)
         if self.roots is not None:
             real = p.resolve()
@@ -105,55 +90,43 @@ class Pool:
                                 f"({', '.join(map(str, self.roots))}); add its folder with --roots")
         return p
 
-    def _architecture(self, arch: Any) -> dict:
-        if isinstance(arch, str):
-            return {"model": arch}
-        if isinstance(arch, Mapping):
-            _check_keys("architecture", arch, ARCH_KEYS, self.source)
-            if ("model" in arch) == ("config" in arch):
-                raise PoolError(f"{self.source}: architecture needs exactly one of 'model' or 'config'")
-            if "config" in arch and not isinstance(arch["config"], Mapping):
-                raise PoolError(f"{self.source}: architecture.config must be an open_clip config mapping")
-            return dict(arch)
-        raise PoolError(f"{self.source}: architecture must be an open_clip model name or {{config: ...}}")
-
-    def _experts(self, experts: Any) -> dict[str, dict]:
-        if not isinstance(experts, Mapping) or not experts:
-            raise PoolError(f"{self.source}: experts must map task names to checkpoint paths (zero experts given)")
+    def _experts(self, experts: Mapping) -> dict[str, dict]:
         out = {}
-        for task, value in experts.items():
-            task = str(task)
-            if isinstance(value, Mapping):
-                _check_keys(f"experts.{task}", value, EXPERT_KEYS, self.source)
-                if "path" not in value:
-                    raise PoolError(f"{self.source}: experts.{task} has no 'path'")
-                info = dict(value)
-            else:
-                info = {"path": value}
+        for task, info in experts.items():
+            info = dict(info)
             info["path"] = self._path(info["path"], f"experts.{task}")
             if info.get("trajectory"):
                 info["trajectory"] = self._path(info["trajectory"], f"experts.{task}.trajectory")
             out[task] = info
         return out
 
-    def _tasks(self, tasks: Any) -> dict[str, dict]:
-        if not isinstance(tasks, Mapping):
-            raise PoolError(f"{self.source}: tasks must be a mapping of task names")
-        out = {}
-        for task, value in tasks.items():
-            task = str(task)
-            if task not in self.expert_info:
-                raise PoolError(f"{self.source}: tasks.{task} has no expert (experts: {', '.join(self.expert_info)})")
-            if not isinstance(value, Mapping):
-                raise PoolError(f"{self.source}: tasks.{task} must be a mapping")
-            _check_keys(f"tasks.{task}", value, TASK_KEYS, self.source)
-            out[task] = dict(value)
-        return out
+    def _tasks(self, tasks: Mapping) -> dict[str, dict]:
+        unknown = [t for t in tasks if t not in self.expert_info]
+        if unknown:
+            raise PoolError(f"{self.source}: tasks.{unknown[0]} has no expert (experts: {', '.join(self.expert_info)})")
+        return {t: dict(v) for t, v in tasks.items()}
+
+    def _meta_state_dict(self) -> dict:
+        """The architecture's own state dict on the meta device (shapes only): open_clip's refusal of
+        a config is reported under its key, and a model too large to hold is refused here."""
+        try:
+            model = self.build_model(load_base=False, device="meta")
+        except PoolError:
+            raise
+        except Exception as exc:  # open_clip raises TypeError/ValueError/AssertionError/KeyError...
+            where = "architecture.config" if "config" in self.architecture else "architecture"
+            raise PoolError(f"{self.source}: {where}: open_clip cannot build this architecture "
+                            f"({type(exc).__name__}: {str(exc)[:200]})") from None
+        state = model.state_dict()
+        params = sum(v.numel() for v in state.values())
+        if params > MAX_PARAMETERS:
+            raise PoolError(f"{self.source}: architecture: {params / 1e9:.1f} billion parameters (at most "
+                            f"{MAX_PARAMETERS / 1e9:g} billion)")
+        return state
 
     def _check_architecture(self) -> None:
         """Compare the base with the architecture's own state dict (built on the meta device)."""
-        model = self.build_model(load_base=False, device="meta")
-        ref = model.state_dict()
+        ref = self._reference
         missing = [k for k in ref if k not in self.base]
         extra = [k for k in self.base if k not in ref]
         shaped = [k for k in ref if k in self.base and ref[k].shape != self.base[k].shape]
@@ -200,6 +173,36 @@ class Pool:
             model.load_state_dict(self.base)
         return model.eval()
 
+    # ---- experts ------------------------------------------------------------------------
+    @property
+    def experts(self) -> list[str]:
+        """Every expert that can be merged: one per task, then experts added later (the lab's).
+        The tasks (what results are reported on) never change."""
+        return list(self.task_vectors.tasks)
+
+    def task_of(self, expert: str) -> str:
+        """The task an expert was fine-tuned for (its own name for the pool's experts)."""
+        if expert in self.expert_info:
+            return self.expert_info[expert].get("lab_task", expert)
+        raise PoolError(f"experts: unknown expert '{expert}'; known: {', '.join(self.experts)}")
+
+    def add_expert(self, name: str, task: str, weights: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> None:
+        """Another expert for one of the pool's tasks (checked against the base). Nothing cached
+        depends on the set of experts, only on the subsets merged, so nothing is invalidated."""
+        if name in self.expert_info:
+            raise PoolError(f"an expert named '{name}' already exists")
+        if task not in self.tasks:
+            raise PoolError(f"unknown task '{task}'; the pool's tasks: {', '.join(self.tasks)}")
+        sd = checkpoints.validate_expert(weights, self.base, f"expert '{name}'")
+        self.task_vectors = self.task_vectors.extended(name, sd)
+        self.expert_info[name] = {"path": None, **dict(info), "lab_task": task}
+
+    def make_spec(self, method: str, params: Mapping[str, Any], experts=None):
+        """A spec over this pool's experts (None: one per task, the pool's own)."""
+        from .merging import Spec
+
+        return Spec.make(method, params, experts, self.experts, default=self.tasks)
+
     # ---- merging ------------------------------------------------------------------------
     def prepared(self, method, experts: tuple[str, ...], prepare_args: dict) -> Any:
         """Prepared state of a method for an expert subset (small LRU: preparations are large)."""
@@ -229,7 +232,7 @@ def read_pool_yaml(path: str | os.PathLike) -> tuple[dict, Path]:
     path = Path(path)
     if path.is_dir():
         path = path / "pool.yaml"
-    return checkpoints.read_yaml(path, PoolError, "pool file"), path
+    return inputs.load_yaml(path, PoolError, "pool file"), path
 
 
 def pool_from_state_dicts(name: str, architecture, base, experts: Mapping[str, Mapping], tasks: Mapping | None = None,
@@ -282,20 +285,30 @@ def open_pool(path: str | os.PathLike = "demo", device: str | torch.device = "cp
 
 def verify_manifest(root: Path) -> None:
     """A built pool (the demo zoo) lists every file's sha256 in manifest.json: check them all,
-    so a corrupt or edited zoo is refused instead of silently used."""
-    import json
+    so a corrupt or edited zoo is refused instead of silently used. Only regular files inside
+    the pool's folder are read."""
+    import re
 
     manifest = root / "manifest.json"
     if not manifest.exists():
         return
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise PoolError(f"{manifest}: unreadable manifest ({exc}); rebuild with `python -m merger demo build`") from None
+    rebuild = "rebuild with `python -m merger demo build`"
+    doc = inputs.load_json(manifest, PoolError, "manifest")
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict):
+        raise PoolError(f"{manifest}: 'files' must map relative paths to sha256 digests, got "
+                        f"{type(files).__name__}; {rebuild}")
     for rel, sha in files.items():
-        path = root / rel
+        where = f"{manifest}: files.{rel}"
+        rel_path = inputs.check_path(rel, where, PoolError)
+        if rel_path.is_absolute() or ".." in rel_path.parts:
+            raise PoolError(f"{where}: must be a path inside the pool's folder")
+        if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
+            raise PoolError(f"{where}: expected a sha256 digest (64 hex digits), got {sha!r}"[:300])
+        path = root / rel_path
         if not path.exists():
-            raise PoolError(f"{path}: listed in {manifest.name} but missing; rebuild with `python -m merger demo build`")
+            raise PoolError(f"{path}: listed in {manifest.name} but missing; {rebuild}")
+        inputs.regular_file(path, f"file listed in {manifest.name}", PoolError)
         if checkpoints.content_hash(path) != sha:
             raise PoolError(
                 f"{path}: sha256 differs from {manifest.name}: the zoo is corrupt or was modified; "

@@ -7,17 +7,25 @@ TA_GRID = tuple(round(0.05 * i, 2) for i in range(1, 31))
 DEFAULT_METHODS = ("weight_averaging", "ties", "dare_ties", "cart", "tsv_m", "iso_c")
 
 
-def demo_numbers(pool, split: str = "test") -> dict:
+def demo_numbers(pool, split: str = "test", progress=None) -> dict:
     """Chance, base, experts, task arithmetic over its λ grid (the reported λ picked on the
     validation split, never on the split it is reported on) and the other methods at defaults."""
     ex = Explorer(pool)
     classes = {t: len(ex.evaluator.data.classes(t)) for t in pool.tasks}
-    base = ex.base(split)
-    experts = ex.experts(split)
-    ta = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), split) for lam in TA_GRID}
-    val = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "val").average_accuracy for lam in TA_GRID}
+    steps = [("base", lambda: ex.base(split)), ("experts", lambda: ex.experts(split))]
+    steps += [(f"TA λ={lam:g} {s}", lambda lam=lam, s=s: ex.preview(ex.spec("task_arithmetic", lam=lam), s))
+              for s in (split, "val") for lam in TA_GRID]
+    steps += [(m, lambda m=m: ex.preview(ex.spec(m), split)) for m in DEFAULT_METHODS]
+    done = {}
+    for i, (label, step) in enumerate(steps):
+        done[label] = step()
+        if progress:
+            progress((i + 1) / len(steps), label)
+    base, experts = done["base"], done["experts"]
+    ta = {lam: done[f"TA λ={lam:g} {split}"] for lam in TA_GRID}
+    val = {lam: done[f"TA λ={lam:g} val"].average_accuracy for lam in TA_GRID}
     best = max(val, key=val.get)
-    others = {m: ex.preview(ex.spec(m), split) for m in DEFAULT_METHODS}
+    others = {m: done[m] for m in DEFAULT_METHODS}
     return {"split": split, "chance": {t: 1.0 / c for t, c in classes.items()}, "base": base,
             "experts": experts, "ta": ta, "best_lam": best, "others": others}
 

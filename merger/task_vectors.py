@@ -70,6 +70,12 @@ class TaskVectors:
         stacked = {k: v.index_select(0, idx) for k, v in self.stacked.items()}
         return TaskVectors._from_parts(tasks, self.device, self.keys, self.frozen, self.base, stacked)
 
+    def extended(self, name: str, weights: Mapping[str, torch.Tensor]) -> "TaskVectors":
+        """These task vectors and one more expert's (a new object; this one is unchanged)."""
+        stacked = {k: torch.cat([v, (weights[k].to(self.device, torch.float32) - self.base[k])[None]])
+                   for k, v in self.stacked.items()}
+        return TaskVectors._from_parts(self.tasks + [name], self.device, self.keys, self.frozen, self.base, stacked)
+
     @property
     def num_tasks(self) -> int:
         return len(self.tasks)

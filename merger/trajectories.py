@@ -11,7 +11,6 @@ import torch
 
 from . import checkpoints, methods
 from .errors import MergerError
-from .merging import Spec
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 
@@ -90,7 +89,7 @@ def parameter_path(landscape, method: str, axis: str, values: Sequence[float], f
     for v in [v for v in values if lo <= v <= hi + 1e-12]:  # TSV-M's rank path stops at 1/T
         params = dict(fixed or {})
         params[axis] = v
-        spec = Spec.make(m.name, params, experts, landscape.pool.tasks)
+        spec = landscape.pool.make_spec(m.name, params, experts)
         points.append(landscape.spec_point(spec))
         steps.append(float(v))
     return Trajectory(f"{m.name} {axis} path", axis, steps, points)

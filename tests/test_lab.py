@@ -43,12 +43,17 @@ def test_lab_runs_are_deterministic_and_join_the_pool(ex):
     c, _, _ = lab.finetune(pool, t, {**s, "seed": 4})
     assert not all(torch.equal(a[k], c[k]) for k in a)
     assert len(traj_a) == 1 and hp["data_fraction"] == 0.5
+    tasks = list(pool.tasks)
     before = ex.preview(ex.spec("task_arithmetic", lam=0.3))
-    lab.add_expert(ex, f"{t}@lab", t, a, hp, traj_a)
-    assert pool.tasks[-1] == f"{t}@lab" and pool.task_vectors.num_tasks == 3
+    lab.add_expert(ex, f"{t}@lab", t, a, hp, traj_a, owner="person-a")
+    # an expert joins, the tasks do not: results stay over the pool's tasks
+    assert pool.tasks == tasks and pool.experts[-1] == f"{t}@lab" and pool.task_vectors.num_tasks == 3
+    assert ex.preview(ex.spec("task_arithmetic", lam=0.3)) is before  # nothing cached was thrown away
     res = ex.preview(ex.spec("task_arithmetic", lam=0.3, experts=[t, f"{t}@lab"]))
-    assert f"{t}@lab" in res.accuracy and before is not res
-    assert ex.experts("live")[f"{t}@lab"] > 0
+    assert list(res.accuracy) == tasks and res is not before
+    assert ex.experts("live") == before.expert_accuracy  # the reference marks are the pool's experts
+    assert ex.evaluator.expert_task_accuracy(f"{t}@lab", "live") > 0
+    assert lab.lab_experts(pool, owner="person-a") == [f"{t}@lab"] and lab.lab_experts(pool, owner="person-b") == []
     with pytest.raises(MergerError, match="already exists"):
         lab.add_expert(ex, f"{t}@lab", t, a)
 
@@ -95,9 +100,9 @@ def test_scaling_view_merges_by_weight_averaging_with_its_default_names(ex):
     t = ex.pool.tasks[0]
     base = lab.check_settings(1e-3, 1, 64, 0.5, 0)
     r = lab.scaling_view(ex, "lr", [1e-3, 2e-3], base, [t])
-    assert [n for n in ex.pool.tasks if n.startswith(f"{t}@lr=")] == [f"{t}@lr=0.001", f"{t}@lr=0.002"]
+    assert [n for n in ex.pool.experts if n.startswith(f"{t}@lr=")] == [f"{t}@lr=0.001", f"{t}@lr=0.002"]
     wa = ex.preview(ex.spec("weight_averaging", experts=[f"{t}@lr=0.001"]), "test")
-    assert r["accuracy"][0] == pytest.approx(wa.accuracy[f"{t}@lr=0.001"]) and "weight averaging" in r["merge"]
+    assert r["accuracy"][0] == pytest.approx(wa.accuracy[t]) and "weight averaging" in r["merge"]
 
 
 def test_scaling_view_over_the_number_of_tasks(tmp_path):

@@ -47,10 +47,12 @@ class Run:
 
 
 class Context:
-    """What a data-driven run needs: the task vectors of the subset and the evaluator's data."""
+    """What a data-driven run needs: the task vectors of the experts merged and the evaluator's
+    data of the tasks those experts were fine-tuned for."""
 
     def __init__(self, pool, evaluator, experts: tuple[str, ...]):
         self.pool, self.evaluator, self.tasks = pool, evaluator, list(experts)
+        self.data_tasks = {pool.task_of(e) for e in experts}
         self.tv = pool.task_vectors.subset(self.tasks)
         self.model = evaluator.model.visual
         self.scale = evaluator.logit_scale
@@ -58,15 +60,15 @@ class Context:
         self.device = evaluator.device
 
     def groups(self, split: str = "val"):
-        """Validation inputs grouped by shared images, restricted to the merged tasks."""
+        """Inputs of the split grouped by shared images, restricted to the merged experts' tasks."""
         out = []
         for x, members in self.evaluator.inputs(split):
-            members = [(t, y) for t, y in members if t in self.tasks]
+            members = [(t, y) for t, y in members if t in self.data_tasks]
             if members:
                 if x.shape[0] == 0:
                     raise DataError(f"task(s) {', '.join(t for t, _ in members)}: no unlabeled {split} images")
                 out.append((x, members))
-        missing = [t for t in self.tasks if not any(t == m for _, ms in out for m, _ in ms)]
+        missing = sorted(t for t in self.data_tasks if not any(t == m for _, ms in out for m, _ in ms))
         if missing:
             raise DataError(f"task(s) {', '.join(missing)}: no {split} data for a data-driven merge")
         return out

@@ -33,7 +33,7 @@ class AnalysisController:
         return [1.0 / T] * T, "1/T per task (the weight average is the anchor)"
 
     def _tv(self, experts):
-        return self.pool.task_vectors.subset([t for t in self.pool.tasks if t in (experts or self.pool.tasks)])
+        return self.pool.task_vectors.subset([e for e in self.pool.experts if e in (experts or self.pool.tasks)])
 
     def weights(self, experts, method, *values):
         """Norms, cosines, sign conflicts, mass kept at the current sparsity."""
@@ -108,7 +108,7 @@ class AnalysisController:
                                 "cos(τ(k), τ(1))")
         else:  # a one-epoch expert: nothing to compare across epochs, the gradient check still holds
             shares = cos = first = plots.empty(f"{task} has one epoch: the per-epoch views need two or more.")
-        grad = analysis.gradient_at_base(self.ex.evaluator, task)
+        grad = analysis.gradient_at_base(self.ex.evaluator, self.pool.task_of(task))
         tau1 = traj.points[1] - traj.points[0]
         g = land.space.flatten(grad)
         text = f"cos(τ(1), −∇L(θ0)) = **{analysis.gradient_alignment(tau1, g):.4f}** (1 exactly for one epoch of full-batch gradient descent)"

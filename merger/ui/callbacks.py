@@ -292,6 +292,12 @@ class Controller:
                                         "seed": seed}.items() if v is not None}
             if experts is not None and not isinstance(experts, str) and len(experts) == 0:
                 raise MergerError("experts: empty subset, pick at least one expert")
+            names = experts.split(",") if isinstance(experts, str) else (experts or [])
+            private = [str(e).strip() for e in names if str(e).strip() in self.pool.expert_info
+                       and str(e).strip() not in self.pool.tasks]
+            if private:
+                raise MergerError(f"experts: {', '.join(private)} belong(s) to a browser session's expert lab; the "
+                                  f"endpoint merges the pool's experts ({', '.join(self.pool.tasks)})")
             spec = self.explorer.spec(method, experts=experts, **params)
             cached = self.explorer.cached(spec, split) is not None
             result = self.explorer.preview(spec, split)

@@ -9,7 +9,8 @@ import gradio as gr
 from .. import plots
 from ..demo.train import Cancelled
 from ..errors import MergerError
-from ..lab import GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, TRENDS, add_expert, check_settings, finetune, scaling_view
+from ..lab import (GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, TRENDS, add_expert, check_settings, finetune, lab_experts,
+                   scaling_view)
 
 
 def _session(request) -> str:
@@ -23,6 +24,7 @@ class LabController:
         self.ctl = ctl
         self.pool = ctl.pool
         self._cancel: dict[str, threading.Event] = {}
+        self._opted_in: set[str] = set()
 
     def _guarded(self, request, work):
         """work(cancel flag) with this session's Cancel flag set up: (result, cancelled). Bad input
@@ -45,13 +47,27 @@ class LabController:
         flag.set()
         return "Cancelling… (the run stops at its next step; nothing is added)"
 
-    def originals(self) -> list[str]:
-        return [t for t in self.pool.tasks if "@" not in t and "-lab" not in t]
+    def visible(self, request) -> list[str]:
+        """The experts this browser session may merge: the pool's, its own lab experts, and the
+        other sessions' when it opted in."""
+        session = _session(request)
+        return self.pool.tasks + lab_experts(self.pool, owner=session, everyone=session in self._opted_in)
 
-    def _train(self, task, name, settings, progress, flag):
+    def choices(self, request):
+        """(experts to merge, epoch-dynamics experts) updates for this session."""
+        names = self.visible(request)
+        traced = [e for e in names if self.pool.expert_info[e].get("trajectory") or self.pool.expert_info[e].get("lab_trajectory")]
+        return gr.update(choices=names), gr.update(choices=traced or names)
+
+    def opt_in(self, request: gr.Request, everyone):
+        """Include (or not) the lab experts other sessions made."""
+        (self._opted_in.add if everyone else self._opted_in.discard)(_session(request))
+        return self.choices(request)
+
+    def _train(self, task, name, settings, progress, flag, request):
         sd, traj, hp = finetune(self.pool, task, settings, progress=lambda f, m: progress(f, desc=m),
                                 cancel=flag.is_set)
-        add_expert(self.ctl.explorer, name, task, sd, hp, traj)
+        add_expert(self.ctl.explorer, name, task, sd, hp, traj, owner=_session(request))
         return hp
 
     # Gradio injects the request and the progress tracker only among positional parameters,
@@ -61,11 +77,11 @@ class LabController:
         name = str(name).strip()
         settings = (lr, epochs, batch_size, data_fraction, seed, optimizer, momentum, weight_decay, schedule)
         hp, cancelled = self._guarded(request, lambda flag: self._train(task, name, check_settings(*settings),
-                                                                         progress, flag))
+                                                                         progress, flag, request))
         if cancelled:
             return "Cancelled: no expert was added.", gr.skip(), gr.skip()
-        choices = gr.update(choices=self.pool.tasks)
-        return f"Added expert **{name}** ({hp}).", choices, choices
+        return (f"Added expert **{name}** ({hp}); it is yours: other sessions see it only if they opt in.",
+                *self.choices(request))
 
     def one_epoch_set(self, request: gr.Request, lr, epochs, batch_size, data_fraction, seed, optimizer, momentum,
                       weight_decay, schedule, progress=gr.Progress()):
@@ -75,15 +91,15 @@ class LabController:
         def work(flag):
             settings = check_settings(lr, 1, batch_size, data_fraction, seed, optimizer, momentum, weight_decay,
                                       schedule)
-            for t in self.originals():
-                if f"{t}@1ep" not in self.pool.tasks:
-                    self._train(t, f"{t}@1ep", settings, progress, flag)
-                    added.append(f"{t}@1ep")
+            for t in self.pool.tasks:
+                name = f"{t}@1ep-{_session(request)[:6]}"
+                if name not in self.pool.expert_info:
+                    self._train(t, name, settings, progress, flag, request)
+                    added.append(name)
 
         _, cancelled = self._guarded(request, work)
         note = " Cancelled before the rest." if cancelled else ""
-        choices = gr.update(choices=self.pool.tasks)
-        return f"Added one-epoch experts: {', '.join(added) or 'none'}.{note}", choices, choices
+        return f"Added one-epoch experts: {', '.join(added) or 'none'}.{note}", *self.choices(request)
 
     @staticmethod
     def gradient_descent_preset():
@@ -99,8 +115,8 @@ class LabController:
 
         def work(flag):
             vals = [float(v) for v in str(values).split(",") if v.strip()]
-            return scaling_view(self.ctl.explorer, param, vals, check_settings(*settings), self.originals(),
-                                progress=lambda f, m: progress(f, desc=m), cancel=flag.is_set)
+            return scaling_view(self.ctl.explorer, param, vals, check_settings(*settings), self.pool.tasks,
+                                progress=lambda f, m: progress(f, desc=m), cancel=flag.is_set, owner=_session(request))
 
         r, cancelled = self._guarded(request, work)
         if cancelled:
@@ -111,7 +127,7 @@ class LabController:
         loss = plots.lines({"merged loss": (r["values"], r["loss"]), r["trend"]["label"]: (r["trend"]["x"], r["trend"]["y"])},
                            param, "loss", f"Merged loss against {param} (dotted: a trend, not a prediction)",
                            log_x=log_x, dashed=[r["trend"]["label"]])
-        return acc, loss, gr.update(choices=self.pool.tasks), f"Merged with {r['merge']}."
+        return acc, loss, self.choices(request)[0], f"Merged with {r['merge']}."
 
 
 def build_lab_tab(ctl, experts_box, dynamics_task, engine: str) -> LabController:
@@ -142,6 +158,8 @@ def build_lab_tab(ctl, experts_box, dynamics_task, engine: str) -> LabController
             gd_btn = gr.Button("Preset: gradient descent, one epoch, full batch")
             cancel_btn = gr.Button("Cancel", elem_id="lab-cancel")
         status = gr.Markdown()
+        everyone = gr.Checkbox(False, label="also offer the lab experts other sessions made",
+                               info="lab experts belong to the session that made them; the pool's tasks never change")
         gr.Markdown("### Scaling view (seed 000)\nExpert sets merged by weight averaging (Σλ = 1, as the theory "
                     "assumes); the paper's trend is fitted to the merged loss. `num_tasks` merges random subsets of "
                     "the pool's experts.")
@@ -152,6 +170,7 @@ def build_lab_tab(ctl, experts_box, dynamics_task, engine: str) -> LabController
         with gr.Row():
             sc_acc, sc_loss = gr.Plot(), gr.Plot()
 
+        everyone.change(lc.opt_in, everyone, [experts_box, dynamics_task], api_visibility="private")
         gd_btn.click(lc.gradient_descent_preset, None, [lr, epochs, bs, frac, opt, momentum, wd, schedule, status],
                      queue=False, api_visibility="private")
         run_btn.click(lc.run, [task, name, *settings], [status, experts_box, dynamics_task], concurrency_id=engine,

@@ -1,0 +1,206 @@
+"""One validation layer for every file a user names (pool YAML, spec YAML, manifest, class and
+template lists, checkpoints, data folders): regular files only, bounded reads, YAML with bounded
+nesting and alias expansion, typed values within stated bounds. Every refusal names the file,
+the key path and the reason; nothing is allocated before its size is checked.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from pathlib import Path
+from typing import Any, Mapping
+
+MAX_TEXT_BYTES = 16 << 20  # a pool, spec or manifest file, a class or template list
+MAX_DEPTH = 64  # nesting of a YAML/JSON document
+MAX_NODES = 1_000_000  # values in a document once every alias is expanded
+MAX_NAME_BYTES = 255  # one path component (the usual file-system limit)
+MAX_PATH_BYTES = 4096
+
+
+# ---- paths and files ----------------------------------------------------------------------
+
+def check_path(value: Any, where: str, error: type[Exception]) -> Path:
+    """A path a user wrote: a non-empty string, no NUL byte, components and total within the
+    file system's limits (so the OS is never asked, and never answers with a raw OSError)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise error(f"{where}: expected a file path, got {_shown(value)}")
+    if "\0" in value:
+        raise error(f"{where}: the path contains a NUL byte")
+    encoded = value.encode("utf-8", "surrogateescape")
+    if len(encoded) > MAX_PATH_BYTES:
+        raise error(f"{where}: the path is {len(encoded)} bytes long (at most {MAX_PATH_BYTES})")
+    long = [part for part in Path(value).parts if len(part.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES]
+    if long:
+        raise error(f"{where}: the name {long[0][:40]}… is {len(long[0].encode())} bytes long "
+                    f"(at most {MAX_NAME_BYTES} per name)")
+    return Path(value)
+
+
+def regular_file(path: Path, what: str, error: type[Exception]) -> os.stat_result:
+    """The path is an existing regular file (not a folder, FIFO, device or socket): reading it
+    ends, and its size is known before it is read."""
+    check_path(str(path), what, error)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{path}: {what} not found") from None
+    except OSError as exc:
+        raise error(f"{path}: {what} cannot be opened ({exc.strerror})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise error(f"{path}: {what} is a folder, expected a file")
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{path}: {what} is not a regular file (a FIFO, device or socket); refusing to read it")
+    return st
+
+
+def read_bytes(path: Path, what: str, error: type[Exception], limit: int = MAX_TEXT_BYTES) -> bytes:
+    st = regular_file(path, what, error)
+    if st.st_size > limit:
+        raise error(f"{path}: {what} is {st.st_size} bytes (at most {limit})")
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(limit + 1)
+    except OSError as exc:
+        raise error(f"{path}: {what} cannot be read ({exc.strerror})") from None
+    if len(data) > limit:
+        raise error(f"{path}: {what} is larger than {limit} bytes")
+    return data
+
+
+def read_text(path: Path, what: str, error: type[Exception], limit: int = MAX_TEXT_BYTES) -> str:
+    data = read_bytes(path, what, error, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise error(f"{path}: {what} is not UTF-8 text (invalid byte 0x{data[exc.start]:02x} on line {line})") from None
+
+
+# ---- documents ----------------------------------------------------------------------------
+
+def check_document(doc: Any, source: str, error: type[Exception]) -> Any:
+    """Nesting depth and the number of values once aliases are expanded, both bounded: a YAML
+    alias bomb is a few lines that expand to billions of values wherever they are walked."""
+    sizes: dict[int, tuple[int, int]] = {}
+    active: set[int] = set()
+
+    def walk(node) -> tuple[int, int]:  # (expanded values, depth)
+        if not isinstance(node, (list, tuple, dict)):
+            return 1, 0
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise error(f"{source}: a value refers to itself (a recursive YAML alias)")
+        active.add(key)
+        children = list(node.keys()) + list(node.values()) if isinstance(node, dict) else list(node)
+        total, depth = 1, 0
+        for child in children:
+            n, d = walk(child)
+            total, depth = total + n, max(depth, d + 1)
+            if total > MAX_NODES:
+                raise error(f"{source}: more than {MAX_NODES} values once its aliases are expanded "
+                            "(an alias bomb?); refusing it")
+            if depth > MAX_DEPTH:
+                raise error(f"{source}: nested deeper than {MAX_DEPTH} levels")
+        active.discard(key)
+        sizes[key] = (total, depth)
+        return sizes[key]
+
+    try:
+        walk(doc)
+    except RecursionError:
+        raise error(f"{source}: nested deeper than {MAX_DEPTH} levels") from None
+    return doc
+
+
+def load_yaml(path: Path, error: type[Exception], what: str) -> Any:
+    """Safe YAML (no Python tags), bounded in bytes, nesting and alias expansion."""
+    import yaml
+
+    text = read_text(path, what, error)
+    try:
+        doc = yaml.safe_load(text)
+    except RecursionError:
+        raise error(f"{path}: {what} is nested deeper than {MAX_DEPTH} levels") from None
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML ({exc})") from None
+    return check_document(doc, str(path), error)
+
+
+def load_json(path: Path, error: type[Exception], what: str) -> Any:
+    text = read_text(path, what, error)
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise error(f"{path}: {what} is nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as exc:
+        raise error(f"{path}: {what} is not valid JSON ({exc})") from None
+    return check_document(doc, str(path), error)
+
+
+# ---- values -------------------------------------------------------------------------------
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def mapping(value: Any, where: str, error: type[Exception]) -> Mapping:
+    if not isinstance(value, Mapping):
+        raise error(f"{where}: expected a mapping (key: value lines), got {type(value).__name__} {_shown(value)}")
+    return value
+
+
+def string(value: Any, where: str, error: type[Exception], max_len: int = 200, allow_number: bool = True) -> str:
+    """A scalar that names something (numbers are accepted as their text, lists and mappings not)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float) if allow_number else str):
+        raise error(f"{where}: expected a string, got {type(value).__name__} {_shown(value)}")
+    text = str(value)
+    if not text.strip():
+        raise error(f"{where}: is empty")
+    if len(text) > max_len:
+        raise error(f"{where}: is {len(text)} characters long (at most {max_len})")
+    if any(ord(c) < 32 for c in text):
+        raise error(f"{where}: contains control characters")
+    return text
+
+
+def integer(value: Any, where: str, error: type[Exception], lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and math.isfinite(value) and value == int(value):
+            value = int(value)
+        else:
+            raise error(f"{where}: expected a whole number in [{lo}, {hi}], got {_shown(value)}")
+    if not lo <= value <= hi:
+        raise error(f"{where}: {value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def number(value: Any, where: str, error: type[Exception], lo: float = -math.inf, hi: float = math.inf,
+           lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise error(f"{where}: expected a finite number, got {_shown(value)}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        raise error(f"{where}: {value} is out of range {'(' if lo_open else '['}{lo:g}, {hi:g}]")
+    return float(value)
+
+
+def string_list(value: Any, where: str, error: type[Exception], max_items: int, max_len: int = 1000) -> list[str]:
+    if not isinstance(value, (list, tuple)):
+        raise error(f"{where}: expected a list of strings (or a file path), got {type(value).__name__} {_shown(value)}")
+    if not value:
+        raise error(f"{where}: the list is empty")
+    if len(value) > max_items:
+        raise error(f"{where}: {len(value)} entries (at most {max_items})")
+    return [string(v, f"{where}[{i}]", error, max_len) for i, v in enumerate(value)]
+
+
+def known_keys(value: Mapping, allowed, where: str, source: str, error: type[Exception]) -> None:
+    unknown = sorted(str(k) for k in value if k not in allowed)
+    if unknown:
+        raise error(f"{source}: unknown key(s) {', '.join(unknown)} in {where}; allowed: {', '.join(sorted(allowed))}")

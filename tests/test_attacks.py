@@ -1,0 +1,21 @@
+"""The bad-input catalogue (merger/attacks.py): every case refused with a message naming the
+file, key and reason, or answered correctly; no raw exception, no hang."""
+import pytest
+
+from merger import attacks
+
+
+@pytest.mark.parametrize("case", attacks.CASES, ids=[c.name for c in attacks.CASES])
+def test_catalogue(case, tmp_path):
+    outcome = attacks.run_case(case, tmp_path)
+    expected = "accepted" if case.refuse is None else "refused"
+    assert outcome.verdict == expected, f"{case.name}: {outcome.verdict}: {outcome.detail}"
+
+
+def test_unreadable_images_are_skipped_and_counted(tmp_path):
+    from merger import folders
+
+    folders.SKIPPED.clear()
+    case = next(c for c in attacks.CASES if c.name.startswith("a 20000"))
+    assert attacks.run_case(case, tmp_path).verdict == "accepted"
+    assert list(folders.SKIPPED.values()) == [1]  # the bomb, among the good images
