@@ -47,6 +47,17 @@ class Result:
     def average_loss(self) -> float:
         return sum(self.loss.values()) / len(self.loss)
 
+    def margins(self, z: float = 1.96) -> dict[str, float]:
+        """Per task, the half-width of the binomial interval (95 % for z = 1.96) of the accuracy
+        measured on ``counts`` images: with 96 images one image is about a point."""
+        return {t: z * math.sqrt(a * (1 - a) / self.counts[t]) if self.counts.get(t) else float("nan")
+                for t, a in self.accuracy.items()}
+
+    def average_margin(self, z: float = 1.96) -> float:
+        """The same for the average accuracy (independent tasks: the variances add)."""
+        var = sum(a * (1 - a) / self.counts[t] for t, a in self.accuracy.items() if self.counts.get(t))
+        return z * math.sqrt(var) / len(self.accuracy)
+
     @property
     def normalized(self) -> dict[str, float]:
         """Merged accuracy ÷ the task's own expert accuracy, per task."""

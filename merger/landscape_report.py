@@ -64,8 +64,9 @@ def landscape_figure(land: Landscape, plane, surface, metric: str, task: str | N
     z = [[scale * v for v in row] for row in surface.values(metric, task)]
     heights = None
     if view == "surface":
-        heights = {name: scale * Surface.metric_of(land.point_values(v, surface.split), metric, task)
-                   for name, v in points.items()}
+        height = lambda v: scale * Surface.metric_of(land.point_values(v, surface.split), metric, task)  # noqa: E731
+        heights = {name: height(v) for name, v in points.items()}
+        heights.update({tr.name: [height(p) for p in tr.points] for tr in paths})
         if live is not None:
             if live_values is None:
                 raise MergerError("3-D landscape: the live merge's values are needed for its marker")

@@ -20,9 +20,13 @@ def accuracy_bars(result, base=None, experts: Mapping[str, float] | None = None,
     """Merged accuracy per task, with marks for the base's and each task's expert's accuracy, and
     optional labelled horizontal guide lines (e.g. the field's reference averages)."""
     tasks = result.tasks
+    margins = result.margins() if result.counts else {}
     fig = go.Figure(go.Bar(x=tasks, y=_pct(result.accuracy[t] for t in tasks), name="merged",
                            marker_color=PALETTE[0], text=[f"{100 * result.accuracy[t]:.1f}" for t in tasks],
-                           textposition="outside"))
+                           textposition="outside",
+                           error_y=dict(type="data", array=_pct(margins[t] for t in tasks), visible=True,
+                                        color="#555", thickness=1) if margins else None,
+                           hovertemplate="%{x}: %{y:.1f} % ± %{error_y.array:.1f} (95 % binomial)<extra></extra>"))
     if base is not None:
         fig.add_trace(go.Scatter(x=tasks, y=_pct(base.accuracy[t] for t in tasks), mode="markers", name="base",
                                  marker=dict(symbol="line-ew", size=26, line=dict(width=3, color="#888"))))
@@ -104,20 +108,20 @@ def _hover(label, x, y, off):
 
 def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), paths: Mapping[str, tuple] = (),
               live: tuple | None = None, view: str = "contour", title: str = "",
-              heights: Mapping[str, float] | None = None) -> go.Figure:
+              heights: Mapping[str, float | list] | None = None) -> go.Figure:
     """Contour (or 3-D surface) of a metric on a plane.
 
     points: label -> (x, y, off_plane, kind) with kind in MARKERS; paths: name -> (xs, ys, labels);
     live: (label, x, y, off_plane) for the live merge marker. Hover texts give off-plane distances.
-    The 3-D view needs ``heights``: label (and "live") -> the metric of the point itself, measured
-    at the point and not read off the surface, which holds the value at its projection.
+    The 3-D view needs ``heights``: label (and "live", and each path's name: a list) -> the metric
+    measured at the point itself, not read off the surface (which holds it at the projection).
     """
     fig = go.Figure()
     points = dict(points or {})
     paths = dict(paths or {})
     if view == "surface":
         heights = dict(heights or {})
-        missing = [label for label in points if label not in heights] + (
+        missing = [label for label in [*points, *paths] if label not in heights] + (
             ["live"] if live is not None and "live" not in heights else [])
         if missing:
             raise ValueError(f"3-D landscape: no measured height for {', '.join(missing)}")
@@ -128,6 +132,10 @@ def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), pa
             fig.add_trace(go.Scatter3d(x=[x], y=[y], z=[heights[label]], mode="markers+text", text=[label],
                                        name=label, marker=dict(size=5, color=col),
                                        hovertext=_hover(label, x, y, off) + f"<br>{metric_label} {heights[label]:.4g}"))
+        for i, (name, (pxs, pys, labels)) in enumerate(paths.items()):
+            fig.add_trace(go.Scatter3d(x=list(pxs), y=list(pys), z=list(heights[name]), mode="lines+markers", name=name,
+                                       line=dict(color=PALETTE[(i + 4) % len(PALETTE)], width=5),
+                                       marker=dict(size=3), hovertext=list(labels), hoverinfo="text+name"))
         if live is not None:
             label, x, y, off = live
             fig.add_trace(go.Scatter3d(x=[x], y=[y], z=[heights["live"]], mode="markers", name="live merge",
@@ -159,16 +167,21 @@ def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), pa
     return fig
 
 
-def trajectory_curves(curves: Mapping[str, dict], metric: str, x_title: str = "step / parameter") -> go.Figure:
-    """curves: name -> {"steps": [...], "accuracy": [...], "loss": [...]}."""
+def trajectory_curves(curves: Mapping[str, dict], metric: str, x_title: str = "step / parameter",
+                      task: str | None = None, missing: Sequence[str] = ()) -> go.Figure:
+    """curves: name -> {"steps", "accuracy", "loss", "per_task": {task: {"accuracy", "loss"}}};
+    ``task``: one task's values instead of the mean; ``missing``: trajectories not drawn, and why."""
     fig = go.Figure()
     for i, (name, c) in enumerate(curves.items()):
-        ys = _pct(c["accuracy"]) if metric == "accuracy" else c["loss"]
+        values = c["per_task"][task][metric] if task is not None else c[metric]
+        ys = _pct(values) if metric == "accuracy" else values
         fig.add_trace(go.Scatter(x=c["steps"], y=ys, mode="lines+markers", name=name,
                                  line=dict(color=PALETTE[i % len(PALETTE)])))
-    fig.update_layout(title=f"{'Average accuracy %' if metric == 'accuracy' else 'Average loss'} along trajectories",
-                      xaxis=dict(title=x_title), yaxis=dict(title="accuracy %" if metric == "accuracy" else "loss"),
-                      **_LAYOUT)
+    what = "accuracy %" if metric == "accuracy" else "loss"
+    title = f"{task + ' ' if task else 'Average '}{what} along trajectories"
+    if missing:
+        title += "<br><sub>not drawn: " + "; ".join(m[:80] for m in missing) + "</sub>"
+    fig.update_layout(title=title, xaxis=dict(title=x_title), yaxis=dict(title=what), **_LAYOUT)
     return fig
 
 

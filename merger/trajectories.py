@@ -122,13 +122,17 @@ def project(plane, trajectory: Trajectory) -> tuple[list[float], list[float], li
 
 
 def evaluate_along(landscape, trajectory: Trajectory, split: str = "live") -> dict:
-    """Average accuracy and loss at every point of the trajectory."""
+    """Accuracy and loss at every point of the trajectory: the mean over tasks and per task."""
     ev, space = landscape.explorer.evaluator, landscape.space
-    acc, loss = [], []
+    acc, loss, per_task = [], [], {}
     for p in trajectory.points:
         with landscape.explorer.lock:
             ev.load(space.unflatten(p))
             a, lo, _ = ev.forward(split)
         acc.append(sum(a.values()) / len(a))
         loss.append(sum(lo.values()) / len(lo))
-    return {"steps": trajectory.steps, "accuracy": acc, "loss": loss}
+        for t in a:
+            per_task.setdefault(t, {"accuracy": [], "loss": []})
+            per_task[t]["accuracy"].append(a[t])
+            per_task[t]["loss"].append(lo[t])
+    return {"steps": trajectory.steps, "accuracy": acc, "loss": loss, "per_task": per_task}

@@ -222,5 +222,6 @@ def test_cli_merges_with_a_data_driven_method(pool, tmp_path):
                           "adamerging-layer", "--steps", "5", "--out", str(out)], capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr
+    assert "adamerging_layer: 100%" in res.stderr  # the run's progress bar (tqdm, on stderr)
     spec = yaml.safe_load(out.with_suffix(".yaml").read_text())
     assert spec["method"] == "adamerging_layer" and spec["params"]["steps"] == 5

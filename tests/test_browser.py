@@ -21,7 +21,7 @@ def server(tmp_path_factory):
     pool_path = write_pool(root, n_experts=3, scale=0.2, demo_data=True)
     port = browser.free_port()
     proc = browser.start_server(str(pool_path), port, str(root / "history.sqlite"))
-    yield str(pool_path), f"http://127.0.0.1:{port}/"
+    yield str(pool_path), f"http://127.0.0.1:{port}/", root / "history.sqlite"
     proc.terminate()
     proc.wait(timeout=30)
 
@@ -29,7 +29,7 @@ def server(tmp_path_factory):
 def test_dragging_lambda_updates_the_numbers(server, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    pool_path, url = server
+    pool_path, url, _ = server
     with sync_playwright() as p:
         b, page = browser.open_page(p, url)
         before = browser.shown(page)
@@ -45,3 +45,34 @@ def test_dragging_lambda_updates_the_numbers(server, tmp_path):
     pool = merger.open_pool(pool_path)
     expected = merger.evaluate(pool, merger.merge(pool, "task_arithmetic", lam=lam), split="live")
     assert after["average"] == pytest.approx(100 * expected.average_accuracy, abs=0.005)
+
+
+def test_history_reload_restores_the_row_and_writes_nothing(server):
+    """Reload a TIES row while the Merge tab shows task arithmetic: the method change that follows
+    must not reset the reloaded values, and no intermediate spec is recorded."""
+    import sqlite3
+    import time
+
+    from gradio_client import Client
+    from playwright.sync_api import sync_playwright
+
+    pool_path, url, history = server
+    Client(url, verbose=False).predict("ties", 0.85, None, 0.65, None, None, "live", api_name="/evaluate")
+    db = sqlite3.connect(history)
+    row_id = db.execute("SELECT id FROM evaluations WHERE method = 'ties' AND params LIKE '%0.85%'").fetchone()[0]
+    with sync_playwright() as p:
+        b, page = browser.open_page(p, url)
+        assert browser.shown(page)["method"] == "task_arithmetic"
+        n = db.execute("SELECT COUNT(*) FROM evaluations").fetchone()[0]
+        page.get_by_role("tab", name="History").click()
+        page.get_by_label("row id to reload into the Merge tab").fill(str(row_id))
+        page.get_by_role("button", name="Reload").click()
+        page.get_by_role("tab", name="Merge").click()
+        deadline = time.time() + 60
+        while time.time() < deadline and browser.shown(page)["method"] != "ties":
+            time.sleep(0.25)
+        time.sleep(3)  # every listener the reload set off has answered
+        shown = browser.shown(page)
+        b.close()
+    assert shown["method"] == "ties" and shown["params"] == {"lam": 0.85, "sparsity": 0.65}
+    assert db.execute("SELECT COUNT(*) FROM evaluations").fetchone()[0] == n

@@ -195,6 +195,23 @@ def test_api_catalogue_and_the_server_stays_up(server, call, message):
     assert 0 <= ok["average_accuracy"] <= 1
 
 
+@pytest.mark.parametrize("token, shown", [("NaN", "nan"), ("Infinity", "inf"), ("-Infinity", "-inf")])
+def test_api_answers_a_non_json_float_with_the_fields_message(server, token, shown):
+    """A float JSON cannot carry (sent raw, as Python's json writes it) gets the field's own message."""
+    import json
+    import urllib.request
+
+    body = ('{"data": ["ties", %s, null, 0.8, null, null, "live"]}' % token).encode()
+    url = server["url"] + "gradio_api/call/evaluate"
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    event = json.loads(urllib.request.urlopen(req, timeout=30).read())["event_id"]
+    stream = urllib.request.urlopen(f"{url}/{event}", timeout=60).read().decode()
+    assert "event: error" in stream and f"lam={shown} is not a finite number" in stream
+    ok = gradio_client.Client(server["url"], verbose=False).predict(
+        "task_arithmetic", 0.3, None, None, None, None, "live", api_name="/evaluate")
+    assert 0 <= ok["average_accuracy"] <= 1
+
+
 def test_sessions_never_see_each_others_results(server):
     pool = merger.open_pool(server["pool"])
     out = {}
@@ -257,3 +274,4 @@ def test_auth_and_loopback(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+

@@ -95,3 +95,43 @@ def test_failed_merge_writes_nothing(tiny_pool, tmp_path, flags, message):
     assert res.returncode == 2
     assert message in res.stderr
     assert list(out_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("fail_at", ["yaml write", "yaml rename"])
+def test_an_export_that_fails_halfway_leaves_the_old_pair(tiny_pool, tmp_path, monkeypatch, fail_at):
+    """The weights and the spec are committed together: a failure on the spec's side leaves the
+    earlier pair as it was (not new weights beside an old spec), and no temporary file."""
+    import os
+
+    from merger import checkpoints, export
+
+    pool = merger.open_pool(tiny_pool)
+    out = tmp_path / "exports" / "m.safetensors"
+    export.export_merge(pool, pool.make_spec("task_arithmetic", {"lam": 0.3}), out)
+    old_weights, old_spec = out.read_bytes(), out.with_suffix(".yaml").read_text()
+    if fail_at == "yaml write":
+        def broken(path, text):
+            raise OSError("disk full")
+        monkeypatch.setattr(checkpoints, "write_text_atomic", broken)
+    else:
+        real, failed = os.replace, []
+
+        def broken(src, dst):  # the new spec's rename onto m.yaml fails, once
+            if str(dst).endswith("m.yaml") and not failed:
+                failed.append(dst)
+                raise OSError("rename refused")
+            return real(src, dst)
+        monkeypatch.setattr(export.os, "replace", broken)
+    with pytest.raises(OSError):
+        export.export_merge(pool, pool.make_spec("task_arithmetic", {"lam": 0.9}), out)
+    monkeypatch.undo()
+    assert out.read_bytes() == old_weights and out.with_suffix(".yaml").read_text() == old_spec
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m.safetensors", "m.yaml"]
+
+
+def test_cli_errors_are_one_line_with_exit_2_or_1(tiny_pool, tmp_path):
+    bad = run_cli("merge", "--pool", str(tiny_pool), "--method", "ties", "--out", str(tiny_pool) + "/x.safetensors")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+    assert "is a file, not a folder" in bad.stderr
+    debug = run_cli("eval", "--pool", str(tiny_pool), "--method", "voodoo", "--debug")
+    assert debug.returncode != 0 and "Traceback" in debug.stderr

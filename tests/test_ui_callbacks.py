@@ -30,7 +30,7 @@ def controls(ctl, method="task_arithmetic", experts=None, **values):
 
 
 def shown_average(summary: str) -> float:
-    return float(re.search(r"id='avg-acc'>([0-9.]+)<", summary).group(1))
+    return float(re.search(r"id='avg-acc' title='([0-9.]+)'", summary).group(1))
 
 
 def test_method_controls_disable_unused_with_a_reason(ctl):
@@ -219,7 +219,7 @@ def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
     assert lc.land.cached_points() == n  # the surface was not recomputed
     x, y, _ = state["plane"].coords(lc.land.spec_point(ctl.explorer.spec("task_arithmetic", lam=0.9)))
     assert (live2.x[0], live2.y[0]) == pytest.approx((x, y))
-    curves = lc.curves(["λ path (current method)"], "accuracy", "live", *controls(ctl))
+    curves = lc.curves(["λ path (current method)"], "accuracy", "live", "all tasks (mean)", *controls(ctl))
     assert len(curves.data) == 1 and len(curves.data[0].x) == 16
 
 

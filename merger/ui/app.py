@@ -10,6 +10,7 @@ from .analysis_tab import build_analysis_tabs
 from .callbacks import SPLITS_SHOWN, Controller
 from .landscape_tab import build_landscape_tabs
 from .runs import RunController
+from .session import MergeTabEvents
 
 ENGINE = "engine"  # one queue for the resident model: evaluations run one at a time
 
@@ -78,11 +79,14 @@ def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
                                 fw_plot = gr.Plot(label="Frank–Wolfe")
                 inputs = [experts, method, *controls]
                 outputs = [acc_plot, loss_plot, radar_plot, summary]
-                method.change(ctl.method_controls, [method, experts], [*controls, about], queue=False)
+                events = MergeTabEvents(ctl)
+                method.change(events.method_controls, [method, experts, *controls], [*controls, about], queue=False)
                 experts.change(ctl.refresh_limits, inputs, controls, queue=False, api_visibility="private")
                 for c in [experts, method, *controls]:
-                    c.change(ctl.preview, inputs, outputs, trigger_mode="always_last",
+                    c.change(events.preview, inputs, outputs, trigger_mode="always_last",
                              concurrency_id=ENGINE, concurrency_limit=1, show_progress="hidden", api_visibility="private")
+                    c.change(ctl.learned, inputs, [objective_plot, coef_plot, fw_plot], trigger_mode="always_last",
+                             queue=False, show_progress="hidden", api_visibility="private")
                 runs = RunController(ctl)
                 run_btn.click(runs.run, inputs, [run_status, objective_plot, coef_plot, fw_plot, *outputs],
                                           api_visibility="private")
@@ -144,10 +148,10 @@ def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
                 hist_file = gr.File(label="history CSV", interactive=False)
                 for trig in (hist_refresh.click, hist_method.change, hist_text.submit):
                     trig(ctl.history_rows, [hist_method, hist_text], hist_table, api_visibility="private")
-                hist_reload.click(ctl.reload, hist_id, [experts, method, *controls], api_visibility="private")
+                hist_reload.click(events.reload, [hist_id, *inputs], [experts, method, *controls], api_visibility="private")
                 hist_csv_btn.click(ctl.history_csv, [hist_method, hist_text], hist_file, api_visibility="private")
 
         gr.api(ctl.api_evaluate, api_name="evaluate", concurrency_id=ENGINE, concurrency_limit=1)
-        app.load(ctl.method_controls, [method, experts], [*controls, about], api_visibility="private")
+        app.load(ctl.method_controls, [method, experts, *controls], [*controls, about], api_visibility="private")
         app.load(ctl.preview, inputs, outputs, concurrency_id=ENGINE, api_visibility="private")
     return app

@@ -60,7 +60,7 @@ def start_server(pool: str, port: int, history: str, timeout: float = 120.0) -> 
 def shown(page) -> dict:
     """The numbers and spec the Merge tab shows."""
     text = page.locator("#summary").inner_text()
-    avg = float(page.locator("#avg-acc").inner_text())
+    avg = float(page.locator("#avg-acc").get_attribute("title"))  # the exact value (the shown one is rounded)
     label = re.search(r"(\w+)\(([^)]*)\)", text)
     params = dict(kv.split("=") for kv in label.group(2).split(", ") if kv) if label else {}
     return {"average": avg, "method": label.group(1) if label else None,

@@ -40,6 +40,19 @@ def _at_auto(method, name: str, value, num_experts: int) -> bool:
     return v > 0 and off_grid and abs(1 / v - round(1 / v)) < 1e-6
 
 
+def _fits(param, value, lo: float, hi: float) -> bool:
+    """A control's value is a valid value of this parameter (so a method change may keep it)."""
+    if value is None or isinstance(value, bool):
+        return False
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return False
+    if param.kind == "int" and v != int(v):
+        return False
+    return (lo < v if param.min_open else lo <= v) and (v < hi if param.max_open else v <= hi + 1e-12)
+
+
 class Controller:
     def __init__(self, explorer, history=None):
         self.explorer = explorer
@@ -62,19 +75,25 @@ class Controller:
                 params[k] = "auto"
         return self.explorer.spec(m.name, experts=list(experts), **params)
 
-    def method_controls(self, method, experts):
-        """Slider updates for a method: used ones enabled with its range/default, others disabled."""
+    def method_controls(self, method, experts, *values):
+        """Control updates for a method: its parameters enabled with their ranges, the others
+        disabled. A value that fits the new method is kept (switching methods, or a history reload
+        that set method and values together, keeps what is there); else the method's default."""
         m = methods.get(method)
         n = max(1, len(experts or self.pool.tasks))
         auto = m.defaults_for(n) if m.defaults_for else {}
+        current = dict(zip(PARAM_NAMES, values))
         updates = []
         for name in PARAM_NAMES:
             if name in m.param_names:
                 p = m.param(name)
                 lo, hi = m.bounds(name, n)
                 default = auto.get(name, p.default)
-                updates.append(gr.update(interactive=True, value=hi if default == "auto" else default, minimum=lo,
-                                         maximum=hi, step=p.step, info=p.help))
+                value = current.get(name)
+                if not _fits(p, value, lo, hi):
+                    value = hi if default == "auto" else default
+                updates.append(gr.update(interactive=True, value=value, minimum=lo, maximum=hi, step=p.step,
+                                         info=p.help))
             else:
                 updates.append(gr.update(interactive=False, info=f"not used by {m.display_name}"))
         about = f"**{m.display_name}**: {m.description}  \n*{m.paper}*"
@@ -102,20 +121,21 @@ class Controller:
         return tuple(updates)
 
     # ---- merge tab ----------------------------------------------------------------------
-    def preview(self, experts, method, *values):
-        """(accuracy bars, loss bars, radar, summary markdown) for the controls' spec."""
+    def preview(self, experts, method, *values, record: bool = True):
+        """(accuracy bars, loss bars, radar, summary markdown) for the controls' spec; a new result
+        goes into the history unless ``record`` is False."""
         split = "live"
         try:
             spec = self.spec_from_controls(experts, method, *values)
             if methods.get(spec.method).kind == "data" and self.explorer.cached_run(spec) is None:
-                return gr.skip(), gr.skip(), gr.skip(), (
+                return self._no_result(
                     f"**{methods.get(spec.method).display_name}** learns its coefficients from validation data: "
-                    "set its parameters and press **Run** (below the controls).")
+                    "set its parameters and press **Run** (below the controls).", "no run yet for these settings")
             cached = self.explorer.cached(spec, split) is not None
             result = self.explorer.preview(spec, split)
         except MergerError as exc:
-            return gr.skip(), gr.skip(), gr.skip(), f"⚠️ {exc}"
-        if self.history is not None and not cached:
+            return self._no_result(f"⚠️ {exc}", "no result for the current settings")
+        if self.history is not None and not cached and record:
             self.history.record(self.pool_ref, spec.rounded(), result)
         base = self.explorer.base(split)
         experts_acc = self.explorer.experts(split)
@@ -126,18 +146,42 @@ class Controller:
                 plots.radar({spec.label(): result}),
                 self.summary(spec, result, cached))
 
+    @staticmethod
+    def _no_result(message: str, why: str):
+        """The plots cleared (never an earlier result shown as the current one) and the message."""
+        empty = plots.empty(why)
+        return empty, empty, empty, message
+
+    def learned(self, experts, method, *values):
+        """What the current settings' data-driven run learned (objective, coefficients, FW), or empty
+        figures saying there is none: an earlier run is never shown as the current one."""
+        from .runs import RunController
+
+        try:
+            spec = self.spec_from_controls(experts, method, *values)
+            run = self.explorer.cached_run(spec) if methods.get(spec.method).kind == "data" else None
+        except MergerError:
+            run = None
+        if run is None:
+            empty = plots.empty("no data-driven run for the current settings")
+            return empty, empty, empty
+        return RunController.views(run)
+
     def summary(self, spec, result, cached: bool) -> str:
         m = methods.get(spec.method)
         rounded = spec.rounded()
         note = m.note(rounded.kwargs, None) if m.note else None
         timing = "cached" if cached else f"{1000 * result.seconds:.0f} ms"
         images = sorted(set(result.counts.values()))
+        avg, norm = 100 * result.average_accuracy, 100 * result.normalized_accuracy
         lines = [
-            f"### Average accuracy <span id='avg-acc'>{100 * result.average_accuracy:.2f}</span> % · "
-            f"normalised <span id='norm-acc'>{100 * result.normalized_accuracy:.2f}</span> % · "
+            f"### Average accuracy <span id='avg-acc' title='{avg:.4f}'>{avg:.1f}</span> "
+            f"± {100 * result.average_margin():.1f} % · "
+            f"normalised <span id='norm-acc' title='{norm:.4f}'>{norm:.1f}</span> % · "
             f"loss {result.average_loss:.3f}",
             f"`{rounded.label()}` over {len(spec.experts)} of {len(self.pool.tasks)} experts · "
-            f"{result.split} split ({'/'.join(map(str, images))} images per task) · {timing}",
+            f"{result.split} split ({'/'.join(map(str, images))} images per task; ± is the 95 % binomial "
+            f"interval) · {timing}",
         ]
         if note:
             lines.append(f"ℹ️ {note}")
@@ -223,6 +267,7 @@ class Controller:
             chosen = [m for m in method_names if axis in methods.get(m).param_names]
             if not chosen:
                 raise MergerError(f"none of the ticked methods has {label}" + (f" (try {', '.join(only)})" if only else ""))
+            skipped = [m for m in method_names if m not in chosen]
             p = methods.get(chosen[0]).param(axis)
             values = {"lam": [round(0.1 * i, 2) for i in range(0, 31)],
                       "rank_ratio": [0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.16, 0.24, 0.32, 0.5, 0.75, 1.0],
@@ -239,8 +284,14 @@ class Controller:
             for t, ys in d["per_task"].items():
                 curves[f"{m} · {t}"] = (d["x"], ys)
                 dashed.append(f"{m} · {t}")
-        return plots.sweep_curves(curves, label, f"Accuracy against {label} ({split} split; per-task curves in the legend)",
-                                  dashed=dashed)
+        n = len(experts) if experts else len(self.pool.tasks)
+        capped = [f"{m} stops at {label} {methods.get(m).bounds(axis, n)[1]:.3g}" for m in chosen
+                  if methods.get(m).bounds(axis, n)[1] < max(values)]
+        notes = ([f"not swept: {', '.join(skipped)} (no {label})"] if skipped else []) + capped
+        title = f"Accuracy against {label} ({split} split; per-task curves in the legend)"
+        if notes:
+            title += "<br><sub>" + "; ".join(notes) + "</sub>"
+        return plots.sweep_curves(curves, label, title, dashed=dashed)
 
     # ---- history tab --------------------------------------------------------------------
     HISTORY_HEADERS = ["id", "time", "method", "params", "experts", "split", "avg acc %", "normalised %", "loss"]
@@ -259,19 +310,25 @@ class Controller:
         row = self.history.get(int(row_id)) if (self.history is not None and row_id not in (None, "")) else None
         if row is None:
             raise gr.Error(f"history: no row with id {row_id}")
-        params = json.loads(row["params"])
         experts = [e for e in row["experts"].split(",") if e]
         m = methods.get(row["method"])
-        updates = []
-        for name in PARAM_NAMES:
-            if name in m.param_names:
-                value = params.get(name)
-                if value == "auto":  # the slider's auto position for this subset
-                    value = m.bounds(name, max(1, len(experts)))[1]
-                updates.append(gr.update(value=value, interactive=True))
-            else:
-                updates.append(gr.update(interactive=False, info=f"not used by {m.display_name}"))
+        values = self.control_values(m, json.loads(row["params"]), len(experts))
+        updates = [gr.update(value=v, interactive=True) if name in m.param_names
+                   else gr.update(interactive=False, info=f"not used by {m.display_name}")
+                   for name, v in zip(PARAM_NAMES, values)]
         return (gr.update(value=experts), gr.update(value=m.name), *updates)
+
+    @staticmethod
+    def control_values(method, params: dict, num_experts: int) -> list:
+        """One value per control (PARAM_NAMES order; None where the method has no such parameter):
+        "auto" becomes its slider position for this many experts."""
+        out = []
+        for name in PARAM_NAMES:
+            value = params.get(name) if name in method.param_names else None
+            if value == "auto":
+                value = method.bounds(name, max(1, num_experts))[1]
+            out.append(value)
+        return out
 
     def history_csv(self, method_filter="", text=""):
         if self.history is None:

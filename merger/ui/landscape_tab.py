@@ -25,25 +25,31 @@ class LandscapeController:
         ft = [f"fine-tuning: {t}" for t in self.pool.tasks if self.pool.expert_info[t].get("trajectory")]
         return ft + list(PATH_AXES) + [ITERATES]
 
-    def _paths(self, chosen, method, spec_params, spec=None):
-        out = []
+    def _paths(self, chosen, method, spec_params, spec=None) -> tuple[list, list[str]]:
+        """(the trajectories that could be built, a note for each that could not): one
+        unavailable path never takes the others down with it."""
+        out, problems = [], []
         for name in chosen or []:
-            if name == ITERATES:
-                run = self.ctl.explorer.cached_run(spec) if spec is not None and methods.get(spec.method).kind == "data" else None
-                if run is None:
-                    raise MergerError("no data-driven run for the current spec: pick AdaMerging or FW and press Run first")
-                out.append(trajectories.run_path(self.land, run))
-                continue
-            if name.startswith("fine-tuning: "):
-                out.append(trajectories.finetune_trajectory(self.land, name[len("fine-tuning: "):]))
-                continue
-            axis = PATH_AXES[name]
-            m = method
-            if methods.get(m).kind == "data" or axis not in methods.get(m).param_names:
-                m = {"rank_ratio": "cart", "sparsity": "ties", "lam": "task_arithmetic"}[axis]
-            fixed = {k: v for k, v in spec_params.items() if k in methods.get(m).param_names and k != axis}
-            out.append(trajectories.parameter_path(self.land, m, axis, trajectories.default_values(axis), fixed))
-        return out
+            try:
+                out.append(self._path(name, method, spec_params, spec))
+            except MergerError as exc:
+                problems.append(f"{name}: {exc}")
+        return out, problems
+
+    def _path(self, name, method, spec_params, spec):
+        if name == ITERATES:
+            run = self.ctl.explorer.cached_run(spec) if spec is not None and methods.get(spec.method).kind == "data" else None
+            if run is None:
+                raise MergerError("no data-driven run for the current spec: pick AdaMerging or FW and press Run first")
+            return trajectories.run_path(self.land, run)
+        if name.startswith("fine-tuning: "):
+            return trajectories.finetune_trajectory(self.land, name[len("fine-tuning: "):])
+        axis = PATH_AXES[name]
+        m = method
+        if methods.get(m).kind == "data" or axis not in methods.get(m).param_names:
+            m = {"rank_ratio": "cart", "sparsity": "ties", "lam": "task_arithmetic"}[axis]
+        fixed = {k: v for k, v in spec_params.items() if k in methods.get(m).param_names and k != axis}
+        return trajectories.parameter_path(self.land, m, axis, trajectories.default_values(axis), fixed)
 
     def _live(self, spec):
         return spec.label(), self.land.spec_point(spec)
@@ -60,7 +66,9 @@ class LandscapeController:
             plane_points = points if plane_kind != "points" else {k: points[k] for k in list(points)[:3]}
             plane = make_plane(self.land, plane_kind, plane_points if plane_kind == "points" else points,
                                [task_a, task_b])
-            paths = self._paths(chosen_paths, spec.method, spec.kwargs, spec)
+            paths, problems = self._paths(chosen_paths, spec.method, spec.kwargs, spec)
+            if problems:
+                gr.Warning("Not drawn: " + "; ".join(problems))
             live_label, live_vec = self._live(spec)
             coords = [plane.coords(v)[:2] for v in points.values()] + [plane.coords(live_vec)[:2]]
             for tr in paths:
@@ -97,16 +105,21 @@ class LandscapeController:
             return gr.skip()
         return self.figure(state, spec)
 
-    def curves(self, chosen, metric, split, experts, method, *values):
+    def curves(self, chosen, metric, split, task, experts, method, *values):
+        """Accuracy or loss along the ticked trajectories (the mean over tasks, or one task's); a
+        trajectory that is not available is named in the title, the others are drawn."""
         if not chosen:
             raise gr.Error("tick at least one trajectory")
+        task = None if task in (None, "", "all tasks (mean)") else task
         try:
             spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
-            data = {tr.name: trajectories.evaluate_along(self.land, tr, split)
-                    for tr in self._paths(chosen, spec.method, spec.kwargs, spec)}
+            paths, problems = self._paths(chosen, spec.method, spec.kwargs, spec)
+            data = {tr.name: trajectories.evaluate_along(self.land, tr, split) for tr in paths}
         except MergerError as exc:
             raise gr.Error(str(exc))
-        return plots.trajectory_curves(data, metric)
+        if not data:
+            return plots.empty("No trajectory available: " + "; ".join(problems))
+        return plots.trajectory_curves(data, metric, task=task, missing=problems)
 
 
 def build_landscape_tabs(ctl, pins, inputs, engine: str):
@@ -138,8 +151,9 @@ def build_landscape_tabs(ctl, pins, inputs, engine: str):
         with gr.Row():
             t_metric = gr.Radio(["accuracy", "loss"], value="accuracy", label="metric")
             t_split = gr.Dropdown(["probe", "live", "val", "test"], value="live", label="split")
+            t_task = gr.Dropdown(["all tasks (mean)"] + tasks, value="all tasks (mean)", label="of")
         t_btn = gr.Button("Evaluate along trajectories")
         t_plot = gr.Plot()
-        t_btn.click(lc.curves, [chosen, t_metric, t_split, *inputs], t_plot, concurrency_id=engine,
+        t_btn.click(lc.curves, [chosen, t_metric, t_split, t_task, *inputs], t_plot, concurrency_id=engine,
                     api_visibility="private")
     return lc, state, plot

@@ -18,6 +18,16 @@ class RunController:
         self._cancel: dict[str, threading.Event] = {}
 
     @staticmethod
+    def objective_label(method: str) -> str:
+        return "entropy" if method.startswith("adamerging") else "calibration loss"
+
+    @classmethod
+    def views(cls, run) -> tuple:
+        """(objective curve, coefficient heatmap, FW progress) of a finished run."""
+        label = cls.objective_label(run.method)
+        return (plots.objective_curve(run.trace["objective"], f"Objective ({label})", label), *cls.learned(run))
+
+    @staticmethod
     def learned(run) -> tuple:
         """(coefficient heatmap, FW progress figure or an empty note) for a finished run."""
         heat = plots.coefficient_heatmap(run.coefficients.tolist(), run.tasks, run.groups,
@@ -61,7 +71,7 @@ class RunController:
 
         worker = threading.Thread(target=work, daemon=True)
         worker.start()
-        label = "entropy" if spec.method.startswith("adamerging") else "calibration loss"
+        label = self.objective_label(spec.method)
         while worker.is_alive():
             time.sleep(0.5)
             yield (f"⏳ {m.display_name}: {live['msg']}", plots.objective_curve(live["values"], f"Objective ({label})", label),
@@ -74,9 +84,7 @@ class RunController:
             return
         run = box["run"]
         acc, loss, radar, summary = self.ctl.preview(experts, method, *values)
-        heat, fw = self.learned(run)
-        yield (f"✅ {m.display_name}: {len(run.trace['objective'])} steps in {run.seconds:.1f} s",
-               plots.objective_curve(run.trace["objective"], f"Objective ({label})", label), heat, fw,
+        yield (f"✅ {m.display_name}: {len(run.trace['objective'])} steps in {run.seconds:.1f} s", *self.views(run),
                acc, loss, radar, summary)
 
     def cancel(self, request: gr.Request = None):

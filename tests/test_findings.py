@@ -1,0 +1,155 @@
+"""What a new user hit in the browser (issue 2/8), checked through the callbacks: stale results,
+precision, trajectories, sweeps, 3-D paths, lab experts per session, method changes, reloads."""
+import math
+from types import SimpleNamespace
+
+import pytest
+
+import merger
+from merger.methods.registry import PARAM_NAMES
+from merger.store import History
+from merger.ui.callbacks import Controller
+from helpers import write_pool
+
+
+@pytest.fixture(scope="module")
+def ctl(tmp_path_factory):
+    root = tmp_path_factory.mktemp("findings")
+    pool = merger.open_pool(write_pool(root, n_experts=3, scale=0.2, demo_data=True))
+    return Controller(merger.Explorer(pool), History(root / "history.sqlite"))
+
+
+def controls(ctl, method="task_arithmetic", experts=None, **values):
+    defaults = dict(lam=0.3, rank_ratio=0.08, sparsity=0.8, seed=0, steps=3, lr=1e-3, init=0.3, samples=8, k=2,
+                    step_size=0.5)
+    defaults.update(values)
+    return [experts if experts is not None else list(ctl.pool.tasks), method] + [defaults[n] for n in PARAM_NAMES]
+
+
+def annotation(fig) -> str:
+    return " ".join(a.text for a in fig.layout.annotations)
+
+
+def test_no_stale_result_is_shown_as_current(ctl):
+    ctl.preview(*controls(ctl, lam=0.5))  # a result is on screen
+    acc, loss, radar, summary = ctl.preview(*controls(ctl, "adamerging_task"))
+    assert "press **Run**" in summary
+    assert all("no run yet" in annotation(f) and not f.data for f in (acc, loss, radar))
+    acc, loss, radar, summary = ctl.preview(*controls(ctl, experts=[]))
+    assert summary.startswith("⚠️") and all(not f.data and "no result" in annotation(f) for f in (acc, loss, radar))
+    # the "what a run learned" panel follows the settings: a run shows, other settings clear it
+    assert all("no data-driven run" in annotation(f) for f in ctl.learned(*controls(ctl, "adamerging_task")))
+    ctl.explorer.run(ctl.spec_from_controls(*controls(ctl, "adamerging_task")))
+    objective, heat, _ = ctl.learned(*controls(ctl, "adamerging_task"))
+    assert len(objective.data[0].y) == 3 and list(heat.data[0].y) == ctl.pool.tasks
+    assert all(not f.data for f in ctl.learned(*controls(ctl, "adamerging_task", steps=4)))
+
+
+def test_live_numbers_carry_a_binomial_interval(ctl):
+    acc, _, _, summary = ctl.preview(*controls(ctl, lam=0.4))
+    res = ctl.explorer.preview(ctl.explorer.spec("task_arithmetic", lam=0.4))
+    expected = 1.96 * math.sqrt(sum(a * (1 - a) / res.counts[t] for t, a in res.accuracy.items())) / len(res.accuracy)
+    assert f"± {100 * expected:.1f} %" in summary and "95 % binomial" in summary
+    margins = [100 * 1.96 * math.sqrt(res.accuracy[t] * (1 - res.accuracy[t]) / res.counts[t]) for t in res.tasks]
+    assert list(acc.data[0].error_y.array) == pytest.approx(margins)
+
+
+def test_one_unavailable_trajectory_does_not_fail_the_plot_and_a_task_can_be_picked(ctl):
+    from merger.ui.landscape_tab import LandscapeController
+
+    lc = LandscapeController(ctl)
+    t = ctl.pool.tasks[1]
+    fig = lc.curves([f"fine-tuning: {ctl.pool.tasks[0]}", "λ path (current method)"], "accuracy", "live", t,
+                    *controls(ctl))
+    assert [tr.name for tr in fig.data] == ["task_arithmetic lam path"]
+    assert "not drawn" in fig.layout.title.text and "no trajectory" in fig.layout.title.text
+    lam = fig.data[0].x[5]
+    ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "task_arithmetic", lam=lam), "live")
+    assert fig.data[0].y[5] == pytest.approx(100 * ref.accuracy[t])  # that task's accuracy, not the mean
+    assert "no trajectory" in annotation(lc.curves([f"fine-tuning: {ctl.pool.tasks[0]}"], "accuracy", "live",
+                                                   "all tasks (mean)", *controls(ctl)))
+
+
+def test_sweeps_say_which_methods_they_skipped(ctl):
+    fig = ctl.sweep("sparsity", ["ties", "cart"], "live", None, progress=lambda *a, **k: None)
+    assert "not swept: cart (no sparsity)" in fig.layout.title.text
+    fig = ctl.sweep("rank_ratio", ["cart", "tsv_m"], "live", None, progress=lambda *a, **k: None)
+    assert "tsv_m stops at rank ratio 0.333" in fig.layout.title.text
+
+
+def test_3d_landscape_draws_the_trajectories_at_their_values(ctl):
+    from merger.ui.landscape_tab import LandscapeController
+
+    lc = LandscapeController(ctl)
+    *_, (state, fig) = lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 5, "surface",
+                                  ["λ path (current method)"], *controls(ctl), progress=lambda *a, **k: None)
+    path = next(t for t in fig.data if t.type == "scatter3d" and t.name == "task_arithmetic lam path")
+    ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "task_arithmetic", lam=0.5), "probe")
+    assert path.z[5] == pytest.approx(ref.average_loss, rel=1e-5)
+
+
+def test_lab_experts_belong_to_their_session(ctl):
+    from merger import lab
+    from merger.ui.lab_tab import LabController
+
+    lc = LabController(ctl)
+    a, b = SimpleNamespace(session_hash="person-a"), SimpleNamespace(session_hash="person-b")
+    t = ctl.pool.tasks[0]
+    tasks = list(ctl.pool.tasks)
+    sd, traj, hp = lab.finetune(ctl.pool, t, lab.check_settings(1e-3, 1, 64, 0.5, 0))
+    lab.add_expert(ctl.explorer, "mine", t, sd, hp, traj, owner="person-a")
+    assert lc.visible(a) == tasks + ["mine"] and lc.visible(b) == tasks
+    lc.opt_in(b, True)
+    assert lc.visible(b) == tasks + ["mine"]
+    assert ctl.pool.tasks == tasks  # nobody's tasks changed
+    out = ctl.api_evaluate("task_arithmetic", lam=0.3)  # experts=None: the pool's experts, not the lab's
+    assert out["spec"]["experts"] == tasks and list(out["accuracy"]) == tasks
+    with pytest.raises(Exception, match="mine belong.* to a browser session's expert lab"):
+        ctl.api_evaluate("task_arithmetic", lam=0.3, experts=["mine"])
+
+
+def test_changing_method_keeps_the_values_it_can(ctl):
+    values = controls(ctl, lam=0.7, sparsity=0.6)[2:]
+    ups = dict(zip(PARAM_NAMES, ctl.method_controls("ties", ctl.pool.tasks, *values)[:-1]))
+    assert ups["lam"]["value"] == 0.7 and ups["sparsity"]["value"] == 0.6
+    ups = dict(zip(PARAM_NAMES, ctl.method_controls("cart", ctl.pool.tasks, *controls(ctl, rank_ratio=0.0)[2:])[:-1]))
+    assert ups["rank_ratio"]["value"] == 0.08  # 0 is outside CART's (0, 1]: the default instead
+
+
+def test_a_reload_in_steps_restores_the_row_and_writes_nothing(ctl):
+    """The browser applies a reload in steps, each change event reading some stale values: the
+    session's events neither compute nor record those in-between specs (see test_browser.py)."""
+    import gradio as gr
+
+    from merger.ui.session import MergeTabEvents
+
+    events, me = MergeTabEvents(ctl), SimpleNamespace(session_hash="reloader")
+    ctl.preview(*controls(ctl, "ties", lam=0.85, sparsity=0.65))
+    row = next(r for r in ctl.history_rows("ties", "") if '"lam": 0.85' in r[3])
+    n = len(ctl.history_rows())
+    shown = controls(ctl, lam=0.45)  # what the Merge tab shows: task arithmetic
+    experts, method, *updates = events.reload(me, row[0], *shown)
+    assert method["value"] == "ties"
+    # the method change arrives with the old values: the reloaded ones are kept, not reset
+    kept = dict(zip(PARAM_NAMES, events.method_controls(me, "ties", shown[0], *shown[2:])[:-1]))
+    assert kept["lam"]["value"] == 0.85 and kept["sparsity"]["value"] == 0.65
+    # a preview of ties with the stale λ is a step of the reload: skipped
+    assert events.preview(me, shown[0], "ties", *shown[2:]) == (gr.skip(),) * 4
+    final = [experts["value"], "ties"] + [u.get("value") for u in updates]
+    *_, summary = events.preview(me, *final)
+    assert "ties(lam=0.85, sparsity=0.65)" in summary
+    assert len(ctl.history_rows()) == n  # nothing written
+    *_, summary = events.preview(me, *controls(ctl, lam=0.55))  # the session is free again
+    assert "task_arithmetic(lam=0.55)" in summary and len(ctl.history_rows()) == n + 1
+    assert events.reload(me, row[0], *final) == (gr.skip(),) * len(final)  # reloading what is shown: no-op
+
+
+def test_results_are_plain_json_even_with_infinite_losses():
+    import json
+
+    from merger.evaluation import Result
+
+    res = Result("live", {"a": 0.0, "b": 0.5}, {"a": float("inf"), "b": 0.7}, {"a": 0.0, "b": 1.0}, {"a": 10, "b": 10})
+    out = json.loads(json.dumps(res.to_dict(), allow_nan=False))  # what the endpoint's encoder demands
+    assert out["loss"]["a"] is None and out["average_loss"] is None and out["normalized"]["a"] is None
+    assert out["accuracy"] == {"a": 0.0, "b": 0.5}
