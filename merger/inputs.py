@@ -122,24 +122,21 @@ def load_yaml(path: Path, error: type[Exception], what: str) -> Any:
     """Safe YAML (no Python tags), bounded in bytes, nesting and alias expansion."""
     import yaml
 
-    text = read_text(path, what, error)
-    try:
-        doc = yaml.safe_load(text)
-    except RecursionError:
-        raise error(f"{path}: {what} is nested deeper than {MAX_DEPTH} levels") from None
-    except yaml.YAMLError as exc:
-        raise error(f"{path}: not valid YAML ({exc})") from None
-    return check_document(doc, str(path), error)
+    return _load(path, error, what, yaml.safe_load, yaml.YAMLError, "YAML")
 
 
 def load_json(path: Path, error: type[Exception], what: str) -> Any:
+    return _load(path, error, what, json.loads, ValueError, "JSON")
+
+
+def _load(path: Path, error: type[Exception], what: str, parse, parse_error, kind: str) -> Any:
     text = read_text(path, what, error)
     try:
-        doc = json.loads(text)
+        doc = parse(text)
     except RecursionError:
         raise error(f"{path}: {what} is nested deeper than {MAX_DEPTH} levels") from None
-    except ValueError as exc:
-        raise error(f"{path}: {what} is not valid JSON ({exc})") from None
+    except parse_error as exc:
+        raise error(f"{path}: not valid {kind} ({exc})") from None
     return check_document(doc, str(path), error)
 
 

@@ -7,23 +7,17 @@ import pytest
 
 import merger
 from merger.methods.registry import PARAM_NAMES
-from merger.store import History
-from merger.ui.callbacks import Controller
-from helpers import write_pool
+import helpers
+from helpers import ui_controller
 
 
 @pytest.fixture(scope="module")
 def ctl(tmp_path_factory):
-    root = tmp_path_factory.mktemp("findings")
-    pool = merger.open_pool(write_pool(root, n_experts=3, scale=0.2, demo_data=True))
-    return Controller(merger.Explorer(pool), History(root / "history.sqlite"))
+    return ui_controller(tmp_path_factory.mktemp("findings"))
 
 
 def controls(ctl, method="task_arithmetic", experts=None, **values):
-    defaults = dict(lam=0.3, rank_ratio=0.08, sparsity=0.8, seed=0, steps=3, lr=1e-3, init=0.3, samples=8, k=2,
-                    step_size=0.5)
-    defaults.update(values)
-    return [experts if experts is not None else list(ctl.pool.tasks), method] + [defaults[n] for n in PARAM_NAMES]
+    return helpers.controls(ctl, method, experts, **{"steps": 3, "samples": 8, **values})
 
 
 def annotation(fig) -> str:

@@ -7,26 +7,12 @@ import pytest
 
 import merger
 from merger import plots
-from merger.store import History
-from merger.ui.callbacks import Controller
-from helpers import write_pool
+from helpers import controls, ui_controller
 
 
 @pytest.fixture(scope="module")
 def ctl(tmp_path_factory):
-    root = tmp_path_factory.mktemp("uipool")
-    pool = merger.open_pool(write_pool(root, n_experts=3, scale=0.2, demo_data=True))
-    return Controller(merger.Explorer(pool), History(root / "history.sqlite"))
-
-
-def controls(ctl, method="task_arithmetic", experts=None, **values):
-    """The Merge tab's inputs: experts, method, then one value per registry parameter."""
-    from merger.methods.registry import PARAM_NAMES
-
-    defaults = dict(lam=0.3, rank_ratio=0.08, sparsity=0.8, seed=0, steps=5, lr=1e-3, init=0.3, samples=16, k=2,
-                    step_size=0.5)
-    defaults.update(values)
-    return [experts if experts is not None else list(ctl.pool.tasks), method] + [defaults[n] for n in PARAM_NAMES]
+    return ui_controller(tmp_path_factory.mktemp("uipool"))
 
 
 def shown_average(summary: str) -> float:
