@@ -12,14 +12,18 @@ from .methods.registry import PARAM_NAMES
 
 @contextlib.contextmanager
 def progress_bar(desc: str):
-    """A tqdm bar on stderr for a long command; yields ``update(fraction, message, ...)``, the
-    callback shape the engine's long operations take."""
+    """A tqdm bar on stderr for a long command, drawn from the first progress report on (so an
+    error found before any work is a clean single line); yields ``update(fraction, message, ...)``,
+    the callback shape the engine's long operations take."""
     from tqdm import tqdm
 
-    bar = tqdm(total=1000, desc=desc, file=sys.stderr, leave=True, dynamic_ncols=True,
-               bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining} {postfix}")
+    bar = None
 
     def update(fraction, message="", *_):
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=1000, desc=desc, file=sys.stderr, leave=True, dynamic_ncols=True,
+                       bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining} {postfix}")
         bar.n = min(1000, int(round(1000 * fraction)))
         bar.set_postfix_str(str(message)[:70], refresh=False)
         bar.refresh()
@@ -27,7 +31,8 @@ def progress_bar(desc: str):
     try:
         yield update
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
 
 
 def _run_data_driven(pool, spec) -> None:
@@ -212,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="merge and evaluate per task")
     p.add_argument("--pool", default="demo", help='pool YAML (or "demo")')
     add_method_args(p)
-    p.add_argument("--split", default="test", help="train, val, test or live")
+    p.add_argument("--split", default="test", help="train, val, test, live or probe")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_eval)

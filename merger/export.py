@@ -56,7 +56,7 @@ def export_merge(pool, spec: Spec, out: str | Path) -> tuple[Path, Path]:
     out = Path(inputs.check_path(str(out), "--out", MergerError))
     if out.suffix != ".safetensors":
         raise MergerError(f"{out}: the output must end in .safetensors")
-    check_writable(out.parent)  # before a merge that may take minutes
+    inputs.check_writable(out.parent, "--out", MergerError)  # before a merge that may take minutes
     merged = merge_spec(pool, spec)  # fails before anything is written
     record = spec_record(pool, spec, out)
     text = yaml.safe_dump(record, sort_keys=False)
@@ -99,23 +99,6 @@ def _replace_together(moves: list[tuple[Path, Path]]) -> None:
     for _, backup in backups:
         if backup is not None:
             backup.unlink(missing_ok=True)
-
-
-def check_writable(folder: Path) -> None:
-    """The output folder exists (or can be made) and takes a file: said before any work is done.
-    Tried with a real temporary file, as permissions alone do not tell (root, /proc, read-only mounts)."""
-    import tempfile
-
-    probe = folder
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise MergerError(f"{folder}: cannot write there: {probe} is a file, not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as exc:
-        raise MergerError(f"{folder}: cannot write there ({exc.strerror})") from None
 
 
 SPEC_TYPES = {"merger_version": str, "method": str, "params": dict, "experts": list, "pool": str, "base": dict,

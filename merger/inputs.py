@@ -80,6 +80,24 @@ def read_text(path: Path, what: str, error: type[Exception], limit: int = MAX_TE
         raise error(f"{path}: {what} is not UTF-8 text (invalid byte 0x{data[exc.start]:02x} on line {line})") from None
 
 
+def check_writable(folder: Path, what: str, error: type[Exception]) -> None:
+    """An output folder exists (or can be made) and takes a new file: said before any work is
+    done. Tried with a real temporary file, as permissions alone do not tell (root, /proc,
+    read-only mounts)."""
+    import tempfile
+
+    probe = Path(folder)
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise error(f"{what}: cannot write in {folder}: {probe} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        raise error(f"{what}: cannot write in {folder}: creating a file there failed ({exc.strerror})") from None
+
+
 # ---- documents ----------------------------------------------------------------------------
 
 def check_document(doc: Any, source: str, error: type[Exception]) -> Any:

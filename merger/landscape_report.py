@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from . import plots, trajectories
+from . import inputs, plots, trajectories
 from .checkpoints import write_text_atomic
 from .errors import MergerError
 from .landscape import Landscape, Surface, extent_of, pca_plane, task_vector_plane, three_point_plane
@@ -80,9 +80,10 @@ def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_nam
                     path_names: Sequence[str] = (), view: str = "contour", progress=None) -> tuple[Path, Path]:
     if metric not in METRICS:
         raise MergerError(f"unknown metric '{metric}'; one of {', '.join(METRICS)}")
-    out = Path(out)
+    out = Path(inputs.check_path(str(out), "--out", MergerError))
     if out.suffix != ".html":
         raise MergerError(f"{out}: the output must end in .html")
+    inputs.check_writable(out.parent, "--out", MergerError)  # before a grid that may take minutes
     points = land.named_points(point_names)
     plane = make_plane(land, plane_kind, points, tasks)
     paths = resolve_paths(land, path_names)

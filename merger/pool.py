@@ -58,7 +58,7 @@ class Pool:
         if preloaded is not None:
             self.base, self.base_format = dict(preloaded["base"]), "open_clip"
         else:
-            self.base, self.base_format = checkpoints.load_weights(self.base_path)
+            self.base, self.base_format = self._load(self.base_path, "base")
         self.base = checkpoints.strip_prefixes(self.base)
         checkpoints.validate_base(self.base, str(self.base_path))
         self._check_architecture()
@@ -68,7 +68,7 @@ class Pool:
             if preloaded is not None:
                 sd, info["format"] = preloaded["experts"][t], "open_clip"
             else:
-                sd, info["format"] = checkpoints.load_weights(info["path"])
+                sd, info["format"] = self._load(info["path"], f"experts.{t}")
             fill = ("visual.proj",) if info["format"] == "hf_clip_vision" else ()
             experts[t] = checkpoints.validate_expert(sd, self.base, f"{info['path']} (expert '{t}')", fill)
         self.task_vectors = TaskVectors(self.base, experts, device=self.tv_device)
@@ -76,6 +76,13 @@ class Pool:
         self._prepared: OrderedDict = OrderedDict()
 
     # ---- parsing ------------------------------------------------------------------------
+    def _load(self, path: Path, field: str):
+        """Weights a key of the pool names; a file that cannot be read is reported with that key."""
+        try:
+            return checkpoints.load_weights(path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{self.source}: {field}: {exc}") from None
+
     def _path(self, value: Any, field: str) -> Path:
         return self.resolve(value, field)
 

@@ -134,12 +134,34 @@ def _experts(experts: Any, source: str, in_memory: bool) -> dict:
             if value.get("trajectory"):
                 inputs.check_path(value["trajectory"], f"{where}.trajectory", E)
             if value.get("hparams") is not None:
-                inputs.mapping(value["hparams"], f"{where}.hparams", E)
+                info["hparams"] = _hparams(value["hparams"], f"{where}.hparams")
         else:
             info = {"path": value}
         if not in_memory:
             inputs.check_path(info["path"], where, E)
         out[name] = info
+    return out
+
+
+HPARAM_NUMBERS = ("lr", "data_fraction", "momentum", "weight_decay")
+HPARAM_INTEGERS = ("epochs", "batch_size", "seed")
+
+
+def _hparams(value: Any, where: str) -> dict:
+    """How an expert was fine-tuned (what the lab and the reports read): the known settings typed,
+    anything else a plain scalar."""
+    inputs.mapping(value, where, E)
+    out = {}
+    for key, v in value.items():
+        name = inputs.string(key, f"{where} (a key)", E)
+        if name in HPARAM_NUMBERS:
+            out[name] = inputs.number(v, f"{where}.{name}", E, 0, 1e6)
+        elif name in HPARAM_INTEGERS:
+            out[name] = inputs.integer(v, f"{where}.{name}", E, 0, 2**63 - 1)
+        elif isinstance(v, (dict, list, tuple)):
+            raise E(f"{where}.{name}: expected a single value, got {type(v).__name__}")
+        else:
+            out[name] = v
     return out
 
 

@@ -75,7 +75,10 @@ def finetune_trajectory(landscape, task: str) -> Trajectory:
                           ["base"] + [f"epoch {i}" for i in range(1, len(points))])
     if not info.get("trajectory"):
         raise MergerError(f"expert '{task}' has no trajectory (experts.{task}.trajectory in {landscape.pool.source})")
-    return load_folder(landscape, info["trajectory"], f"fine-tuning {task}")
+    try:
+        return load_folder(landscape, info["trajectory"], f"fine-tuning {task}")
+    except MergerError as exc:
+        raise type(exc)(f"{landscape.pool.source}: experts.{task}.trajectory: {exc}") from None
 
 
 def parameter_path(landscape, method: str, axis: str, values: Sequence[float], fixed: dict | None = None,

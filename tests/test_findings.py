@@ -102,6 +102,19 @@ def test_lab_experts_belong_to_their_session(ctl):
         ctl.api_evaluate("task_arithmetic", lam=0.3, experts=["mine"])
 
 
+def test_changing_method_keeps_what_was_set_and_follows_defaults_otherwise(ctl):
+    def switch(to, frm, **values):
+        ups = ctl.method_controls(to, ctl.pool.tasks, *controls(ctl, **values)[2:], previous=frm)[:-1]
+        return {k: u.get("value") for k, u in zip(PARAM_NAMES, ups)}
+
+    assert switch("ties", "task_arithmetic", lam=0.3)["lam"] == 1.0  # λ untouched: TIES' own default
+    assert switch("ties", "task_arithmetic", lam=0.7)["lam"] == 0.7  # λ the person set: kept
+    assert switch("tsv_m", "cart", lam=1.5, rank_ratio=0.08)["rank_ratio"] == 1 / 3  # CART's defaults → auto
+    fw = switch("fw_hard", "adamerging_task", steps=300, samples=64, lam=0.3)
+    assert (fw["steps"], fw["samples"], fw["lam"]) == (10, 100, 0.0)  # λ was not AdaMerging's: FW's default
+    assert switch("fw_hard", "adamerging_task", steps=40, samples=64)["steps"] == 40  # set there: kept
+
+
 def test_changing_method_keeps_the_values_it_can(ctl):
     values = controls(ctl, lam=0.7, sparsity=0.6)[2:]
     ups = dict(zip(PARAM_NAMES, ctl.method_controls("ties", ctl.pool.tasks, *values)[:-1]))
@@ -117,7 +130,7 @@ def test_a_reload_in_steps_restores_the_row_and_writes_nothing(ctl):
 
     from merger.ui.session import MergeTabEvents
 
-    events, me = MergeTabEvents(ctl), SimpleNamespace(session_hash="reloader")
+    events, me = MergeTabEvents(ctl, "task_arithmetic"), SimpleNamespace(session_hash="reloader")
     ctl.preview(*controls(ctl, "ties", lam=0.85, sparsity=0.65))
     row = next(r for r in ctl.history_rows("ties", "") if '"lam": 0.85' in r[3])
     n = len(ctl.history_rows())

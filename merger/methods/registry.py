@@ -165,7 +165,8 @@ SPARSITY = Param(
 )
 RANK_RATIO = Param(
     "rank_ratio", 0.08, 0.0, 1.0, 0.01, min_open=True,
-    help="kept rank k = ⌈rank_ratio · r⌉ per attention/MLP matrix, r = min(m, n) (CART, Algorithm 1)",
+    help="kept rank per attention/MLP matrix, r = min(m, n): CART k = ⌈rank_ratio · r⌉ (Algorithm 1); "
+         "TSV-M k = ⌊rank_ratio · r⌋ per task, at most 1/T, or auto = ⌊r/T⌋",
 )
 SEED = Param("seed", 0, 0, 2**31 - 1, 1, kind="int", help="random seed of the drop masks")
 STEPS = Param("steps", 300, 1, 5000, 1, kind="int", help="optimisation steps (iterations)")

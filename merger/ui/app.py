@@ -79,7 +79,7 @@ def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
                                 fw_plot = gr.Plot(label="Frank–Wolfe")
                 inputs = [experts, method, *controls]
                 outputs = [acc_plot, loss_plot, radar_plot, summary]
-                events = MergeTabEvents(ctl)
+                events = MergeTabEvents(ctl, default_method)
                 method.change(events.method_controls, [method, experts, *controls], [*controls, about], queue=False)
                 experts.change(ctl.refresh_limits, inputs, controls, queue=False, api_visibility="private")
                 for c in [experts, method, *controls]:

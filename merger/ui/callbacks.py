@@ -6,6 +6,7 @@ the shared explorer's. Bad input becomes a message, never a crash: the server st
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 import uuid
 from pathlib import Path
@@ -75,23 +76,29 @@ class Controller:
                 params[k] = "auto"
         return self.explorer.spec(m.name, experts=list(experts), **params)
 
-    def method_controls(self, method, experts, *values):
+    def method_controls(self, method, experts, *values, previous: str | None = None):
         """Control updates for a method: its parameters enabled with their ranges, the others
-        disabled. A value that fits the new method is kept (switching methods, or a history reload
-        that set method and values together, keeps what is there); else the method's default."""
+        disabled. A value the person set in the ``previous`` method (a parameter both share, moved
+        from that method's default) is kept where it fits; every other parameter starts at the new
+        method's default. Without ``previous`` (a reload), every value that fits is kept."""
         m = methods.get(method)
         n = max(1, len(experts or self.pool.tasks))
-        auto = m.defaults_for(n) if m.defaults_for else {}
         current = dict(zip(PARAM_NAMES, values))
+        set_by_person = set(m.param_names)
+        if previous:
+            before = methods.get(previous)
+            old = dict(zip(PARAM_NAMES, self.control_values(before, self.default_params(before, n), n)))
+            set_by_person = {k for k in before.param_names if _fits(before.param(k), current.get(k), -math.inf, math.inf)
+                             and abs(float(current[k]) - float(old[k])) > 1e-9}
+        defaults = self.control_values(m, self.default_params(m, n), n)
         updates = []
-        for name in PARAM_NAMES:
+        for name, default in zip(PARAM_NAMES, defaults):
             if name in m.param_names:
                 p = m.param(name)
                 lo, hi = m.bounds(name, n)
-                default = auto.get(name, p.default)
                 value = current.get(name)
-                if not _fits(p, value, lo, hi):
-                    value = hi if default == "auto" else default
+                if name not in set_by_person or not _fits(p, value, lo, hi):
+                    value = default
                 updates.append(gr.update(interactive=True, value=value, minimum=lo, maximum=hi, step=p.step,
                                          info=p.help))
             else:
@@ -130,7 +137,8 @@ class Controller:
             if methods.get(spec.method).kind == "data" and self.explorer.cached_run(spec) is None:
                 return self._no_result(
                     f"**{methods.get(spec.method).display_name}** learns its coefficients from validation data: "
-                    "set its parameters and press **Run** (below the controls).", "no run yet for these settings")
+                    "set its parameters, open **Data-driven methods** below the controls and press **Run**.",
+                    "no run yet for these settings")
             cached = self.explorer.cached(spec, split) is not None
             result = self.explorer.preview(spec, split)
         except MergerError as exc:
@@ -317,6 +325,11 @@ class Controller:
                    else gr.update(interactive=False, info=f"not used by {m.display_name}")
                    for name, v in zip(PARAM_NAMES, values)]
         return (gr.update(value=experts), gr.update(value=m.name), *updates)
+
+    @staticmethod
+    def default_params(method, num_experts: int) -> dict:
+        auto = method.defaults_for(num_experts) if method.defaults_for else {}
+        return {p.name: auto.get(p.name, p.default) for p in method.params}
 
     @staticmethod
     def control_values(method, params: dict, num_experts: int) -> list:

@@ -24,9 +24,11 @@ def session_of(request) -> str:
 
 
 class MergeTabEvents:
-    def __init__(self, ctl):
+    def __init__(self, ctl, initial_method: str):
         self.ctl = ctl
+        self.initial_method = initial_method
         self._targets: dict[str, tuple[object, float]] = {}
+        self._methods: dict[str, str] = {}  # the method each session shows (to tell its defaults)
         self._lock = threading.Lock()
 
     def _target(self, request):
@@ -54,11 +56,15 @@ class MergeTabEvents:
         return updates
 
     def method_controls(self, request: gr.Request, method, experts, *values):
+        with self._lock:
+            previous = self._methods.get(session_of(request), self.initial_method)
+            self._methods[session_of(request)] = method
         target = self._target(request)
         if target is not None and target.method == methods.get(method).name:
             m = methods.get(target.method)
             values = self.ctl.control_values(m, target.kwargs, len(target.experts))
-        return self.ctl.method_controls(method, experts, *values)
+            previous = None  # the row's values are what was asked for, defaults or not
+        return self.ctl.method_controls(method, experts, *values, previous=previous)
 
     def preview(self, request: gr.Request, experts, method, *values):
         target = self._target(request)
