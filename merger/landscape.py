@@ -227,23 +227,25 @@ class Landscape:
     def _evaluate_at(self, plane: Plane, x: float, y: float, split: str) -> tuple[dict, dict]:
         key = (plane.key, round(x, 9), round(y, 9), split)
         if key not in self._values:
-            ev = self.explorer.evaluator
             with self.explorer.lock:
                 self._buf = plane.point(x, y, out=self._buf)
-                ev.load(self.space.unflatten(self._buf))
-                acc, loss, _ = ev.forward(split)
-            self._values[key] = (acc, loss)
+                self._values[key] = self._forward(self._buf, split)
         return self._values[key]
+
+    def _forward(self, vec: torch.Tensor, split: str) -> tuple[dict, dict]:
+        """(accuracy, loss) per task with the flattened weights ``vec`` in the resident model
+        (the caller holds the explorer's lock)."""
+        ev = self.explorer.evaluator
+        ev.load(self.space.unflatten(vec))
+        acc, loss, _ = ev.forward(split)
+        return acc, loss
 
     def point_values(self, vec: torch.Tensor, split: str = "probe") -> tuple[dict, dict]:
         """(accuracy, loss) per task at a point itself (one forward; cached by the point's bytes)."""
         key = (hashlib.sha1(vec.detach().cpu().numpy().tobytes()).hexdigest(), split)
         if key not in self._point_values:
-            ev = self.explorer.evaluator
             with self.explorer.lock:
-                ev.load(self.space.unflatten(vec))
-                acc, loss, _ = ev.forward(split)
-            self._point_values[key] = (acc, loss)
+                self._point_values[key] = self._forward(vec, split)
         return self._point_values[key]
 
     def surface(self, plane: Plane, extent: Sequence[float], n: int, split: str = "probe", progress=None) -> Surface:

@@ -64,6 +64,12 @@ def load_folder(landscape, folder: str | Path, name: str, start_at_base: bool = 
     return Trajectory(name, "finetune", steps, points, labels)
 
 
+def has_trajectory(pool, expert: str) -> bool:
+    """The expert's fine-tuning path is known: checkpoints on disk, or kept by the expert lab."""
+    info = pool.expert_info.get(expert) or {}
+    return bool(info.get("trajectory") or info.get("lab_trajectory"))
+
+
 def finetune_trajectory(landscape, task: str) -> Trajectory:
     info = landscape.pool.expert_info.get(task)
     if info is None:
@@ -126,12 +132,9 @@ def project(plane, trajectory: Trajectory) -> tuple[list[float], list[float], li
 
 def evaluate_along(landscape, trajectory: Trajectory, split: str = "live") -> dict:
     """Accuracy and loss at every point of the trajectory: the mean over tasks and per task."""
-    ev, space = landscape.explorer.evaluator, landscape.space
     acc, loss, per_task = [], [], {}
     for p in trajectory.points:
-        with landscape.explorer.lock:
-            ev.load(space.unflatten(p))
-            a, lo, _ = ev.forward(split)
+        a, lo = landscape.point_values(p, split)
         acc.append(sum(a.values()) / len(a))
         loss.append(sum(lo.values()) / len(lo))
         for t in a:

@@ -198,7 +198,7 @@ def build_analysis_tabs(ctl, inputs, experts_box, engine: str):
             h_plot, h_text = gr.Plot(), gr.Markdown()
             h_btn.click(ac.heterogeneity, inputs, [h_plot, h_text], api_visibility="private")
         with gr.Accordion("Epoch dynamics (seed 003)", open=False):
-            has = [t for t in pool.tasks if pool.expert_info[t].get("trajectory") or pool.expert_info[t].get("lab_trajectory")]
+            has = [t for t in pool.tasks if trajectories.has_trajectory(pool, t)]
             d_task = gr.Dropdown(has or pool.tasks, value=(has or pool.tasks)[0], label="expert")
             d_btn = gr.Button("Compute")
             with gr.Row():

@@ -14,7 +14,7 @@ from pathlib import Path
 import gradio as gr
 
 from .. import methods, plots
-from ..errors import MergerError
+from ..errors import MergerError, MethodError
 from ..export import export_merge, pool_reference
 from ..methods.registry import PARAM_NAMES
 from ..tuning import SWEEP_AXES, auto_tune, sweep, sweep_num_tasks
@@ -41,17 +41,14 @@ def _at_auto(method, name: str, value, num_experts: int) -> bool:
     return v > 0 and off_grid and abs(1 / v - round(1 / v)) < 1e-6
 
 
-def _fits(param, value, lo: float, hi: float) -> bool:
-    """A control's value is a valid value of this parameter (so a method change may keep it)."""
-    if value is None or isinstance(value, bool):
-        return False
+def _fits(param, value, hi: float = math.inf) -> bool:
+    """A control's value is a valid value of this parameter (its own check), under a cap that
+    depends on T (so a method change may keep it)."""
     try:
-        v = float(value)
-    except (TypeError, ValueError):
+        v = param.check(value, "")
+    except MethodError:
         return False
-    if param.kind == "int" and v != int(v):
-        return False
-    return (lo < v if param.min_open else lo <= v) and (v < hi if param.max_open else v <= hi + 1e-12)
+    return isinstance(v, str) or v <= hi + 1e-12
 
 
 class Controller:
@@ -88,7 +85,7 @@ class Controller:
         if previous:
             before = methods.get(previous)
             old = dict(zip(PARAM_NAMES, self.control_values(before, self.default_params(before, n), n)))
-            set_by_person = {k for k in before.param_names if _fits(before.param(k), current.get(k), -math.inf, math.inf)
+            set_by_person = {k for k in before.param_names if _fits(before.param(k), current.get(k))
                              and abs(float(current[k]) - float(old[k])) > 1e-9}
         defaults = self.control_values(m, self.default_params(m, n), n)
         updates = []
@@ -97,7 +94,7 @@ class Controller:
                 p = m.param(name)
                 lo, hi = m.bounds(name, n)
                 value = current.get(name)
-                if name not in set_by_person or not _fits(p, value, lo, hi):
+                if name not in set_by_person or not _fits(p, value, hi):
                     value = default
                 updates.append(gr.update(interactive=True, value=value, minimum=lo, maximum=hi, step=p.step,
                                          info=p.help))

@@ -11,10 +11,8 @@ from ..demo.train import Cancelled
 from ..errors import MergerError
 from ..lab import (GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, TRENDS, add_expert, check_settings, finetune, lab_experts,
                    scaling_view)
-
-
-def _session(request) -> str:
-    return getattr(request, "session_hash", None) or "default"
+from ..trajectories import has_trajectory
+from .session import session_of
 
 
 class LabController:
@@ -29,7 +27,7 @@ class LabController:
     def _guarded(self, request, work):
         """work(cancel flag) with this session's Cancel flag set up: (result, cancelled). Bad input
         becomes a message; the flag is gone afterwards."""
-        key = _session(request)
+        key = session_of(request)
         flag = self._cancel[key] = threading.Event()
         try:
             return work(flag), False
@@ -41,7 +39,7 @@ class LabController:
             self._cancel.pop(key, None)
 
     def cancel(self, request: gr.Request = None) -> str:
-        flag = self._cancel.get(_session(request))
+        flag = self._cancel.get(session_of(request))
         if flag is None:
             return "No lab run in progress."
         flag.set()
@@ -50,24 +48,24 @@ class LabController:
     def visible(self, request) -> list[str]:
         """The experts this browser session may merge: the pool's, its own lab experts, and the
         other sessions' when it opted in."""
-        session = _session(request)
+        session = session_of(request)
         return self.pool.tasks + lab_experts(self.pool, owner=session, everyone=session in self._opted_in)
 
     def choices(self, request):
         """(experts to merge, epoch-dynamics experts) updates for this session."""
         names = self.visible(request)
-        traced = [e for e in names if self.pool.expert_info[e].get("trajectory") or self.pool.expert_info[e].get("lab_trajectory")]
+        traced = [e for e in names if has_trajectory(self.pool, e)]
         return gr.update(choices=names), gr.update(choices=traced or names)
 
     def opt_in(self, request: gr.Request, everyone):
         """Include (or not) the lab experts other sessions made."""
-        (self._opted_in.add if everyone else self._opted_in.discard)(_session(request))
+        (self._opted_in.add if everyone else self._opted_in.discard)(session_of(request))
         return self.choices(request)
 
     def _train(self, task, name, settings, progress, flag, request):
         sd, traj, hp = finetune(self.pool, task, settings, progress=lambda f, m: progress(f, desc=m),
                                 cancel=flag.is_set)
-        add_expert(self.ctl.explorer, name, task, sd, hp, traj, owner=_session(request))
+        add_expert(self.ctl.explorer, name, task, sd, hp, traj, owner=session_of(request))
         return hp
 
     # Gradio injects the request and the progress tracker only among positional parameters,
@@ -92,7 +90,7 @@ class LabController:
             settings = check_settings(lr, 1, batch_size, data_fraction, seed, optimizer, momentum, weight_decay,
                                       schedule)
             for t in self.pool.tasks:
-                name = f"{t}@1ep-{_session(request)[:6]}"
+                name = f"{t}@1ep-{session_of(request)[:6]}"
                 if name not in self.pool.expert_info:
                     self._train(t, name, settings, progress, flag, request)
                     added.append(name)
@@ -116,7 +114,7 @@ class LabController:
         def work(flag):
             vals = [float(v) for v in str(values).split(",") if v.strip()]
             return scaling_view(self.ctl.explorer, param, vals, check_settings(*settings), self.pool.tasks,
-                                progress=lambda f, m: progress(f, desc=m), cancel=flag.is_set, owner=_session(request))
+                                progress=lambda f, m: progress(f, desc=m), cancel=flag.is_set, owner=session_of(request))
 
         r, cancelled = self._guarded(request, work)
         if cancelled:

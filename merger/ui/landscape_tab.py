@@ -22,7 +22,7 @@ class LandscapeController:
         self.pool = controller.pool
 
     def path_choices(self) -> list[str]:
-        ft = [f"fine-tuning: {t}" for t in self.pool.tasks if self.pool.expert_info[t].get("trajectory")]
+        ft = [f"fine-tuning: {t}" for t in self.pool.tasks if trajectories.has_trajectory(self.pool, t)]
         return ft + list(PATH_AXES) + [ITERATES]
 
     def _paths(self, chosen, method, spec_params, spec=None) -> tuple[list, list[str]]:

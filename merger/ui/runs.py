@@ -10,6 +10,7 @@ import gradio as gr
 from .. import methods, plots
 from ..errors import MergerError
 from ..methods.adaptive import Cancelled
+from .session import session_of
 
 
 class RunController:
@@ -42,7 +43,7 @@ class RunController:
     def run(self, request: gr.Request, experts, method, *values):
         """Generator: status and the objective while the run goes; then every view of the result.
         (``request`` comes first: Gradio injects it only among the positional parameters.)"""
-        session = getattr(request, "session_hash", None) or "default"
+        session = session_of(request)
         skip7 = (gr.skip(),) * 7
         try:
             spec = self.ctl.spec_from_controls(experts, method, *values)
@@ -88,7 +89,7 @@ class RunController:
                acc, loss, radar, summary)
 
     def cancel(self, request: gr.Request = None):
-        flag = self._cancel.get(getattr(request, "session_hash", None) or "default")
+        flag = self._cancel.get(session_of(request))
         if flag is not None:
             flag.set()
             return "Cancelling…"
