@@ -37,10 +37,14 @@ def main(argv=None) -> int:
     try:
         roots = [r for r in args.roots.split(",") if r.strip()]
         pool = merger.open_pool(args.pool, device=args.device, roots=roots)
-        explorer = merger.Explorer(pool)
+        session = merger.PoolSession(pool)
+        forward_s = session.measure_live()  # decides whether moves answer progressively
     except merger.MergerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    print(f"{pool.name}: one live forward {1e3 * forward_s:.0f} ms; " + (
+        f"moves answer first on {session.partial_images} images per task, then on all" if session.partial_images
+        else "moves answer on the whole live split at once"), flush=True)
     history = History(args.history) if args.history else None
     auth = None
     if args.auth:
@@ -49,7 +53,7 @@ def main(argv=None) -> int:
             print("error: --auth must be user:password", file=sys.stderr)
             return 2
         auth = (user, password)
-    app = build_app(explorer, history)
+    app = build_app(session, history)
     app.queue(default_concurrency_limit=1)
     app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
                footer_links=["api"], css=None)

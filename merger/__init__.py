@@ -5,6 +5,7 @@ Public API (stable)::
     pool = merger.open_pool("demo")
     merged = merger.merge(pool, "ties", lam=1.0, sparsity=0.8)
     res = merger.evaluate(pool, merged, split="live")     # Result: per-task accuracy and loss
+    session = merger.PoolSession(pool)                     # the live path: session.preview(session.spec(...))
     sd = merger.merge_state_dicts(base_sd, [sd1, sd2], "cart", lam=1.5, rank_ratio=0.08)
     merger.methods.names()
 """
@@ -19,11 +20,11 @@ __version__ = "0.1.0"
 from . import methods  # noqa: E402
 from .errors import CheckpointError, DataError, MergerError, MethodError, PoolError  # noqa: E402
 from .evaluation import Evaluator, Result, evaluate  # noqa: E402
-from .explorer import Explorer  # noqa: E402
+from .session import PoolSession, session_for  # noqa: E402
 from .merging import Spec, merge, merge_state_dicts  # noqa: E402
 from .pool import Pool, open_pool  # noqa: E402
 
 __all__ = [
     "CheckpointError", "DataError", "MergerError", "MethodError", "PoolError",
-    "Evaluator", "Explorer", "Pool", "Result", "Spec", "evaluate", "merge", "merge_state_dicts", "methods", "open_pool", "__version__",
+    "Evaluator", "Pool", "PoolSession", "Result", "Spec", "evaluate", "merge", "merge_state_dicts", "methods", "open_pool", "__version__",
 ]

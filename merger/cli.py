@@ -37,11 +37,11 @@ def progress_bar(desc: str):
 
 def _run_data_driven(pool, spec) -> None:
     """A data-driven merge learns first, with a progress bar (the run is cached for what follows)."""
-    from .explorer import explorer_for
+    from .session import session_for
 
     if methods.get(spec.method).kind == "data":
         with progress_bar(spec.method) as update:
-            explorer_for(pool).run(spec, progress=update)
+            session_for(pool).run(spec, progress=update)
 
 
 def _flag(name: str) -> str:
@@ -105,17 +105,17 @@ def cmd_merge(args) -> int:
 def cmd_eval(args) -> int:
     import json
 
-    from .explorer import Explorer
     from .pool import open_pool
+    from .session import PoolSession
 
     if not args.method:
         raise MergerError(f"eval: give --method (one of {', '.join(methods.names())})")
     pool = open_pool(args.pool, device=args.device)
-    ex = Explorer(pool)
+    ex = PoolSession(pool)
     spec = ex.spec(args.method, experts=args.experts, **method_params(args))
     _run_data_driven(pool, spec)
     # Exact parameters (not snapped to slider steps): merge, then evaluate.
-    result = ex.evaluator.evaluate(delta=ex.delta(spec), split=args.split)
+    result = ex.evaluate_exact(spec, args.split)
     if args.json:
         print(json.dumps({"spec": spec.as_dict(), **result.to_dict()}, indent=2))
         return 0
@@ -148,13 +148,12 @@ def cmd_demo(args) -> int:
 def cmd_landscape(args) -> int:
     import time
 
-    from .explorer import Explorer
-    from .landscape import Landscape
     from .landscape_report import write_landscape
     from .pool import open_pool
+    from .session import PoolSession
 
     t0 = time.perf_counter()
-    land = Landscape(Explorer(open_pool(args.pool, device=args.device)))
+    land = PoolSession(open_pool(args.pool, device=args.device)).landscape
     with progress_bar("landscape") as update:
         html, js = write_landscape(land, args.out, args.plane, args.points.split(","), args.grid, args.metric,
                                    task=args.task, tasks=[t for t in (args.tasks or "").split(",") if t],
@@ -257,12 +256,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_screenshot)
 
     p = sub.add_parser("bench", help="benchmarks (medians and ratios in one run)")
-    p.add_argument("what", choices=["merge", "live", "api", "landscape", "scale", "load", "attacks"],
-                   help="merge: prepare/apply per method on ViT-B-32; live: slider → result on the demo pool; "
-                        "api: the app's evaluate endpoint through gradio_client; attacks: the bad-input catalogue")
+    p.add_argument("what", choices=["merge", "live", "browser", "workshop", "api", "landscape", "scale", "load",
+                                    "attacks"],
+                   help="merge: prepare/apply per method on ViT-B-32; live: the Merge tab's listener per move "
+                        "(time, forwards, applies); browser: Chromium slider → shown result; workshop: 10 clients "
+                        "drag while browsers run batch jobs; api: the evaluate endpoint through gradio_client; "
+                        "scale: ViT-B-32 pool (first partial answer); attacks: the bad-input catalogue")
+    p.add_argument("--jobs", default="sweep,autotune", help="workshop: batch jobs (sweep, autotune, landscape)")
     p.add_argument("--url", default=None, help="api: a running app to target (default: start one)")
     p.add_argument("--grid", type=int, default=21, help="landscape: grid points per side")
-    p.add_argument("--clients", type=int, default=20, help="load: concurrent gradio_client clients")
+    p.add_argument("--clients", type=int, default=None, help="load (20) / workshop (10): concurrent clients")
     p.add_argument("--arch", default="ViT-B-32")
     p.add_argument("--pool", default="demo")
     p.add_argument("--experts", type=int, default=8)

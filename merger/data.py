@@ -27,6 +27,7 @@ class SplitData:
     images: torch.Tensor  # uint8 [N, 3, H, W] on the CPU (shared between tasks with the same source)
     labels: torch.Tensor  # int64 [N]
     source: tuple  # identical for tasks that share images
+    n_source: int = 0  # images in the split this one was drawn from (live and probe: the test split)
 
 
 def _demo_split(entry: Mapping, split: str, task: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], tuple]:
@@ -166,12 +167,13 @@ class TaskDataStore:
             from .folders import load_folder_split
 
             images, labels, source = load_folder_split(self.pool, task, entry, split, self.classes(task))
-        idx = _select(split, images.shape[0])
+        n_source = images.shape[0]
+        idx = _select(split, n_source)
         if idx is not None:
             images, labels = images[idx], labels[idx]
             source = source + (split,)
         self._check(task, split, labels)
-        return SplitData(images, labels, source)
+        return SplitData(images, labels, source, n_source)
 
     def _check(self, task: str, split: str, labels: torch.Tensor) -> None:
         n_classes = len(self.classes(task))

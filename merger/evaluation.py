@@ -34,6 +34,9 @@ class Result:
     expert_accuracy: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    partial: bool = False  # on the first images of each task only (a progressive answer's first part)
+    # per task: (correct [N] bool, loss [N]) on the CPU, so subsets of the split cost no forward
+    per_image: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def tasks(self) -> list[str]:
@@ -122,8 +125,9 @@ class Evaluator:
         self.heads = self._build_heads()
         self._inputs: dict[str, list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]] = {}
         self._whole: dict[str, tuple[list, torch.Tensor]] = {}  # split -> (its groups, their inputs concatenated)
-        self._expert_acc: dict[tuple[str, str], float] = {}
+        self._probe_positions: dict[str, torch.Tensor] | None = None
         self.notices: list[str] = []  # out-of-memory fallbacks, shown to the user
+        self.forwards = 0  # forwards of the resident model (counted: tests and benches)
 
     def _build_heads(self) -> dict[str, torch.Tensor]:
         """Zero-shot heads, cached on disk keyed by the text tower's hash, classes and templates."""
@@ -244,10 +248,16 @@ class Evaluator:
         return list(self._encode(cached[1]).split([x.shape[0] for x, _ in groups]))
 
     @torch.inference_mode()
-    def forward(self, split: str, tasks: Sequence[str] | None = None) -> tuple[dict, dict, dict]:
+    def forward(self, split: str, tasks: Sequence[str] | None = None, limit: int | None = None,
+                per_image: dict | None = None) -> tuple[dict, dict, dict]:
+        """(accuracy, loss, image count) per task with the weights now in the model; ``limit``: the
+        first images of each task only; ``per_image`` (a dict) receives (correct, loss) per image."""
         acc, loss, counts = {}, {}, {}
         groups = self.inputs(split)
-        together = self._all_groups_features(split, groups) if tasks is None else None
+        if limit is not None:
+            groups = [(x[:limit], [(t, y[:limit]) for t, y in m]) for x, m in groups]
+        self.forwards += 1
+        together = self._all_groups_features(split, groups) if tasks is None and limit is None else None
         for i, (x, members) in enumerate(groups):
             members = [(t, y) for t, y in members if tasks is None or t in tasks]
             if not members:
@@ -256,58 +266,63 @@ class Evaluator:
             for t, y in members:
                 y = y.to(feats.device)
                 logits = self.logit_scale * feats @ self.heads[t].T
-                acc[t] = float((logits.argmax(-1) == y).float().mean())
-                loss[t] = float(F.cross_entropy(logits, y))
+                correct = logits.argmax(-1) == y
+                losses = F.cross_entropy(logits, y, reduction="none")
+                acc[t] = float(correct.float().mean())
+                loss[t] = float(losses.mean())
                 counts[t] = int(y.numel())
+                if per_image is not None:
+                    per_image[t] = (correct.cpu(), losses.float().cpu())
         order = [t for t in self.pool.tasks if t in acc]
         return {t: acc[t] for t in order}, {t: loss[t] for t in order}, {t: counts[t] for t in order}
 
     def evaluate(self, weights: Mapping[str, torch.Tensor] | None = None, split: str = "live",
-                 *, delta: Mapping[str, torch.Tensor] | None = None, with_experts: bool = True) -> Result:
-        """Evaluate merged weights (full or merged-key dict), a Δ, or the base (neither)."""
+                 *, delta: Mapping[str, torch.Tensor] | None = None, limit: int | None = None) -> Result:
+        """Evaluate merged weights (full or merged-key dict), a Δ, or the base (neither). Every
+        merged tensor of the model is written first, whatever was there before. The caller holds
+        the session's queue; expert references are the session's to add."""
         t0 = time.perf_counter()
         self.inputs(split)  # unknown split fails before any weight is touched
         if delta is not None:
             self.load_delta(delta)
         else:
             self.load(None if weights is None else {k: weights[k] for k in self._targets})
-        acc, loss, counts = self.forward(split)
-        seconds = time.perf_counter() - t0
-        experts = self.expert_accuracy(split) if with_experts else {}
-        return Result(split, acc, loss, experts, counts, seconds)
+        per_image: dict = {}
+        acc, loss, counts = self.forward(split, limit=limit, per_image=per_image)
+        return Result(split, acc, loss, {}, counts, time.perf_counter() - t0, partial=limit is not None,
+                      per_image=per_image)
 
-    def expert_accuracy(self, split: str) -> dict[str, float]:
-        """Each task's accuracy under the pool's own expert for it (the reference of a result)."""
-        return {t: self.expert_task_accuracy(t, split) for t in self.pool.tasks}
+    def probe_positions(self) -> dict[str, torch.Tensor]:
+        """Per task, where the probe split's images sit in the live split (both are fixed subsets
+        of the test split, the probe's inside the live one)."""
+        if self._probe_positions is None:
+            from .splits import PROBE_SIZE, live_indices
 
-    def expert_task_accuracy(self, expert: str, split: str) -> float:
-        """An expert's accuracy on the task it was fine-tuned for (cached per expert and split)."""
-        key = (expert, split)
-        if key not in self._expert_acc:
-            tv = self.pool.task_vectors
-            i = tv.tasks.index(expert)
-            task = self.pool.task_of(expert)
-            self.load_delta({k: tv.stacked[k][i] for k in tv.keys})
-            self._expert_acc[key] = self.forward(split, tasks=[task])[0][task]
-        return self._expert_acc[key]
+            out = {}
+            for t in self.pool.tasks:
+                n = self.data.split(t, "live").n_source
+                out[t] = torch.searchsorted(live_indices(n), live_indices(n, PROBE_SIZE))
+            self._probe_positions = out
+        return self._probe_positions
 
-    def base_result(self, split: str) -> Result:
-        return self.evaluate(None, split)
+
+def result_subset(result: Result, positions: Mapping[str, torch.Tensor]) -> Result | None:
+    """The result restricted to some images of each task (from its per-image values)."""
+    if not all(t in result.per_image for t in result.accuracy):
+        return None
+    acc, loss, counts = {}, {}, {}
+    for t, (correct, losses) in result.per_image.items():
+        idx = positions[t]
+        acc[t], loss[t], counts[t] = float(correct[idx].float().mean()), float(losses[idx].mean()), int(idx.numel())
+    return Result(result.split, acc, loss, result.expert_accuracy, counts)
 
 
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc) or "can't allocate memory" in str(exc)
 
 
-def evaluator_for(pool) -> Evaluator:
-    """The pool's shared evaluator (built on first use)."""
-    ev = getattr(pool, "_evaluator", None)
-    if ev is None:
-        ev = Evaluator(pool)
-        pool._evaluator = ev
-    return ev
-
-
 def evaluate(pool, merged: Mapping[str, torch.Tensor] | None, split: str = "live") -> Result:
     """Public entry: evaluate a merged state dict (as returned by ``merger.merge``) on a split."""
-    return evaluator_for(pool).evaluate(merged, split)
+    from .session import session_for
+
+    return session_for(pool).evaluate_weights(merged, split)

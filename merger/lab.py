@@ -84,10 +84,12 @@ def _require_demo(pool, task: str) -> dict:
     return data
 
 
-def finetune(pool, task: str, settings: dict, progress=None, cancel=None):
-    """(final image-tower weights, per-epoch weights, hparams) of a new expert for ``task``."""
+def finetune(session, task: str, settings: dict, progress=None, cancel=None):
+    """(final image-tower weights, per-epoch weights, hparams) of a new expert for ``task``: batch
+    work on its own model copy, letting waiting previews go between steps."""
     from .demo import train, world
 
+    pool = session.pool
     task = pool.task_of(task)
     data = _require_demo(pool, task)
     base_task = task
@@ -97,24 +99,24 @@ def finetune(pool, task: str, settings: dict, progress=None, cancel=None):
 
     fixed = dict(demo_domain(data, base_task))
     images, labels = world.generate(int(data["train"]["n"]), int(data["train"]["seed"]), fixed=fixed)
-    return train.finetune_expert(pool.base, base_task, images=images, labels=labels, progress=progress,
-                                 cancel=cancel, config=pool.architecture["config"], **settings)
+    with session.batch_job(cancel) as check:
+        return train.finetune_expert(pool.base, base_task, images=images, labels=labels, progress=progress,
+                                     cancel=check, config=pool.architecture["config"], **settings)
 
 
-def add_expert(explorer, name: str, like_task: str, weights: dict, hparams: dict | None = None,
+def add_expert(session, name: str, like_task: str, weights: dict, hparams: dict | None = None,
                trajectory: Sequence[dict] | None = None, owner: str | None = None) -> None:
     """Add an expert under ``name`` for the task ``like_task`` (a lab expert's own task when it is
     one), made by the session ``owner``. The pool's tasks do not change: results stay per task."""
-    pool = explorer.pool
+    pool = session.pool
     if not re.fullmatch(r"[A-Za-z0-9_.@=\-]{1,40}", name or ""):
         raise MergerError(f"lab: name {name!r}: use 1-40 letters, digits, '_', '-', '.', '@', '='")
     if name in pool.expert_info:
         raise MergerError(f"lab: an expert named '{name}' already exists (names are shared by every session)")
     if like_task not in pool.expert_info:
         raise MergerError(f"lab: unknown task '{like_task}'")
-    with explorer.lock:
-        pool.add_expert(name, pool.task_of(like_task), weights,
-                        {"hparams": dict(hparams or {}), "lab_trajectory": list(trajectory or []), "owner": owner})
+    session.add_expert(name, pool.task_of(like_task), weights,
+                       {"hparams": dict(hparams or {}), "lab_trajectory": list(trajectory or []), "owner": owner})
 
 
 def lab_experts(pool, owner: str | None = None, everyone: bool = False) -> list[str]:
@@ -154,15 +156,15 @@ def fit_trend(param: str, xs: Sequence[float], losses: Sequence[float]) -> dict:
             "b": [float(c) for c in coef[1:]], "x": grid, "y": fitted}
 
 
-def _merge_set(explorer, names: Sequence[str]) -> tuple[float, float]:
+def _merge_set(session, names: Sequence[str]) -> tuple[float, float]:
     """Weight averaging of an expert set (Σλ = 1, the merge the paper's theory and experiments use):
     (accuracy, loss) averaged over the tasks of the merged experts, test split."""
-    res = explorer.preview(explorer.spec("weight_averaging", experts=list(names)), "test")
-    tasks = [explorer.pool.task_of(n) for n in names]
+    res = session.preview(session.spec("weight_averaging", experts=list(names)), "test")
+    tasks = [session.pool.task_of(n) for n in names]
     return sum(res.accuracy[t] for t in tasks) / len(tasks), sum(res.loss[t] for t in tasks) / len(tasks)
 
 
-def scaling_view(explorer, param: str, values: Sequence[float], base_settings: dict, tasks: Sequence[str],
+def scaling_view(session, param: str, values: Sequence[float], base_settings: dict, tasks: Sequence[str],
                  progress=None, cancel=None, subsets: int = 5, seed: int = 0, owner: str | None = None) -> dict:
     """Merged accuracy and loss against one variable, with the paper's trend fitted to the loss.
 
@@ -174,7 +176,7 @@ def scaling_view(explorer, param: str, values: Sequence[float], base_settings: d
     if len(values) < 2:
         raise MergerError("lab: the scaling view needs at least two values")
     accs, losses = [], []
-    pool = explorer.pool
+    pool = session.pool
     if param == "num_tasks":
         rng = random.Random(seed)
         for v in values:
@@ -183,7 +185,7 @@ def scaling_view(explorer, param: str, values: Sequence[float], base_settings: d
                 raise MergerError(f"lab: num_tasks={v!r} must be a whole number between 1 and {len(tasks)}")
             combos = list(itertools.combinations(tasks, n))
             chosen = combos if len(combos) <= subsets else rng.sample(combos, subsets)
-            scores = [_merge_set(explorer, c) for c in chosen]
+            scores = [_merge_set(session, c) for c in chosen]
             accs.append(sum(a for a, _ in scores) / len(scores))
             losses.append(sum(lo for _, lo in scores) / len(scores))
     else:
@@ -194,12 +196,12 @@ def scaling_view(explorer, param: str, values: Sequence[float], base_settings: d
                 name = f"{t}@{param}={v:g}"
                 if name not in pool.expert_info:
                     done = (vi * len(tasks) + ti) / (len(values) * len(tasks))
-                    sd, traj, hp = finetune(pool, t, settings, cancel=cancel,
+                    sd, traj, hp = finetune(session, t, settings, cancel=cancel,
                                             progress=(lambda f, m, d=done: progress(d + f / (len(values) * len(tasks)), m))
                                             if progress else None)
-                    add_expert(explorer, name, t, sd, hp, traj, owner)
+                    add_expert(session, name, t, sd, hp, traj, owner)
                 names.append(name)
-            acc, loss = _merge_set(explorer, names)
+            acc, loss = _merge_set(session, names)
             accs.append(acc)
             losses.append(loss)
     return {"param": param, "values": list(values), "accuracy": accs, "loss": losses,

@@ -163,15 +163,12 @@ def extent_of(coords: Sequence[tuple[float, float]], margin: float = 0.3) -> tup
 
 
 class Landscape:
-    """Surfaces for one explorer (shares its evaluator, lock and weight caches)."""
+    """Planes and surfaces over one pool session (its queue, its caches of values)."""
 
-    def __init__(self, explorer):
-        self.explorer = explorer
-        self.pool = explorer.pool
+    def __init__(self, session):
+        self.session = session
+        self.pool = session.pool
         self.space = WeightSpace(self.pool.task_vectors)
-        self._values: dict[tuple, tuple[dict, dict]] = {}
-        self._point_values: dict[tuple, tuple[dict, dict]] = {}
-        self._buf: torch.Tensor | None = None
 
     # ---- points -----------------------------------------------------------------------
     def base_point(self) -> torch.Tensor:
@@ -184,7 +181,7 @@ class Landscape:
         return self.space.flatten(tv.expert(tv.tasks.index(task)))
 
     def spec_point(self, spec) -> torch.Tensor:
-        delta = self.explorer.delta(spec)
+        delta = self.session.delta(spec)
         base = self.pool.task_vectors.base
         return self.space.flatten({k: base[k] + delta[k] for k in self.space.keys})
 
@@ -224,29 +221,9 @@ class Landscape:
         return out
 
     # ---- surfaces ---------------------------------------------------------------------
-    def _evaluate_at(self, plane: Plane, x: float, y: float, split: str) -> tuple[dict, dict]:
-        key = (plane.key, round(x, 9), round(y, 9), split)
-        if key not in self._values:
-            with self.explorer.lock:
-                self._buf = plane.point(x, y, out=self._buf)
-                self._values[key] = self._forward(self._buf, split)
-        return self._values[key]
-
-    def _forward(self, vec: torch.Tensor, split: str) -> tuple[dict, dict]:
-        """(accuracy, loss) per task with the flattened weights ``vec`` in the resident model
-        (the caller holds the explorer's lock)."""
-        ev = self.explorer.evaluator
-        ev.load(self.space.unflatten(vec))
-        acc, loss, _ = ev.forward(split)
-        return acc, loss
-
     def point_values(self, vec: torch.Tensor, split: str = "probe") -> tuple[dict, dict]:
-        """(accuracy, loss) per task at a point itself (one forward; cached by the point's bytes)."""
-        key = (hashlib.sha1(vec.detach().cpu().numpy().tobytes()).hexdigest(), split)
-        if key not in self._point_values:
-            with self.explorer.lock:
-                self._point_values[key] = self._forward(vec, split)
-        return self._point_values[key]
+        """(accuracy, loss) per task at a point itself (one forward; cached by the session)."""
+        return self.session.values_at_point(vec, split)
 
     def surface(self, plane: Plane, extent: Sequence[float], n: int, split: str = "probe", progress=None) -> Surface:
         if not 2 <= int(n) <= MAX_GRID:
@@ -256,18 +233,20 @@ class Landscape:
         tasks = self.pool.tasks
         loss = {t: [[0.0] * n for _ in range(n)] for t in tasks}
         acc = {t: [[0.0] * n for _ in range(n)] for t in tasks}
-        for i, y in enumerate(ys):
-            for j, x in enumerate(xs):
-                a, lo = self._evaluate_at(plane, x, y, split)
-                for t in tasks:
-                    acc[t][i][j], loss[t][i][j] = a[t], lo[t]
-            if progress:
-                progress((i + 1) / n, f"row {i + 1}/{n}")
+        with self.session.batch(chunks=n * n):  # one chunk per grid point: previews waiting go first
+            for i, y in enumerate(ys):
+                for j, x in enumerate(xs):
+                    a, lo = self.session.values_on_plane(plane, x, y, split)
+                    for t in tasks:
+                        acc[t][i][j], loss[t][i][j] = a[t], lo[t]
+                if progress:
+                    progress((i + 1) / n, f"row {i + 1}/{n}")
         return Surface(plane.key, xs, ys, loss, acc, split)
 
     def progressive(self, plane: Plane, extent: Sequence[float], n: int, split: str = "probe",
                     progress=None) -> Iterator[Surface]:
-        """A coarse surface first, then the requested resolution (reusing coinciding points)."""
+        """A coarse surface first, then the requested resolution (reusing coinciding points). Batch
+        work: each grid point is a chunk, and waiting previews go first."""
         if not 2 <= int(n) <= MAX_GRID:
             raise MergerError(f"landscape grid {n}×{n} is out of bounds (2 to {MAX_GRID} per side)")
         if n > COARSE:
@@ -275,4 +254,4 @@ class Landscape:
         yield self.surface(plane, extent, n, split, progress)
 
     def cached_points(self) -> int:
-        return len(self._values)
+        return self.session.cached_plane_points()

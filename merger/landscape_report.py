@@ -50,10 +50,10 @@ def resolve_paths(land: Landscape, names: Sequence[str]) -> list:
     return out
 
 
-def landscape_figure(land: Landscape, plane, surface, metric: str, task: str | None, points: dict,
-                     paths: list, view: str = "contour", live=None, live_values=None):
-    """``live``: (label, x, y, off-plane) of the live merge; ``live_values``: its (accuracy, loss) per
-    task on the surface's split (the 3-D view draws every marker at its own measured value)."""
+def landscape_layers(land: Landscape, plane, surface, metric: str, task: str | None, points: dict, paths: list,
+                     view: str = "contour") -> dict:
+    """What a landscape figure draws besides the live merge: computed once per surface (projections
+    and, in 3-D, each marker's measured height), so a slider move only adds its own marker."""
     coords = {label: (*plane.coords(v), point_kind(label, land.pool)) for label, v in points.items()}
     drawn = {}
     for tr in paths:
@@ -67,12 +67,24 @@ def landscape_figure(land: Landscape, plane, surface, metric: str, task: str | N
         height = lambda v: scale * Surface.metric_of(land.point_values(v, surface.split), metric, task)  # noqa: E731
         heights = {name: height(v) for name, v in points.items()}
         heights.update({tr.name: [height(p) for p in tr.points] for tr in paths})
-        if live is not None:
-            if live_values is None:
-                raise MergerError("3-D landscape: the live merge's values are needed for its marker")
-            heights["live"] = scale * Surface.metric_of(live_values, metric, task)
-    return plots.landscape(surface.xs, surface.ys, z, label, coords, drawn, live, view,
-                           title=f"{label} on {plane.label} ({surface.split} split)", heights=heights)
+    return {"coords": coords, "drawn": drawn, "label": label, "scale": scale, "z": z, "heights": heights,
+            "title": f"{label} on {plane.label} ({surface.split} split)", "metric": metric, "task": task,
+            "view": view, "xs": surface.xs, "ys": surface.ys}
+
+
+def landscape_figure(land: Landscape, plane, surface, metric: str, task: str | None, points: dict,
+                     paths: list, view: str = "contour", live=None, live_values=None, layers: dict | None = None):
+    """``live``: (label, x, y, off-plane) of the live merge; ``live_values``: its (accuracy, loss) per
+    task on the surface's split (the 3-D view draws every marker at its own measured value).
+    ``layers``: the figure's static part from ``landscape_layers`` (computed here when not given)."""
+    lay = layers or landscape_layers(land, plane, surface, metric, task, points, paths, view)
+    heights = dict(lay["heights"]) if lay["heights"] is not None else None
+    if heights is not None and live is not None:
+        if live_values is None:
+            raise MergerError("3-D landscape: the live merge's values are needed for its marker")
+        heights["live"] = lay["scale"] * Surface.metric_of(live_values, lay["metric"], lay["task"])
+    return plots.landscape(lay["xs"], lay["ys"], lay["z"], lay["label"], lay["coords"], lay["drawn"], live,
+                           lay["view"], title=lay["title"], heights=heights)
 
 
 def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_names: Sequence[str], grid: int,

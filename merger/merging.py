@@ -73,10 +73,6 @@ class Spec:
         return {"method": self.method, "params": self.kwargs, "experts": list(self.experts)}
 
 
-def compute_delta(method: str, prepared: Any, spec: Spec) -> dict[str, torch.Tensor]:
-    return methods.get(method).apply(prepared, **spec.kwargs)
-
-
 def assemble(base: Mapping[str, torch.Tensor], tv: TaskVectors, delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """θ0 + Δ on the merged keys, every other tensor of the base as it is (on the CPU)."""
     out = {k: v for k, v in base.items()}
@@ -91,13 +87,16 @@ def merge(pool, method: str, *, experts=None, **params) -> dict[str, torch.Tenso
 
 
 def merge_spec(pool, spec: Spec) -> dict[str, torch.Tensor]:
-    m = methods.get(spec.method)
-    if m.kind == "data":  # learns its coefficients on the pool's validation data
-        from .explorer import explorer_for
+    """Static methods merge the spec exactly as given; data-driven ones learn their coefficients on
+    the pool's validation data (both through the pool's session and its caches)."""
+    from .session import session_for
 
-        return assemble(pool.base, pool.task_vectors, explorer_for(pool).delta(spec))
-    prepared = pool.prepared(m, spec.experts, {k: spec.kwargs[k] for k in m.prepare_params})
-    return assemble(pool.base, pool.task_vectors, m.apply(prepared, **spec.kwargs))
+    m = methods.get(spec.method)
+    session = session_for(pool)
+    if m.kind == "data":
+        return assemble(pool.base, pool.task_vectors, session.delta(spec))
+    _, prepared = session.prepared(m, spec.experts, {k: spec.kwargs[k] for k in m.prepare_params})
+    return assemble(pool.base, pool.task_vectors, m.delta(prepared, **spec.kwargs))
 
 
 def merge_state_dicts(
@@ -125,4 +124,4 @@ def merge_state_dicts(
     aligned = {t: checkpoints.validate_expert(named[t], base, t) for t in spec.experts}
     tv = TaskVectors(base, aligned, device=device)
     prepared = m.prepare(tv, **{k: spec.kwargs[k] for k in m.prepare_params})
-    return assemble(base, tv, m.apply(prepared, **spec.kwargs))
+    return assemble(base, tv, m.delta(prepared, **spec.kwargs))

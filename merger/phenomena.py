@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from . import analysis
-from .explorer import Explorer
+from .session import PoolSession
 from .lab import add_expert, finetune, settings_of
 from .reports import TA_GRID
 
@@ -34,7 +34,7 @@ def full_rank_through_the_arithmetic(ex, lam: float = 1.5, split: str = "test") 
     for key, (us, vh) in prep["factors"].items():
         delta[key] = prep["mean"][key] + lam * low_rank_sum(us, vh, min(us.shape[1], vh.shape[2]))
     with ex.lock:
-        full = ex.evaluator.evaluate(delta=delta, split=split, with_experts=False)
+        full = ex.evaluator.evaluate(delta=delta, split=split)
     wa = ex.preview(ex.spec("weight_averaging"), split)
     return {"max_weight_difference": max(float((delta[k] - prep["mean"][k]).abs().max()) for k in delta),
             "accuracy_difference": abs(full.average_accuracy - wa.average_accuracy)}
@@ -62,14 +62,14 @@ def _expert_set(ex, label: str, overrides: dict, progress) -> list[str]:
         if name not in pool.expert_info:
             if progress:
                 progress(f"  fine-tuning {name} ({settings})")
-            sd, traj, hparams = finetune(pool, t, settings)
+            sd, traj, hparams = finetune(ex, t, settings)
             add_expert(ex, name, t, sd, hparams, traj)
         names.append(name)
     return names
 
 
 def phenomena(pool, progress=print) -> dict:
-    ex = Explorer(pool)
+    ex = PoolSession(pool)
     tasks = list(pool.tasks)
     out = {}
     # 1. TA against λ (test curve; λ picked on validation)
@@ -91,7 +91,7 @@ def phenomena(pool, progress=print) -> dict:
     rows = {}
     for label, names in sets.items():
         lam, merged = _best_ta(ex, names)
-        own = [ex.evaluator.expert_task_accuracy(n, "test") for n in names]
+        own = [ex.expert_task_accuracy(n, "test") for n in names]
         rows[label] = {"experts": sum(own) / len(own), "lam": lam, "merged": merged}
     out["expert_sets"] = rows
     # 5. per-layer cross-task linearity of the TA merge (λ picked on validation) against its baseline

@@ -15,7 +15,6 @@ A pool is described by a YAML file (paths relative to it)::
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -73,7 +72,6 @@ class Pool:
             experts[t] = checkpoints.validate_expert(sd, self.base, f"{info['path']} (expert '{t}')", fill)
         self.task_vectors = TaskVectors(self.base, experts, device=self.tv_device)
         self._hashes: dict[str, str] = {}
-        self._prepared: OrderedDict = OrderedDict()
 
     # ---- parsing ------------------------------------------------------------------------
     def _load(self, path: Path, field: str):
@@ -194,8 +192,8 @@ class Pool:
         raise PoolError(f"experts: unknown expert '{expert}'; known: {', '.join(self.experts)}")
 
     def add_expert(self, name: str, task: str, weights: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> None:
-        """Another expert for one of the pool's tasks (checked against the base). Nothing cached
-        depends on the set of experts, only on the subsets merged, so nothing is invalidated."""
+        """Another expert for one of the pool's tasks (checked against the base). Call it through
+        ``PoolSession.add_expert``, which holds the model while the task vectors grow."""
         if name in self.expert_info:
             raise PoolError(f"an expert named '{name}' already exists")
         if task not in self.tasks:
@@ -209,19 +207,6 @@ class Pool:
         from .merging import Spec
 
         return Spec.make(method, params, experts, self.experts, default=self.tasks)
-
-    # ---- merging ------------------------------------------------------------------------
-    def prepared(self, method, experts: tuple[str, ...], prepare_args: dict) -> Any:
-        """Prepared state of a method for an expert subset (small LRU: preparations are large)."""
-        key = (method.name, experts, tuple(sorted(prepare_args.items())))
-        if key in self._prepared:
-            self._prepared.move_to_end(key)
-            return self._prepared[key]
-        value = method.prepare(self.task_vectors.subset(experts), **prepare_args)
-        self._prepared[key] = value
-        while len(self._prepared) > 3:
-            self._prepared.popitem(last=False)
-        return value
 
     def file_hashes(self) -> dict[str, str]:
         """Content hashes of the base and every expert file (computed once)."""

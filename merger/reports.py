@@ -1,7 +1,7 @@
 """Printed reports of measured numbers (``python -m merger demo report``)."""
 from __future__ import annotations
 
-from .explorer import Explorer
+from .session import PoolSession
 
 TA_GRID = tuple(round(0.05 * i, 2) for i in range(1, 31))
 DEFAULT_METHODS = ("weight_averaging", "ties", "dare_ties", "cart", "tsv_m", "iso_c")
@@ -10,7 +10,7 @@ DEFAULT_METHODS = ("weight_averaging", "ties", "dare_ties", "cart", "tsv_m", "is
 def demo_numbers(pool, split: str = "test", progress=None) -> dict:
     """Chance, base, experts, task arithmetic over its λ grid (the reported λ picked on the
     validation split, never on the split it is reported on) and the other methods at defaults."""
-    ex = Explorer(pool)
+    ex = PoolSession(pool)
     classes = {t: len(ex.evaluator.data.classes(t)) for t in pool.tasks}
     steps = [("base", lambda: ex.base(split)), ("experts", lambda: ex.experts(split))]
     steps += [(f"TA λ={lam:g} {s}", lambda lam=lam, s=s: ex.preview(ex.spec("task_arithmetic", lam=lam), s))
@@ -78,7 +78,7 @@ def adaptive_numbers(pool, progress=print) -> list[dict]:
     test-split average accuracy and wall time, in one run."""
     import time
 
-    ex = Explorer(pool)
+    ex = PoolSession(pool)
     ex.experts("test")
     rows = []
     t0 = time.perf_counter()

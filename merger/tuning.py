@@ -37,22 +37,28 @@ def grid_points(method: str) -> list[dict]:
     return [dict(zip(names, values)) for values in itertools.product(*grid.values())] or [{}]
 
 
-def auto_tune(explorer, method_names: Sequence[str], experts=None, progress: Progress = None) -> list[dict]:
-    """For each method: best parameters on the validation split, then that setting on test."""
+def auto_tune(session, method_names: Sequence[str], experts=None, progress: Progress = None) -> list[dict]:
+    """For each method: best parameters on the validation split, then that setting on test. Batch
+    work: each grid point is a chunk, and waiting previews go first."""
+    with session.batch(chunks=sum(len(grid_points(m)) + 1 for m in method_names)):
+        return _auto_tune(session, method_names, experts, progress)
+
+
+def _auto_tune(session, method_names, experts, progress) -> list[dict]:
     plans = [(m, grid_points(m)) for m in method_names]
     total = sum(len(p) for _, p in plans) + len(plans)
     done, rows = 0, []
     for m, points in plans:
         best, best_spec = None, None
         for params in points:
-            spec = explorer.spec(m, experts=experts, **params)
-            res = explorer.preview(spec, split="val")
+            spec = session.spec(m, experts=experts, **params)
+            res = session.preview(spec, split="val")
             if best is None or res.average_accuracy > best.average_accuracy:
                 best, best_spec = res, spec
             done += 1
             if progress:
                 progress(done / total, f"{m}: {spec.label()}")
-        test = explorer.preview(best_spec, split="test")
+        test = session.preview(best_spec, split="test")
         done += 1
         rows.append({"method": m, "spec": best_spec, "params": best_spec.kwargs, "grid_points": len(points),
                      "val_accuracy": best.average_accuracy, "test_accuracy": test.average_accuracy,
@@ -67,28 +73,34 @@ SWEEP_AXES = {
 }
 
 
-def sweep(explorer, method_names: Sequence[str], axis: str, values: Sequence[float], split: str = "live",
+def sweep(session, method_names: Sequence[str], axis: str, values: Sequence[float], split: str = "live",
           experts=None, fixed: dict | None = None, progress: Progress = None) -> dict:
-    """Accuracy against one parameter: {method: {"x": [...], "average": [...], "per_task": {task: [...]}}}."""
+    """Accuracy against one parameter: {method: {"x": [...], "average": [...], "per_task": {task: [...]}}}.
+    Batch work (a chunk per point)."""
+    with session.batch(chunks=len(values) * len(method_names)):
+        return _sweep(session, method_names, axis, values, split, experts, fixed, progress)
+
+
+def _sweep(session, method_names, axis, values, split, experts, fixed, progress) -> dict:
     if axis not in SWEEP_AXES:
         raise MergerError(f"sweep axis '{axis}' unknown; one of {', '.join(SWEEP_AXES)}")
     if len(values) * len(method_names) > MAX_GRID_POINTS:
         raise MergerError(f"sweep of {len(values) * len(method_names)} points is too large (at most {MAX_GRID_POINTS})")
     out, total, done = {}, len(values) * len(method_names), 0
-    n_experts = len(experts) if experts else len(explorer.tasks)
+    n_experts = len(experts) if experts else len(session.tasks)
     for m in method_names:
         rec = methods.get(m)
         if axis not in rec.param_names:
             raise MergerError(f"{m} has no parameter {axis}: it cannot be swept along {SWEEP_AXES[axis][0]}")
         lo, hi = rec.bounds(axis, n_experts)  # e.g. TSV-M's rank ratio stops at 1/T
-        xs, avg, per = [], [], {t: [] for t in explorer.tasks}
+        xs, avg, per = [], [], {t: [] for t in session.tasks}
         for v in values:
             if not lo <= v <= hi + 1e-12:
                 done += 1
                 continue
             params = {k: val for k, val in (fixed or {}).get(m, {}).items() if k != axis}
             params[axis] = v
-            res = explorer.preview(explorer.spec(m, experts=experts, **params), split=split)
+            res = session.preview(session.spec(m, experts=experts, **params), split=split)
             xs.append(v)
             avg.append(res.average_accuracy)
             for t in res.tasks:
@@ -100,10 +112,15 @@ def sweep(explorer, method_names: Sequence[str], axis: str, values: Sequence[flo
     return out
 
 
-def sweep_num_tasks(explorer, method: str, params: dict | None = None, subsets: int = 5, split: str = "live",
+def sweep_num_tasks(session, method: str, params: dict | None = None, subsets: int = 5, split: str = "live",
                     seed: int = 0, progress: Progress = None) -> dict:
-    """Average accuracy over the merged tasks against how many are merged (random subsets)."""
-    tasks = list(explorer.tasks)
+    """Average accuracy over the merged tasks against how many are merged (random subsets). Batch work."""
+    with session.batch():
+        return _sweep_num_tasks(session, method, params, subsets, split, seed, progress)
+
+
+def _sweep_num_tasks(session, method, params, subsets, split, seed, progress) -> dict:
+    tasks = list(session.tasks)
     rng = random.Random(seed)
     xs, means, ses = [], [], []
     for n in range(1, len(tasks) + 1):
@@ -111,7 +128,7 @@ def sweep_num_tasks(explorer, method: str, params: dict | None = None, subsets: 
         chosen = combos if len(combos) <= subsets else rng.sample(combos, subsets)
         scores = []
         for subset in chosen:
-            res = explorer.preview(explorer.spec(method, experts=list(subset), **(params or {})), split=split)
+            res = session.preview(session.spec(method, experts=list(subset), **(params or {})), split=split)
             scores.append(sum(res.accuracy[t] for t in subset) / n)
         mean = sum(scores) / len(scores)
         var = sum((s - mean) ** 2 for s in scores) / (len(scores) - 1) if len(scores) > 1 else 0.0

@@ -20,4 +20,4 @@ def ui_controller(root):
     from merger.ui.callbacks import Controller
 
     pool = merger.open_pool(write_pool(root, n_experts=3, scale=0.2, demo_data=True))
-    return Controller(merger.Explorer(pool), History(root / "history.sqlite"))
+    return Controller(merger.PoolSession(pool), History(root / "history.sqlite"))

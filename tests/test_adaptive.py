@@ -50,7 +50,7 @@ def pool(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ex(pool):
-    return merger.Explorer(pool)
+    return merger.PoolSession(pool)
 
 
 def test_entropy_decreases_and_coefficients_stay_in_bounds(ex):
@@ -67,7 +67,7 @@ def test_run_is_deterministic_and_cached(pool, ex):
     spec = ex.spec("adamerging_task", steps=10, lr=0.01, seed=3, samples=8)
     a = ex.run(spec)
     assert ex.run(ex.spec("adamerging_task", steps=10, lr=0.01, seed=3, samples=8)) is a
-    other = merger.Explorer(pool)  # a fresh explorer: no cache, same answer
+    other = merger.PoolSession(pool)  # a fresh explorer: no cache, same answer
     b = other.run(spec)
     assert torch.equal(a.coefficients, b.coefficients) and a.trace == b.trace
     c = other.run(other.spec("adamerging_task", steps=10, lr=0.01, seed=4, samples=8))
@@ -195,7 +195,7 @@ def test_no_unlabeled_data_for_a_task(tmp_path):
     t = list(spec["tasks"])[1]
     spec["tasks"][t]["data"] = {"demo": {"train": {"n": 1, "seed": 5}, "test": {"n": 300, "seed": 12}}}
     path.write_text(yaml.safe_dump(spec))
-    ex = merger.Explorer(merger.open_pool(path))
+    ex = merger.PoolSession(merger.open_pool(path))
     with pytest.raises(DataError, match=f"task '{t}': the val split has no images"):
         ex.run(ex.spec("adamerging_task", steps=2))
 

@@ -133,7 +133,7 @@ def test_one_epoch_of_full_batch_gd_in_the_lab_is_minus_eta_gradient(tmp_path):
     ev = merger.Evaluator(pool)
     t = pool.tasks[0]
     settings = lab.check_settings(**{**lab.GRADIENT_DESCENT, "data_fraction": 1.0, "seed": 0})
-    sd, traj, hp = lab.finetune(pool, t, settings)
+    sd, traj, hp = lab.finetune(merger.session.session_for(pool), t, settings)
     assert len(traj) == 1 and hp["batch_size"] == 0 and hp["optimizer"] == "sgd"
     keys = pool.task_vectors.keys
     tau1 = torch.cat([(sd[k] - pool.task_vectors.base[k]).reshape(-1) for k in keys])
@@ -142,7 +142,7 @@ def test_one_epoch_of_full_batch_gd_in_the_lab_is_minus_eta_gradient(tmp_path):
     assert analysis.gradient_alignment(tau1, g) == pytest.approx(1.0, abs=1e-4)
     assert torch.allclose(tau1, -settings["lr"] * g, atol=1e-5)
     # the AdamW default with its schedule does not give the identity
-    adam, _, _ = lab.finetune(pool, t, lab.check_settings(1e-3, 1, 64, 1.0, 0))
+    adam, _, _ = lab.finetune(merger.session.session_for(pool), t, lab.check_settings(1e-3, 1, 64, 1.0, 0))
     tau_adam = torch.cat([(adam[k] - pool.task_vectors.base[k]).reshape(-1) for k in keys])
     assert analysis.gradient_alignment(tau_adam, g) < 0.99
 
@@ -191,11 +191,10 @@ def test_block_features_cover_every_token_and_the_probe_every_task(tmp_path):
 
 
 def test_interpolation_path_and_logit_ensemble(tmp_path):
-    from merger.landscape import Landscape
 
     pool = merger.open_pool(write_pool(tmp_path, n_experts=2, scale=0.1, demo_data=True))
-    ex = merger.Explorer(pool)
-    land = Landscape(ex)
+    ex = merger.PoolSession(pool)
+    land = ex.landscape
     ev = ex.evaluator
     x = ev.inputs("val")[0][0][:16]
     feats = lambda w, xx: analysis.block_features(ev.model.visual, w, xx)  # noqa: E731

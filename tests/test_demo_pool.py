@@ -8,7 +8,7 @@ from merger.reports import demo_numbers, demo_targets
 def test_shipped_demo_pool_opens_and_evaluates():
     pool = merger.open_pool("demo")
     assert len(pool.tasks) >= 6
-    ex = merger.Explorer(pool)
+    ex = merger.PoolSession(pool)
     res = ex.preview(ex.spec("task_arithmetic", lam=0.3))
     assert len(res.accuracy) == len(pool.tasks) and res.counts[pool.tasks[0]] == 96
     assert all(pool.expert_info[t].get("trajectory") for t in pool.tasks)

@@ -18,7 +18,7 @@ from helpers import write_pool
 def demo_like(tmp_path_factory):
     path = write_pool(tmp_path_factory.mktemp("pool"), n_experts=3, scale=0.2, demo_data=True)
     pool = merger.open_pool(path)
-    return path, pool, merger.Explorer(pool)
+    return path, pool, merger.PoolSession(pool)
 
 
 def test_heads_follow_the_protocol(demo_like):

@@ -33,7 +33,7 @@ def test_no_stale_result_is_shown_as_current(ctl):
     assert summary.startswith("⚠️") and all(not f.data and "no result" in annotation(f) for f in (acc, loss, radar))
     # the "what a run learned" panel follows the settings: a run shows, other settings clear it
     assert all("no data-driven run" in annotation(f) for f in ctl.learned(*controls(ctl, "adamerging_task")))
-    ctl.explorer.run(ctl.spec_from_controls(*controls(ctl, "adamerging_task")))
+    ctl.session.run(ctl.spec_from_controls(*controls(ctl, "adamerging_task")))
     objective, heat, _ = ctl.learned(*controls(ctl, "adamerging_task"))
     assert len(objective.data[0].y) == 3 and list(heat.data[0].y) == ctl.pool.tasks
     assert all(not f.data for f in ctl.learned(*controls(ctl, "adamerging_task", steps=4)))
@@ -41,7 +41,7 @@ def test_no_stale_result_is_shown_as_current(ctl):
 
 def test_live_numbers_carry_a_binomial_interval(ctl):
     acc, _, _, summary = ctl.preview(*controls(ctl, lam=0.4))
-    res = ctl.explorer.preview(ctl.explorer.spec("task_arithmetic", lam=0.4))
+    res = ctl.session.preview(ctl.session.spec("task_arithmetic", lam=0.4))
     expected = 1.96 * math.sqrt(sum(a * (1 - a) / res.counts[t] for t, a in res.accuracy.items())) / len(res.accuracy)
     assert f"± {100 * expected:.1f} %" in summary and "95 % binomial" in summary
     margins = [100 * 1.96 * math.sqrt(res.accuracy[t] * (1 - res.accuracy[t]) / res.counts[t]) for t in res.tasks]
@@ -90,8 +90,8 @@ def test_lab_experts_belong_to_their_session(ctl):
     a, b = SimpleNamespace(session_hash="person-a"), SimpleNamespace(session_hash="person-b")
     t = ctl.pool.tasks[0]
     tasks = list(ctl.pool.tasks)
-    sd, traj, hp = lab.finetune(ctl.pool, t, lab.check_settings(1e-3, 1, 64, 0.5, 0))
-    lab.add_expert(ctl.explorer, "mine", t, sd, hp, traj, owner="person-a")
+    sd, traj, hp = lab.finetune(ctl.session, t, lab.check_settings(1e-3, 1, 64, 0.5, 0))
+    lab.add_expert(ctl.session, "mine", t, sd, hp, traj, owner="person-a")
     assert lc.visible(a) == tasks + ["mine"] and lc.visible(b) == tasks
     lc.opt_in(b, True)
     assert lc.visible(b) == tasks + ["mine"]
@@ -128,7 +128,7 @@ def test_a_reload_in_steps_restores_the_row_and_writes_nothing(ctl):
     session's events neither compute nor record those in-between specs (see test_browser.py)."""
     import gradio as gr
 
-    from merger.ui.session import MergeTabEvents
+    from merger.ui.merge_events import MergeTabEvents
 
     events, me = MergeTabEvents(ctl, "task_arithmetic"), SimpleNamespace(session_hash="reloader")
     ctl.preview(*controls(ctl, "ties", lam=0.85, sparsity=0.65))
@@ -140,14 +140,17 @@ def test_a_reload_in_steps_restores_the_row_and_writes_nothing(ctl):
     # the method change arrives with the old values: the reloaded ones are kept, not reset
     kept = dict(zip(PARAM_NAMES, events.method_controls(me, "ties", shown[0], *shown[2:])[:-1]))
     assert kept["lam"]["value"] == 0.85 and kept["sparsity"]["value"] == 0.65
-    # a preview of ties with the stale λ is a step of the reload: skipped
-    assert events.preview(me, shown[0], "ties", *shown[2:]) == (gr.skip(),) * 4
+    # a move of ties with the stale λ is a step of the reload: skipped
+    assert list(events.move(me, None, shown[0], "ties", *shown[2:])) == [(gr.skip(),) * 8]
     final = [experts["value"], "ties"] + [u.get("value") for u in updates]
-    *_, summary = events.preview(me, *final)
-    assert "ties(lam=0.85, sparsity=0.65)" in summary
+    out, _ = events.move(me, None, *final)
+    assert "ties(lam=0.85, sparsity=0.65)" in out[3]
+    # the method change may come after the row's own move: it still keeps the row's values
+    kept = dict(zip(PARAM_NAMES, events.method_controls(me, "ties", shown[0], *shown[2:])[:-1]))
+    assert kept["lam"]["value"] == 0.85
     assert len(ctl.history_rows()) == n  # nothing written
-    *_, summary = events.preview(me, *controls(ctl, lam=0.55))  # the session is free again
-    assert "task_arithmetic(lam=0.55)" in summary and len(ctl.history_rows()) == n + 1
+    out, _ = events.move(me, None, *controls(ctl, lam=0.55))  # the person moves on: the session is free
+    assert "task_arithmetic(lam=0.55)" in out[3] and len(ctl.history_rows()) == n + 1
     assert events.reload(me, row[0], *final) == (gr.skip(),) * len(final)  # reloading what is shown: no-op
 
 

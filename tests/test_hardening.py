@@ -129,11 +129,11 @@ def test_paths_outside_the_allowed_roots(tmp_path):
 
 
 def test_oversized_grid_and_sweep(tmp_path):
-    from merger.landscape import Landscape, pca_plane
+    from merger.landscape import pca_plane
     from merger.tuning import sweep
 
-    ex = merger.Explorer(merger.open_pool(write_pool(tmp_path, n_experts=3, scale=0.1, demo_data=True)))
-    land = Landscape(ex)
+    ex = merger.PoolSession(merger.open_pool(write_pool(tmp_path, n_experts=3, scale=0.1, demo_data=True)))
+    land = ex.landscape
     plane = pca_plane(land.named_points(["base", "experts"]))
     with pytest.raises(MergerError, match="grid 1000×1000 is out of bounds"):
         land.surface(plane, (-1, 1, -1, 1), 1000)

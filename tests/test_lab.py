@@ -11,7 +11,7 @@ from helpers import write_pool
 @pytest.fixture(scope="module")
 def ex(tmp_path_factory):
     pool = merger.open_pool(write_pool(tmp_path_factory.mktemp("labpool"), n_experts=2, scale=0.1, demo_data=True))
-    return merger.Explorer(pool)
+    return merger.PoolSession(pool)
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -37,10 +37,10 @@ def test_lab_runs_are_deterministic_and_join_the_pool(ex):
     pool = ex.pool
     t = pool.tasks[0]
     s = lab.check_settings(lr=1e-3, epochs=1, batch_size=64, data_fraction=0.5, seed=3)
-    a, traj_a, hp = lab.finetune(pool, t, s)
-    b, _, _ = lab.finetune(pool, t, s)
+    a, traj_a, hp = lab.finetune(merger.session.session_for(pool), t, s)
+    b, _, _ = lab.finetune(merger.session.session_for(pool), t, s)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    c, _, _ = lab.finetune(pool, t, {**s, "seed": 4})
+    c, _, _ = lab.finetune(merger.session.session_for(pool), t, {**s, "seed": 4})
     assert not all(torch.equal(a[k], c[k]) for k in a)
     assert len(traj_a) == 1 and hp["data_fraction"] == 0.5
     tasks = list(pool.tasks)
@@ -52,7 +52,7 @@ def test_lab_runs_are_deterministic_and_join_the_pool(ex):
     res = ex.preview(ex.spec("task_arithmetic", lam=0.3, experts=[t, f"{t}@lab"]))
     assert list(res.accuracy) == tasks and res is not before
     assert ex.experts("live") == before.expert_accuracy  # the reference marks are the pool's experts
-    assert ex.evaluator.expert_task_accuracy(f"{t}@lab", "live") > 0
+    assert ex.expert_task_accuracy(f"{t}@lab", "live") > 0
     assert lab.lab_experts(pool, owner="person-a") == [f"{t}@lab"] and lab.lab_experts(pool, owner="person-b") == []
     with pytest.raises(MergerError, match="already exists"):
         lab.add_expert(ex, f"{t}@lab", t, a)
@@ -61,7 +61,7 @@ def test_lab_runs_are_deterministic_and_join_the_pool(ex):
 def test_lab_needs_the_demo_world(tiny_pool):
     pool = merger.open_pool(tiny_pool)
     with pytest.raises(MergerError, match="fine-tunes in the demo world"):
-        lab.finetune(pool, pool.tasks[0], lab.check_settings(1e-3, 1, 8, 1.0, 0))
+        lab.finetune(merger.session.session_for(pool), pool.tasks[0], lab.check_settings(1e-3, 1, 8, 1.0, 0))
 
 
 def test_trend_fit_is_a_least_squares_line_in_g():
@@ -86,12 +86,11 @@ def test_steps_and_tasks_trends_are_trade_offs_not_lines():
 
 def test_lab_expert_has_its_epoch_dynamics(ex):
     from merger import analysis, trajectories
-    from merger.landscape import Landscape
 
     t = ex.pool.tasks[1]
-    sd, traj, hp = lab.finetune(ex.pool, t, lab.check_settings(1e-3, 2, 64, 1.0, 0))
+    sd, traj, hp = lab.finetune(ex, t, lab.check_settings(1e-3, 2, 64, 1.0, 0))
     lab.add_expert(ex, f"{t}@2ep", t, sd, hp, traj)
-    path = trajectories.finetune_trajectory(Landscape(ex), f"{t}@2ep")
+    path = trajectories.finetune_trajectory(ex.landscape, f"{t}@2ep")
     d = analysis.epoch_dynamics(path.points)
     assert len(d["shares"]) == 2 and sum(d["shares"]) == pytest.approx(1.0)
 
@@ -106,7 +105,7 @@ def test_scaling_view_merges_by_weight_averaging_with_its_default_names(ex):
 
 
 def test_scaling_view_over_the_number_of_tasks(tmp_path):
-    ex3 = merger.Explorer(merger.open_pool(write_pool(tmp_path, n_experts=3, scale=0.1, demo_data=True)))
+    ex3 = merger.PoolSession(merger.open_pool(write_pool(tmp_path, n_experts=3, scale=0.1, demo_data=True)))
     tasks = list(ex3.pool.tasks)
     r = lab.scaling_view(ex3, "num_tasks", [1, 2, 3], {}, tasks)
     full = ex3.preview(ex3.spec("weight_averaging"), "test")
@@ -120,7 +119,7 @@ def test_cancel_stops_a_lab_run_and_adds_nothing(ex):
 
     from merger.ui.lab_tab import LabController
 
-    lc = LabController(SimpleNamespace(pool=ex.pool, explorer=ex))
+    lc = LabController(SimpleNamespace(pool=ex.pool, session=ex))
     request = SimpleNamespace(session_hash="person-a")
     before = list(ex.pool.tasks)
     assert lc.cancel(request) == "No lab run in progress."
@@ -139,7 +138,7 @@ def test_gradio_gives_every_lab_and_run_callback_the_browser_session():
     from merger.ui.lab_tab import LabController
     from merger.ui.runs import RunController
 
-    lc = LabController(SimpleNamespace(pool=None, explorer=None))
+    lc = LabController(SimpleNamespace(pool=None, session=None))
     rc = RunController(SimpleNamespace())
     marker = object()
     for fn, n_inputs in ((lc.run, 11), (lc.one_epoch_set, 9), (lc.scaling, 11), (lc.cancel, 0),

@@ -10,7 +10,7 @@ import merger
 from merger import trajectories
 from merger.checkpoints import save_safetensors
 from merger.errors import CheckpointError, MergerError
-from merger.landscape import Landscape, pca_plane, task_vector_plane, three_point_plane
+from merger.landscape import pca_plane, task_vector_plane, three_point_plane
 from helpers import base_and_experts, write_pool
 
 
@@ -18,7 +18,7 @@ from helpers import base_and_experts, write_pool
 def land(tmp_path_factory):
     path = write_pool(tmp_path_factory.mktemp("landpool"), n_experts=3, scale=0.2, demo_data=True)
     pool = merger.open_pool(path)
-    return Landscape(merger.Explorer(pool))
+    return merger.PoolSession(pool).landscape
 
 
 def test_pca_plane_of_three_points_contains_them(land):
@@ -99,7 +99,7 @@ def test_trajectory_projection_matches_each_checkpoint(land, tmp_path):
 
 def test_parameter_paths(land):
     traj = trajectories.parameter_path(land, "cart", "rank_ratio", [0.1, 1.0], {"lam": 1.5})
-    wa = land.spec_point(land.explorer.spec("weight_averaging"))
+    wa = land.spec_point(land.session.spec("weight_averaging"))
     assert torch.allclose(traj.points[1], wa, atol=1e-5)  # full rank: the weight average
     lam_path = trajectories.parameter_path(land, "task_arithmetic", "lam", [0.0, 0.5])
     assert torch.allclose(lam_path.points[0], land.base_point())
@@ -171,8 +171,8 @@ def test_3d_markers_sit_at_their_own_measured_value(land):
     pts = land.named_points(["base", "experts"])
     plane = pca_plane(pts)
     surface = land.surface(plane, (-1.0, 1.0, -1.0, 1.0), 3)
-    spec = land.explorer.spec("task_arithmetic", lam=0.4)
-    live = land.explorer.preview(spec, "probe")
+    spec = land.session.spec("task_arithmetic", lam=0.4)
+    live = land.session.preview(spec, "probe")
     x, y, off = plane.coords(land.spec_point(spec))
     fig = landscape_figure(land, plane, surface, "loss", None, pts, [], "surface", ("ta", x, y, off),
                            (live.accuracy, live.loss))

@@ -32,12 +32,12 @@ def pool(tmp_path_factory):
 
 
 def test_full_rank_cart_is_weight_averaging_through_the_arithmetic(pool):
-    out = full_rank_through_the_arithmetic(merger.Explorer(pool))
+    out = full_rank_through_the_arithmetic(merger.PoolSession(pool))
     assert out["max_weight_difference"] < 1e-4 and out["accuracy_difference"] == pytest.approx(0.0, abs=1e-9)
 
 
 def test_demo_report_picks_lambda_on_validation(pool):
     n = demo_numbers(pool, split="test")
-    ex = merger.Explorer(pool)
+    ex = merger.PoolSession(pool)
     val = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "val").average_accuracy for lam in TA_GRID}
     assert n["best_lam"] == max(val, key=val.get)

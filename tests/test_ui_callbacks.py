@@ -124,7 +124,7 @@ def test_auto_tune_picks_the_best_on_validation(ctl, monkeypatch):
 
     monkeypatch.setitem(tuning.TUNE_GRIDS, "task_arithmetic", {"lam": [0.1, 0.5, 1.0]})
     table, bars, radar = ctl.auto_tune(["task_arithmetic"], ctl.pool.tasks, progress=lambda *a, **k: None)
-    ex = ctl.explorer
+    ex = ctl.session
     vals = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "val").average_accuracy for lam in (0.1, 0.5, 1.0)}
     best = max(vals, key=vals.get)
     assert table[0][1] == f"lam={best:g}"
@@ -136,7 +136,7 @@ def test_sweeps(ctl):
     names = [t.name for t in fig.data]
     assert "task_arithmetic (average)" in names and "ties (average)" in names
     ta = next(t for t in fig.data if t.name == "task_arithmetic (average)")
-    ex = ctl.explorer
+    ex = ctl.session
     assert ta.y[3] == pytest.approx(100 * ex.preview(ex.spec("task_arithmetic", lam=ta.x[3])).average_accuracy)
     fig = ctl.sweep("rank_ratio", ["task_arithmetic", "cart"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
     assert [t.name for t in fig.data][0] == "cart (average)"
@@ -203,7 +203,7 @@ def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
     live2 = next(t for t in moved.data if t.name == "live merge")
     assert (live.x[0], live.y[0]) != (live2.x[0], live2.y[0])
     assert lc.land.cached_points() == n  # the surface was not recomputed
-    x, y, _ = state["plane"].coords(lc.land.spec_point(ctl.explorer.spec("task_arithmetic", lam=0.9)))
+    x, y, _ = state["plane"].coords(lc.land.spec_point(ctl.session.spec("task_arithmetic", lam=0.9)))
     assert (live2.x[0], live2.y[0]) == pytest.approx((x, y))
     curves = lc.curves(["λ path (current method)"], "accuracy", "live", "all tasks (mean)", *controls(ctl))
     assert len(curves.data) == 1 and len(curves.data[0].x) == 16
@@ -219,7 +219,7 @@ def test_data_driven_run_from_the_merge_tab(ctl):
     frames = list(runs.run(None, *controls(ctl, "adamerging_task", steps=6)))
     status, objective, heat, fw, acc, loss, radar, summary = frames[-1]
     assert status.startswith("✅") and len(objective.data[0].y) == 6
-    run = ctl.explorer.cached_run(ctl.spec_from_controls(*controls(ctl, "adamerging_task", steps=6)))
+    run = ctl.session.cached_run(ctl.spec_from_controls(*controls(ctl, "adamerging_task", steps=6)))
     assert list(heat.data[0].y) == ctl.pool.tasks
     expected = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "adamerging_task", steps=6, lr=1e-3, init=0.3,
                                                       samples=16, seed=0))
@@ -245,7 +245,7 @@ def test_cancelled_run_reports_and_caches_nothing(ctl, monkeypatch):
     assert runs.cancel() == "Cancelling…"
     last = list(gen)[-1]
     assert "cancelled" in last[0]
-    assert ctl.explorer.cached_run(ctl.spec_from_controls(*controls(ctl, "adamerging_layer", steps=5000, samples=8))) is None
+    assert ctl.session.cached_run(ctl.spec_from_controls(*controls(ctl, "adamerging_layer", steps=5000, samples=8))) is None
 
 
 def test_analysis_tab_callbacks(ctl):

@@ -4,7 +4,6 @@ Each SVD is taken once in prepare, so a rank change is a slice and a λ change i
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 
 import math
 
@@ -90,7 +89,7 @@ def _orthogonal_factor(x: torch.Tensor) -> torch.Tensor:
 def prepare_tsv(tv: TaskVectors) -> dict:
     mean = {k: v.mean(0) for k, v in tv.stacked.items()}
     factors = {k: _svd(tv.stacked[k]) for k in tv.matrices}  # u [T,m,r], s [T,r], vh [T,r,n]
-    return {"mean": mean, "factors": factors, "T": tv.num_tasks, "by_rank": OrderedDict()}
+    return {"mean": mean, "factors": factors, "T": tv.num_tasks}
 
 
 def tsv_rank(rank_ratio, m: int, n: int, T: int) -> int:
@@ -102,11 +101,8 @@ def tsv_rank(rank_ratio, m: int, n: int, T: int) -> int:
     return min(r // T, math.floor(rank_ratio * r + 1e-9))
 
 
-def _tsv_direction(prepared: dict, rank_ratio) -> dict:
-    cache = prepared["by_rank"]
-    if rank_ratio in cache:
-        cache.move_to_end(rank_ratio)
-        return cache[rank_ratio]
+def tsv_direction(prepared: dict, rank_ratio) -> dict:
+    """The merged direction at one rank (TSV-M's derive step: cached per rank by the session)."""
     out = dict(prepared["mean"])
     for key, (u, s, vh) in prepared["factors"].items():
         T, m, _ = u.shape
@@ -118,14 +114,11 @@ def _tsv_direction(prepared: dict, rank_ratio) -> dict:
         v_cat = vh[:, :k, :].reshape(T * k, -1).T
         s_cat = s[:, :k].reshape(-1)
         out[key] = (_orthogonal_factor(u_cat) * s_cat) @ _orthogonal_factor(v_cat).T
-    cache[rank_ratio] = out
-    while len(cache) > 4:
-        cache.popitem(last=False)
     return out
 
 
-def apply_tsv(prepared: dict, lam: float, rank_ratio) -> dict:
-    return {k: v * lam for k, v in _tsv_direction(prepared, rank_ratio).items()}
+def apply_tsv(direction: dict, lam: float, rank_ratio) -> dict:
+    return {k: v * lam for k, v in direction.items()}
 
 
 register(Method(
@@ -138,6 +131,8 @@ register(Method(
                               help="kept rank per task k = ⌊rank_ratio · r⌋, r = min(m, n); auto (default): "
                                    "exactly ⌊r/T⌋ as the authors' code; at most 1/T, so that T·k ≤ r")),
     prepare=prepare_tsv,
+    derive=tsv_direction,
+    derive_params=("rank_ratio",),
     apply=apply_tsv,
     limits_for=lambda T: {"rank_ratio": (1.0 / T, "TSV-M concatenates T·k singular vectors, which must not "
                                                    "exceed the rank r (k ≤ ⌊r/T⌋); use auto for exactly ⌊r/T⌋")},

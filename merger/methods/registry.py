@@ -80,6 +80,10 @@ class Method:
     prepare: Callable[..., Any]
     apply: Callable[..., Mapping[str, Any]]
     prepare_params: tuple[str, ...] = ()  # parameters that change prepare's result (e.g. seed)
+    # Optional middle step, derive(prepared, **derive_params) -> state for apply (TSV-M's direction
+    # per rank): prepared state stays immutable, the session caches what is derived from it.
+    derive: Callable[..., Any] | None = None
+    derive_params: tuple[str, ...] = ()
     # A one-line remark for the current setting (e.g. "λ has no effect at full rank"), or None.
     note: Callable[[Mapping[str, Any], Any], str | None] | None = None
     defaults_for: Callable[[int], dict[str, Any]] | None = None  # defaults that depend on T
@@ -92,6 +96,11 @@ class Method:
     # Where the field's tools differ (mergekit, FusionBench, the authors' code): users comparing
     # numbers must be able to tell why they differ.
     conventions: str = ""
+
+    def delta(self, prepared, **params) -> Mapping[str, Any]:
+        """Δ for these parameters without any cache (derive, if any, then apply)."""
+        state = self.derive(prepared, **{k: params[k] for k in self.derive_params}) if self.derive else prepared
+        return self.apply(state, **params)
 
     def param(self, name: str) -> Param:
         for p in self.params:

@@ -52,7 +52,7 @@ def prepare_ties(tv: TaskVectors) -> dict:
         for i in range(tv.num_tasks):
             levels[i] = torch.bucketize(flat[i].abs(), grid[1:, i].contiguous(), right=True)
         tables[k] = _segment_table(flat, levels)
-    return {"tv": tv, "grid": grid.cpu(), "exact": {}, "tables": tables}
+    return {"tv": tv, "grid": grid.cpu(), "tables": tables}
 
 
 def _segment_table(flat: torch.Tensor, levels: torch.Tensor):
@@ -85,15 +85,14 @@ def _thresholds(prepared: dict, sparsity: float) -> torch.Tensor:
     j = _grid_step(sparsity)
     if j is not None:
         return prepared["grid"][j]
-    if sparsity not in prepared["exact"]:
-        tv = prepared["tv"]
-        out = []
-        for i in range(tv.num_tasks):
-            mags = torch.cat([v[i].reshape(-1).abs().cpu() for v in tv.stacked.values()])
-            n = mags.numel()
-            out.append(mags.kthvalue(n - _n_keep(n, sparsity) + 1).values)
-        prepared["exact"][sparsity] = torch.stack(out)
-    return prepared["exact"][sparsity]
+    # Off the slider grid (a typed value): computed each time; prepared state is never written.
+    tv = prepared["tv"]
+    out = []
+    for i in range(tv.num_tasks):
+        mags = torch.cat([v[i].reshape(-1).abs().cpu() for v in tv.stacked.values()])
+        n = mags.numel()
+        out.append(mags.kthvalue(n - _n_keep(n, sparsity) + 1).values)
+    return torch.stack(out)
 
 
 def _disjoint_merge(tau: torch.Tensor, keep=None) -> torch.Tensor:

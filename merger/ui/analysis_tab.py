@@ -5,8 +5,9 @@ import gradio as gr
 
 from .. import analysis, methods, plots, trajectories
 from ..errors import MergerError
-from ..landscape import Landscape
+
 from ..methods.registry import PARAM_NAMES
+from .scheduling import BATCH_EVENT, as_batch
 from .lab_tab import build_lab_tab
 
 KS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -15,7 +16,7 @@ KS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 class AnalysisController:
     def __init__(self, ctl):
         self.ctl = ctl
-        self.ex = ctl.explorer
+        self.ex = ctl.session
         self.pool = ctl.pool
 
     def effective_weights(self, spec) -> tuple[list[float], str]:
@@ -94,7 +95,7 @@ class AnalysisController:
         return fig, text
 
     def dynamics(self, task):
-        land = Landscape(self.ex)
+        land = self.ex.landscape
         try:
             traj = trajectories.finetune_trajectory(land, task)
         except MergerError as exc:
@@ -139,7 +140,7 @@ class AnalysisController:
             spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
         except MergerError as exc:
             raise gr.Error(str(exc))
-        land = Landscape(self.ex)
+        land = self.ex.landscape
         if endpoints == "base → current merge":
             a, b, title = land.base_point(), land.spec_point(spec), f"base → {spec.label()}"
         else:
@@ -173,7 +174,7 @@ class AnalysisController:
                           f"{spec.label()}: merged vs logit ensemble (test split)", "accuracy %")
 
 
-def build_analysis_tabs(ctl, inputs, experts_box, engine: str):
+def build_analysis_tabs(ctl, inputs, experts_box):
     """The Analysis tab and the Expert lab."""
     ac = AnalysisController(ctl)
     pool = ctl.pool
@@ -204,12 +205,12 @@ def build_analysis_tabs(ctl, inputs, experts_box, engine: str):
             with gr.Row():
                 d_shares, d_cos, d_first = gr.Plot(), gr.Plot(), gr.Plot()
             d_text = gr.Markdown()
-            d_btn.click(ac.dynamics, d_task, [d_shares, d_cos, d_first, d_text], concurrency_id=engine,
+            d_btn.click(as_batch(ctl.session, ac.dynamics), d_task, [d_shares, d_cos, d_first, d_text], **BATCH_EVENT,
                         api_visibility="private")
         with gr.Accordion("Cross-task linearity (seed 004)", open=False):
             l_btn = gr.Button("Compute for the current merge")
             l_plot = gr.Plot()
-            l_btn.click(ac.linearity, inputs, l_plot, concurrency_id=engine, api_visibility="private")
+            l_btn.click(as_batch(ctl.session, ac.linearity), inputs, l_plot, **BATCH_EVENT, api_visibility="private")
             with gr.Row():
                 i_ends = gr.Radio(["base → current merge", "first two ticked experts"], value="base → current merge",
                                   label="interpolation path")
@@ -217,7 +218,7 @@ def build_analysis_tabs(ctl, inputs, experts_box, engine: str):
                 e_btn = gr.Button("Merged vs logit ensemble")
             with gr.Row():
                 i_plot, e_plot = gr.Plot(), gr.Plot()
-            i_btn.click(ac.interpolation, [i_ends, *inputs], i_plot, concurrency_id=engine, api_visibility="private")
-            e_btn.click(ac.ensemble, inputs, e_plot, concurrency_id=engine, api_visibility="private")
-    build_lab_tab(ctl, experts_box, d_task, engine)
+            i_btn.click(as_batch(ctl.session, ac.interpolation), [i_ends, *inputs], i_plot, **BATCH_EVENT, api_visibility="private")
+            e_btn.click(as_batch(ctl.session, ac.ensemble), inputs, e_plot, **BATCH_EVENT, api_visibility="private")
+    build_lab_tab(ctl, experts_box, d_task)
     return ac

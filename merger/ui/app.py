@@ -8,11 +8,10 @@ from ..methods.registry import PARAM_NAMES
 from ..tuning import TUNE_GRIDS
 from .analysis_tab import build_analysis_tabs
 from .callbacks import SPLITS_SHOWN, Controller
-from .landscape_tab import build_landscape_tabs
+from .landscape_tab import LandscapeController, build_landscape_tabs
+from .merge_events import MergeTabEvents
 from .runs import RunController
-from .session import MergeTabEvents
-
-ENGINE = "engine"  # one queue for the resident model: evaluations run one at a time
+from .scheduling import BATCH_EVENT, PREVIEW_EVENT, as_batch
 
 CSS = """
 #summary h3 {margin: 0.2em 0;}
@@ -36,10 +35,15 @@ def _param_control(name: str, num_experts: int):
                      elem_id=f"ctl-{name}", info=p.help)
 
 
-def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
-    ctl = Controller(explorer, history)
-    pool = explorer.pool
+def build_app(session, history=None, title: str = "merger") -> gr.Blocks:
+    ctl = Controller(session, history)
+    pool = session.pool
     default_method = "task_arithmetic"
+    landscape = LandscapeController(ctl)
+    events = MergeTabEvents(ctl, default_method, landscape)
+
+    def batch(fn):
+        return as_batch(session, fn)
 
     with gr.Blocks(title=title) as app:
         pins = gr.State([])
@@ -79,21 +83,15 @@ def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
                                 fw_plot = gr.Plot(label="Frank–Wolfe")
                 inputs = [experts, method, *controls]
                 outputs = [acc_plot, loss_plot, radar_plot, summary]
-                events = MergeTabEvents(ctl, default_method)
+                learned = [objective_plot, coef_plot, fw_plot]
                 method.change(events.method_controls, [method, experts, *controls], [*controls, about], queue=False)
                 experts.change(ctl.refresh_limits, inputs, controls, queue=False, api_visibility="private")
-                for c in [experts, method, *controls]:
-                    c.change(events.preview, inputs, outputs, trigger_mode="always_last",
-                             concurrency_id=ENGINE, concurrency_limit=1, show_progress="hidden", api_visibility="private")
-                    c.change(ctl.learned, inputs, [objective_plot, coef_plot, fw_plot], trigger_mode="always_last",
-                             queue=False, show_progress="hidden", api_visibility="private")
                 runs = RunController(ctl)
-                run_btn.click(runs.run, inputs, [run_status, objective_plot, coef_plot, fw_plot, *outputs],
-                                          api_visibility="private")
+                run_btn.click(runs.run, inputs, [run_status, *learned, *outputs], **BATCH_EVENT, api_visibility="private")
                 cancel_btn.click(runs.cancel, None, run_status, concurrency_id="cancel", concurrency_limit=None,
-                         api_visibility="private")
+                                 api_visibility="private")
                 pin_btn.click(ctl.pin, [pins, *inputs], [pins, pins_md], api_visibility="private")
-                export_btn.click(ctl.export, inputs, [files, export_msg], concurrency_id=ENGINE, api_visibility="private")
+                export_btn.click(batch(ctl.export), inputs, [files, export_msg], **BATCH_EVENT, api_visibility="private")
 
             with gr.Tab("Compare", id="compare"):
                 with gr.Row():
@@ -103,8 +101,8 @@ def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
                 with gr.Row():
                     cmp_bars = gr.Plot()
                     cmp_radar = gr.Plot()
-                cmp_btn.click(ctl.compare, [pins, cmp_split], [cmp_table, cmp_bars, cmp_radar],
-                              concurrency_id=ENGINE, api_visibility="private")
+                cmp_btn.click(batch(ctl.compare), [pins, cmp_split], [cmp_table, cmp_bars, cmp_radar],
+                              **BATCH_EVENT, api_visibility="private")
                 gr.Markdown("### Auto-tune\nGrid search on the validation split, then the best setting on the test split.")
                 tune_methods = gr.CheckboxGroup(list(TUNE_GRIDS), value=["task_arithmetic", "ties", "cart"],
                                                 label="methods")
@@ -112,10 +110,10 @@ def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
                 tune_table = gr.Dataframe(headers=["method", "best parameters", "grid points", "val acc %",
                                                    "test acc %", "test normalised %"], interactive=False)
                 with gr.Row():
-                    tune_bars = gr.Plot()
+                    tune_bars = gr.Plot(elem_id="tune-bars")
                     tune_radar = gr.Plot()
-                tune_btn.click(ctl.auto_tune, [tune_methods, experts], [tune_table, tune_bars, tune_radar],
-                               concurrency_id=ENGINE, api_visibility="private")
+                tune_btn.click(batch(ctl.auto_tune), [tune_methods, experts], [tune_table, tune_bars, tune_radar],
+                               **BATCH_EVENT, api_visibility="private")
                 gr.Markdown("### Sweeps")
                 with gr.Row():
                     sweep_axis = gr.Radio([("λ", "lam"), ("rank ratio", "rank_ratio"), ("sparsity", "sparsity"),
@@ -124,16 +122,18 @@ def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
                                                      label="methods")
                     sweep_split = gr.Dropdown(list(SPLITS_SHOWN), value="live", label="split")
                 sweep_btn = gr.Button("Sweep")
-                sweep_plot = gr.Plot()
-                sweep_btn.click(ctl.sweep, [sweep_axis, sweep_methods, sweep_split, experts], sweep_plot,
-                                concurrency_id=ENGINE, api_visibility="private")
+                sweep_plot = gr.Plot(elem_id="sweep-plot")
+                sweep_btn.click(batch(ctl.sweep), [sweep_axis, sweep_methods, sweep_split, experts], sweep_plot,
+                                **BATCH_EVENT, api_visibility="private")
 
-            lc, land_state, land_plot = build_landscape_tabs(ctl, pins, inputs, ENGINE)
+            land_state, land_plot = build_landscape_tabs(landscape, pins, inputs, batch)
+            # One listener per control: the Merge plots, the data-driven panel and the landscape marker
+            # from one merge and one forward (MergeTabEvents.move).
             for c in [experts, method, *controls]:
-                c.change(lc.move_live, [land_state, *inputs], land_plot, trigger_mode="always_last",
-                         concurrency_id=ENGINE, show_progress="hidden", api_visibility="private")
+                c.change(events.move, [land_state, *inputs], [*outputs, *learned, land_plot], trigger_mode="always_last",
+                         **PREVIEW_EVENT, show_progress="hidden", api_visibility="private")
 
-            build_analysis_tabs(ctl, inputs, experts, ENGINE)
+            build_analysis_tabs(ctl, inputs, experts)
 
             with gr.Tab("History", id="history"):
                 with gr.Row():
@@ -151,7 +151,7 @@ def build_app(explorer, history=None, title: str = "merger") -> gr.Blocks:
                 hist_reload.click(events.reload, [hist_id, *inputs], [experts, method, *controls], api_visibility="private")
                 hist_csv_btn.click(ctl.history_csv, [hist_method, hist_text], hist_file, api_visibility="private")
 
-        gr.api(ctl.api_evaluate, api_name="evaluate", concurrency_id=ENGINE, concurrency_limit=1)
+        gr.api(ctl.api_evaluate, api_name="evaluate", **PREVIEW_EVENT)
         app.load(ctl.method_controls, [method, experts, *controls], [*controls, about], api_visibility="private")
-        app.load(ctl.preview, inputs, outputs, concurrency_id=ENGINE, api_visibility="private")
+        app.load(ctl.preview, inputs, outputs, **PREVIEW_EVENT, api_visibility="private")
     return app

@@ -40,14 +40,19 @@ def free_port() -> int:
 
 
 def start_server(pool: str, port: int, history: str, timeout: float = 120.0) -> subprocess.Popen:
-    """``python app.py`` on a loopback port; returns once the page answers."""
+    """``python app.py`` on a loopback port; returns once the page answers. Its output goes to a
+    log next to the history (``server_log(proc)``): a pipe nobody reads would block the server once
+    its buffer is full."""
     app = Path(__file__).resolve().parents[2] / "app.py"
-    proc = subprocess.Popen([sys.executable, str(app), "--pool", pool, "--port", str(port), "--history", history],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = Path(history).with_suffix(".log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(app), "--pool", pool, "--port", str(port), "--history", history],
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
+    proc.log = log
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"app exited with {proc.returncode}: {proc.stdout.read()[-2000:]}")
+            raise RuntimeError(f"app exited with {proc.returncode}: {server_log(proc)[-2000:]}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
             return proc
@@ -55,6 +60,14 @@ def start_server(pool: str, port: int, history: str, timeout: float = 120.0) -> 
             time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"app did not answer on port {port} within {timeout:.0f} s")
+
+
+def server_log(proc) -> str:
+    """What a server started by ``start_server`` printed so far."""
+    try:
+        return Path(proc.log).read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def shown(page) -> dict:

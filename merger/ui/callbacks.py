@@ -1,7 +1,7 @@
 """Callbacks of the app, as plain methods (tested without a browser).
 
 Per-session state (pins) lives in a ``gr.State`` the callbacks receive and return; caches are
-the shared explorer's. Bad input becomes a message, never a crash: the server stays up.
+the pool session's. Bad input becomes a message, never a crash: the server stays up.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import math
 import tempfile
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 import gradio as gr
 
@@ -18,6 +19,7 @@ from ..errors import MergerError, MethodError
 from ..export import export_merge, pool_reference
 from ..methods.registry import PARAM_NAMES
 from ..tuning import SWEEP_AXES, auto_tune, sweep, sweep_num_tasks
+from ..work_queue import Superseded
 
 SPLITS_SHOWN = ("live", "val", "test")
 EXPORT_ROOT = Path(tempfile.gettempdir()) / "merger-exports"
@@ -51,10 +53,19 @@ def _fits(param, value, hi: float = math.inf) -> bool:
     return isinstance(v, str) or v <= hi + 1e-12
 
 
+class Answer(NamedTuple):
+    """What a move computed: the spec and its result, or the message to show instead."""
+    spec: object
+    result: object
+    cached: bool
+    message: str = ""
+    why: str = ""
+
+
 class Controller:
-    def __init__(self, explorer, history=None):
-        self.explorer = explorer
-        self.pool = explorer.pool
+    def __init__(self, session, history=None):
+        self.session = session
+        self.pool = session.pool
         self.history = history
         self.pool_ref = pool_reference(self.pool)
 
@@ -71,7 +82,7 @@ class Controller:
         for k, v in params.items():
             if m.param(k).auto and _at_auto(m, k, v, len(experts)):
                 params[k] = "auto"
-        return self.explorer.spec(m.name, experts=list(experts), **params)
+        return self.session.spec(m.name, experts=list(experts), **params)
 
     def method_controls(self, method, experts, *values, previous: str | None = None):
         """Control updates for a method: its parameters enabled with their ranges, the others
@@ -125,34 +136,53 @@ class Controller:
         return tuple(updates)
 
     # ---- merge tab ----------------------------------------------------------------------
-    def preview(self, experts, method, *values, record: bool = True):
-        """(accuracy bars, loss bars, radar, summary markdown) for the controls' spec; a new result
-        goes into the history unless ``record`` is False."""
+    def preview(self, experts, method, *values, **options):
+        """(accuracy bars, loss bars, radar, summary markdown) for the controls' spec (see ``answer``)."""
+        ans = self.answer(experts, method, *values, **options)
+        if ans.result is None:
+            return self.no_result(ans.message, ans.why)
+        return (*self.figures(ans), self.summary(ans.spec, ans.result, ans.cached))
+
+    def answer(self, experts, method, *values, record: bool = True, session: str | None = None,
+               ticket: int | None = None, images: int | None = None) -> "Answer":
+        """The controls' spec and its result; a new complete result goes into the history unless
+        ``record`` is False. ``images``: a partial answer on the first images of each task (never
+        cached, never recorded). A move of a browser ``session`` superseded before it starts raises
+        ``Superseded``. Bad settings give an answer without a result, with the message to show."""
         split = "live"
         try:
             spec = self.spec_from_controls(experts, method, *values)
-            if methods.get(spec.method).kind == "data" and self.explorer.cached_run(spec) is None:
-                return self._no_result(
-                    f"**{methods.get(spec.method).display_name}** learns its coefficients from validation data: "
-                    "set its parameters, open **Data-driven methods** below the controls and press **Run**.",
-                    "no run yet for these settings")
-            cached = self.explorer.cached(spec, split) is not None
-            result = self.explorer.preview(spec, split)
+            if methods.get(spec.method).kind == "data" and self.session.cached_run(spec) is None:
+                return Answer(spec, None, False,
+                              f"**{methods.get(spec.method).display_name}** learns its coefficients from validation "
+                              "data: set its parameters, open **Data-driven methods** below the controls and press "
+                              "**Run**.", "no run yet for these settings")
+            cached = self.session.cached(spec, split) is not None
+            if images is not None:
+                result = self.session.partial(spec.rounded(), images, split)
+            else:
+                result = self.session.preview(spec, split, session=session, ticket=ticket)
+        except Superseded:
+            raise
         except MergerError as exc:
-            return self._no_result(f"⚠️ {exc}", "no result for the current settings")
-        if self.history is not None and not cached and record:
+            return Answer(None, None, False, f"⚠️ {exc}", "no result for the current settings")
+        if self.history is not None and not cached and record and not result.partial:
             self.history.record(self.pool_ref, spec.rounded(), result)
-        base = self.explorer.base(split)
-        experts_acc = self.explorer.experts(split)
+        return Answer(spec, result, cached)
+
+    def figures(self, ans: "Answer") -> tuple:
+        """(accuracy bars, loss bars, radar) of an answer with a result."""
         from ..reference import guides
 
-        return (plots.accuracy_bars(result, base, experts_acc, guides=guides(self.pool.architecture.get("model"), spec.method)),
-                plots.loss_bars(result, base),
-                plots.radar({spec.label(): result}),
-                self.summary(spec, result, cached))
+        base = self.session.base(ans.result.split)
+        experts_acc = self.session.experts(ans.result.split)
+        model = self.pool.architecture.get("model")
+        return (plots.accuracy_bars(ans.result, base, experts_acc, guides=guides(model, ans.spec.method)),
+                plots.loss_bars(ans.result, base),
+                plots.radar({ans.spec.label(): ans.result}))
 
     @staticmethod
-    def _no_result(message: str, why: str):
+    def no_result(message: str, why: str):
         """The plots cleared (never an earlier result shown as the current one) and the message."""
         empty = plots.empty(why)
         return empty, empty, empty, message
@@ -164,7 +194,7 @@ class Controller:
 
         try:
             spec = self.spec_from_controls(experts, method, *values)
-            run = self.explorer.cached_run(spec) if methods.get(spec.method).kind == "data" else None
+            run = self.session.cached_run(spec) if methods.get(spec.method).kind == "data" else None
         except MergerError:
             run = None
         if run is None:
@@ -177,6 +207,8 @@ class Controller:
         rounded = spec.rounded()
         note = m.note(rounded.kwargs, None) if m.note else None
         timing = "cached" if cached else f"{1000 * result.seconds:.0f} ms"
+        if result.partial:
+            timing += " · ⏳ partial: the first images of each task; the whole live split follows"
         images = sorted(set(result.counts.values()))
         avg, norm = 100 * result.average_accuracy, 100 * result.normalized_accuracy
         lines = [
@@ -190,8 +222,8 @@ class Controller:
         ]
         if note:
             lines.append(f"ℹ️ {note}")
-        if self.explorer.evaluator.notices:
-            lines.append(f"⚠️ {self.explorer.evaluator.notices[-1]}")
+        if self.session.evaluator.notices:
+            lines.append(f"⚠️ {self.session.evaluator.notices[-1]}")
         return "\n\n".join(lines)
 
     def pin(self, pins, experts, method, *values):
@@ -216,7 +248,7 @@ class Controller:
         try:
             spec = self.spec_from_controls(experts, method, *values).rounded()
             out = EXPORT_ROOT / uuid.uuid4().hex / f"merged-{spec.method}.safetensors"
-            with self.explorer.lock:
+            with self.session.batch(), self.session.lock:
                 weights, spec_yaml = export_merge(self.pool, spec, out)
         except (MergerError, OSError) as exc:
             gr.Warning(f"export failed: {exc}")
@@ -229,7 +261,8 @@ class Controller:
             empty = plots.empty("Pin merges in the Merge tab to compare them here.")
             return [], empty, empty
         try:
-            results = {s.label(): self.explorer.preview(s, split) for s in pins}
+            with self.session.batch():
+                results = {s.label(): self.session.preview(s, split) for s in pins}
         except MergerError as exc:
             raise gr.Error(str(exc))
         table = [[label, ", ".join(s.experts), round(100 * r.average_accuracy, 2),
@@ -245,7 +278,7 @@ class Controller:
         if not method_names:
             raise gr.Error("tick at least one method to auto-tune")
         try:
-            rows = auto_tune(self.explorer, method_names, experts=list(experts) if experts else None,
+            rows = auto_tune(self.session, method_names, experts=list(experts) if experts else None,
                              progress=lambda f, msg: progress(f, desc=msg))
         except MergerError as exc:
             raise gr.Error(str(exc))
@@ -263,7 +296,7 @@ class Controller:
                     raise MergerError("tick at least one method")
                 curves, errors = {}, {}
                 for m in method_names:
-                    r = sweep_num_tasks(self.explorer, m, split=split, progress=lambda f, msg: progress(f, desc=f"{m}: {msg}"))
+                    r = sweep_num_tasks(self.session, m, split=split, progress=lambda f, msg: progress(f, desc=f"{m}: {msg}"))
                     curves[m], errors[m] = (r["x"], r["mean"]), r["se"]
                 return plots.sweep_curves(curves, "number of merged tasks",
                                           "Average accuracy over the merged tasks (mean ± s.e. over random subsets)",
@@ -278,7 +311,7 @@ class Controller:
                       "rank_ratio": [0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.16, 0.24, 0.32, 0.5, 0.75, 1.0],
                       "sparsity": [round(0.1 * i, 2) for i in range(0, 10)] + [0.95, 0.99]}[axis]
             values = [v for v in values if p.min <= v <= p.max and not (p.min_open and v == p.min)]
-            data = sweep(self.explorer, chosen, axis, values, split=split, experts=experts,
+            data = sweep(self.session, chosen, axis, values, split=split, experts=experts,
                          progress=lambda f, msg: progress(f, desc=msg))
         except MergerError as exc:
             raise gr.Error(str(exc))
@@ -365,9 +398,9 @@ class Controller:
             if private:
                 raise MergerError(f"experts: {', '.join(private)} belong(s) to a browser session's expert lab; the "
                                   f"endpoint merges the pool's experts ({', '.join(self.pool.tasks)})")
-            spec = self.explorer.spec(method, experts=experts, **params)
-            cached = self.explorer.cached(spec, split) is not None
-            result = self.explorer.preview(spec, split)
+            spec = self.session.spec(method, experts=experts, **params)
+            cached = self.session.cached(spec, split) is not None
+            result = self.session.preview(spec, split)
         except MergerError as exc:
             raise gr.Error(str(exc))
         if self.history is not None and not cached:

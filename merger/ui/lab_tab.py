@@ -12,7 +12,8 @@ from ..errors import MergerError
 from ..lab import (GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, TRENDS, add_expert, check_settings, finetune, lab_experts,
                    scaling_view)
 from ..trajectories import has_trajectory
-from .session import session_of
+from .merge_events import session_of
+from .scheduling import BATCH_EVENT, as_batch
 
 
 class LabController:
@@ -63,9 +64,9 @@ class LabController:
         return self.choices(request)
 
     def _train(self, task, name, settings, progress, flag, request):
-        sd, traj, hp = finetune(self.pool, task, settings, progress=lambda f, m: progress(f, desc=m),
+        sd, traj, hp = finetune(self.ctl.session, task, settings, progress=lambda f, m: progress(f, desc=m),
                                 cancel=flag.is_set)
-        add_expert(self.ctl.explorer, name, task, sd, hp, traj, owner=session_of(request))
+        add_expert(self.ctl.session, name, task, sd, hp, traj, owner=session_of(request))
         return hp
 
     # Gradio injects the request and the progress tracker only among positional parameters,
@@ -113,7 +114,7 @@ class LabController:
 
         def work(flag):
             vals = [float(v) for v in str(values).split(",") if v.strip()]
-            return scaling_view(self.ctl.explorer, param, vals, check_settings(*settings), self.pool.tasks,
+            return scaling_view(self.ctl.session, param, vals, check_settings(*settings), self.pool.tasks,
                                 progress=lambda f, m: progress(f, desc=m), cancel=flag.is_set, owner=session_of(request))
 
         r, cancelled = self._guarded(request, work)
@@ -128,7 +129,7 @@ class LabController:
         return acc, loss, self.choices(request)[0], f"Merged with {r['merge']}."
 
 
-def build_lab_tab(ctl, experts_box, dynamics_task, engine: str) -> LabController:
+def build_lab_tab(ctl, experts_box, dynamics_task) -> LabController:
     lc = LabController(ctl)
     pool = ctl.pool
     with gr.Tab("Expert lab", id="lab"):
@@ -171,12 +172,12 @@ def build_lab_tab(ctl, experts_box, dynamics_task, engine: str) -> LabController
         everyone.change(lc.opt_in, everyone, [experts_box, dynamics_task], api_visibility="private")
         gd_btn.click(lc.gradient_descent_preset, None, [lr, epochs, bs, frac, opt, momentum, wd, schedule, status],
                      queue=False, api_visibility="private")
-        run_btn.click(lc.run, [task, name, *settings], [status, experts_box, dynamics_task], concurrency_id=engine,
+        run_btn.click(as_batch(ctl.session, lc.run), [task, name, *settings], [status, experts_box, dynamics_task], **BATCH_EVENT,
                       api_visibility="private")
-        one_btn.click(lc.one_epoch_set, settings, [status, experts_box, dynamics_task], concurrency_id=engine,
+        one_btn.click(as_batch(ctl.session, lc.one_epoch_set), settings, [status, experts_box, dynamics_task], **BATCH_EVENT,
                       api_visibility="private")
-        sc_btn.click(lc.scaling, [sc_param, sc_values, *settings], [sc_acc, sc_loss, experts_box, status],
-                     concurrency_id=engine, api_visibility="private")
+        sc_btn.click(as_batch(ctl.session, lc.scaling), [sc_param, sc_values, *settings], [sc_acc, sc_loss, experts_box, status],
+                     **BATCH_EVENT, api_visibility="private")
         # Queued (so the request carries the browser session), in its own queue: never behind a run.
         cancel_btn.click(lc.cancel, None, status, concurrency_id="cancel", concurrency_limit=None,
                          api_visibility="private")

@@ -5,8 +5,9 @@ import gradio as gr
 
 from .. import methods, plots, trajectories
 from ..errors import MergerError
-from ..landscape import Landscape, extent_of
-from ..landscape_report import landscape_figure, make_plane
+from ..landscape import extent_of
+from ..landscape_report import landscape_figure, landscape_layers, make_plane
+from .scheduling import BATCH_EVENT
 
 PLANE_CHOICES = [("PCA of base, experts and pinned merges", "pca"), ("base + two task vectors", "tasks"),
                  ("three points (named below)", "points")]
@@ -18,7 +19,7 @@ ITERATES = "iterates of the current data-driven run"
 class LandscapeController:
     def __init__(self, controller):
         self.ctl = controller
-        self.land = Landscape(controller.explorer)
+        self.land = controller.session.landscape
         self.pool = controller.pool
 
     def path_choices(self) -> list[str]:
@@ -38,7 +39,7 @@ class LandscapeController:
 
     def _path(self, name, method, spec_params, spec):
         if name == ITERATES:
-            run = self.ctl.explorer.cached_run(spec) if spec is not None and methods.get(spec.method).kind == "data" else None
+            run = self.ctl.session.cached_run(spec) if spec is not None and methods.get(spec.method).kind == "data" else None
             if run is None:
                 raise MergerError("no data-driven run for the current spec: pick AdaMerging or FW and press Run first")
             return trajectories.run_path(self.land, run)
@@ -86,14 +87,31 @@ class LandscapeController:
     def figure(self, state, spec=None):
         live = live_values = None
         if spec is not None:
-            label, vec = self._live(spec)
-            x, y, off = state["plane"].coords(vec)
-            live = (label, x, y, off)
-            if state["view"] == "surface":  # the marker sits at the merge's own value (cached per spec)
-                res = self.ctl.explorer.preview(spec, state["surface"].split)
-                live_values = (res.accuracy, res.loss)
+            x, y, off = self.ctl.session.coords_on_plane(state["plane"], spec)
+            live = (spec.label(), x, y, off)
+            if state["view"] == "surface":  # the marker sits at the merge's own measured value
+                live_values = self._measured(spec, state["surface"].split)
+        # once per surface and view: the projections and heights of everything but the live merge
+        key = (state["metric"], state["task"], state["view"])
+        layers = state.setdefault("layers", {})
+        if key not in layers:
+            layers[key] = landscape_layers(self.land, state["plane"], state["surface"], *key[:2], state["points"],
+                                           state["paths"], key[2])
         return landscape_figure(self.land, state["plane"], state["surface"], state["metric"], state["task"],
-                                state["points"], state["paths"], state["view"], live, live_values)
+                                state["points"], state["paths"], state["view"], live, live_values, layers[key])
+
+    def _measured(self, spec, split: str) -> tuple[dict, dict]:
+        """(accuracy, loss) of the live merge on the surface's split: from the move's own live
+        result when it holds those images (no forward), else one forward of the point."""
+        session = self.ctl.session
+        cached = session.cached(spec, split)
+        if cached is not None:
+            return cached.accuracy, cached.loss
+        if split == "probe":
+            values = session.probe_from_live(spec)
+            if values is not None:
+                return values
+        return self.land.point_values(self.land.spec_point(spec), split)
 
     def move_live(self, state, experts, method, *values):
         """The slider moved: only the live marker moves; the surface is not recomputed."""
@@ -122,10 +140,10 @@ class LandscapeController:
         return plots.trajectory_curves(data, metric, task=task, missing=problems)
 
 
-def build_landscape_tabs(ctl, pins, inputs, engine: str):
-    """Adds the two tabs; returns (state, plot) so the Merge tab can move the live marker."""
-    lc = LandscapeController(ctl)
-    tasks = ctl.pool.tasks
+def build_landscape_tabs(lc: LandscapeController, pins, inputs, batch):
+    """Adds the two tabs; returns (state, plot) so the Merge tab's moves can move the live marker.
+    ``batch`` wraps a listener so its work is batch work."""
+    tasks = lc.pool.tasks
     with gr.Tab("Landscape", id="landscape"):
         state = gr.State(None)
         with gr.Row():
@@ -144,8 +162,8 @@ def build_landscape_tabs(ctl, pins, inputs, engine: str):
         plot = gr.Plot(elem_id="landscape-plot")
         gr.Markdown("Markers: ■ base · ◆ experts · ● pinned merges · ★ the live merge (moves with the Merge "
                     "tab's sliders). Hover a point for its off-plane distance: a projection is not the real location.")
-        go_btn.click(lc.compute, [pins, plane, task_a, task_b, three, metric, task, grid, view, paths, *inputs],
-                     [state, plot], concurrency_id=engine, api_visibility="private")
+        go_btn.click(batch(lc.compute), [pins, plane, task_a, task_b, three, metric, task, grid, view, paths, *inputs],
+                     [state, plot], **BATCH_EVENT, api_visibility="private")
     with gr.Tab("Trajectories", id="trajectories"):
         chosen = gr.CheckboxGroup(lc.path_choices(), value=lc.path_choices()[:2], label="trajectories")
         with gr.Row():
@@ -154,6 +172,6 @@ def build_landscape_tabs(ctl, pins, inputs, engine: str):
             t_task = gr.Dropdown(["all tasks (mean)"] + tasks, value="all tasks (mean)", label="of")
         t_btn = gr.Button("Evaluate along trajectories")
         t_plot = gr.Plot()
-        t_btn.click(lc.curves, [chosen, t_metric, t_split, t_task, *inputs], t_plot, concurrency_id=engine,
+        t_btn.click(batch(lc.curves), [chosen, t_metric, t_split, t_task, *inputs], t_plot, **BATCH_EVENT,
                     api_visibility="private")
-    return lc, state, plot
+    return state, plot

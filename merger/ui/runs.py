@@ -10,7 +10,7 @@ import gradio as gr
 from .. import methods, plots
 from ..errors import MergerError
 from ..methods.adaptive import Cancelled
-from .session import session_of
+from .merge_events import session_of
 
 
 class RunController:
@@ -66,7 +66,7 @@ class RunController:
 
         def work():
             try:
-                box["run"] = self.ctl.explorer.run(spec, progress, flag.is_set)
+                box["run"] = self.ctl.session.run(spec, progress, flag.is_set)
             except Exception as exc:  # reported to the user below; the server stays up
                 box["error"] = exc
 

@@ -1,0 +1,153 @@
+"""The Merge tab's listeners as one browser session drives them.
+
+One listener per control (``move``) answers a move with everything that depends on it: the
+Merge plots and summary, the data-driven panel and the landscape's live marker, from one merge and
+one forward. Each move takes a ticket of its session; a move superseded by a newer one of the
+same session before it starts is dropped (its outputs are left as they are). On a slow pool a
+move first shows a partial answer (the first images of each task), then the complete one unless a
+newer move arrived.
+
+A History reload sets the experts, the method and every value at once; the browser then fires a
+change event per component, each reading the others as they are at that moment, some not yet
+updated. Those in-between specs are no one's request: they are neither computed nor recorded, and
+the method change that follows does not reset the values the reload set. The session's pending
+reload target is held here (one owner), until its own preview arrives or it expires.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import gradio as gr
+
+from .. import methods
+from ..errors import MergerError
+from ..work_queue import Superseded
+
+EXPIRY_S = 10.0  # a reload whose target never shows up stops guarding the session after this
+
+
+def session_of(request) -> str:
+    return getattr(request, "session_hash", None) or "default"
+
+
+class MergeTabEvents:
+    def __init__(self, ctl, initial_method: str, landscape=None):
+        self.ctl = ctl
+        self.landscape = landscape  # LandscapeController: the live marker follows each move
+        self.initial_method = initial_method
+        self._targets: dict[str, tuple[object, float, bool]] = {}  # session -> (spec, expiry, arrived)
+        self._methods: dict[str, str] = {}  # the method each session shows (to tell its defaults)
+        self._panel: dict[str, int | None] = {}  # the run each session's data-driven panel shows
+        self._lock = threading.Lock()
+
+    def _target(self, request):
+        with self._lock:
+            entry = self._targets.get(session_of(request))
+            if entry is not None and entry[1] < time.monotonic():
+                self._targets.pop(session_of(request), None)
+                return None
+            return entry[0] if entry else None
+
+    def _reload_step(self, request, experts, method, values) -> str:
+        """What a move is while a History reload is pending: "reload" (the row's own spec: computed,
+        not recorded), "skip" (an in-between spec of the reload) or "move" (a person's move). The
+        reload stays pending after its spec arrived, so that its method change, whenever it comes,
+        keeps the row's values; the person's next different move ends it."""
+        key = session_of(request)
+        target = self._target(request)
+        if target is None:
+            return "move"
+        if self._spec(experts, method, values) == target:
+            with self._lock:
+                if key in self._targets:
+                    self._targets[key] = (*self._targets[key][:2], True)
+            return "reload"
+        with self._lock:
+            matched = key in self._targets and self._targets[key][2]
+            if matched:
+                self._targets.pop(key, None)
+        return "move" if matched else "skip"
+
+    def _spec(self, experts, method, values):
+        try:
+            return self.ctl.spec_from_controls(experts, method, *values).rounded()
+        except MergerError:
+            return None
+
+    # Gradio injects the request only among positional parameters: it comes first.
+    def reload(self, request: gr.Request, row_id, experts, method, *values):
+        updates = self.ctl.reload(row_id)
+        target = self._spec(updates[0]["value"], updates[1]["value"], [u.get("value") for u in updates[2:]])
+        if target is None or target == self._spec(experts, method, values):
+            return tuple(gr.skip() for _ in updates)  # nothing changes: no event will follow
+        with self._lock:
+            self._targets[session_of(request)] = (target, time.monotonic() + EXPIRY_S, False)
+        return updates
+
+    def method_controls(self, request: gr.Request, method, experts, *values):
+        with self._lock:
+            previous = self._methods.get(session_of(request), self.initial_method)
+            self._methods[session_of(request)] = method
+        target = self._target(request)
+        if target is not None and target.method == methods.get(method).name:
+            m = methods.get(target.method)
+            values = self.ctl.control_values(m, target.kwargs, len(target.experts))
+            previous = None  # the row's values are what was asked for, defaults or not
+        return self.ctl.method_controls(method, experts, *values, previous=previous)
+
+    MOVE_OUTPUTS = 8  # accuracy, loss, radar, summary, objective, coefficients, FW, landscape
+
+    def move(self, request: gr.Request, land_state, experts, method, *values):
+        """Generator: (Merge plots + summary, data-driven panel, landscape figure) for one move;
+        on a slow pool a partial answer first."""
+        skip = (gr.skip(),) * self.MOVE_OUTPUTS
+        step = self._reload_step(request, experts, method, values)
+        if step == "skip":
+            yield skip  # a step of a History reload, not a request
+            return
+        record = step == "move"  # a reloaded row is in the history already
+        who = session_of(request)
+        queue = self.ctl.session.queue
+        ticket = queue.ticket(who)
+        learned = self._learned(who, experts, method, values)
+        skip3 = (gr.skip(),) * 3
+        try:
+            images = self._partial_images(experts, method, values)
+            if images is not None:
+                yield (*self.ctl.preview(experts, method, *values, images=images), *learned, gr.skip())
+                if queue.superseded(who, ticket):
+                    return  # a newer move will answer; this one stops at its partial answer
+            ans = self.ctl.answer(experts, method, *values, record=record, session=who, ticket=ticket)
+        except Superseded:
+            yield skip
+            return
+        if ans.result is None:
+            yield (*self.ctl.no_result(ans.message, ans.why), *learned, gr.skip())
+            return
+        # The numbers first (what a person reads), then the figures, which take the browser longer to draw.
+        yield (*skip3, self.ctl.summary(ans.spec, ans.result, ans.cached), *learned, gr.skip())
+        marker = self.landscape.move_live(land_state, experts, method, *values) if self.landscape else gr.skip()
+        yield (*self.ctl.figures(ans), gr.skip(), *skip3, marker)
+
+    def _learned(self, who: str, experts, method, values) -> tuple:
+        """The data-driven panel, or skips when it would show what it already shows (every move of a
+        static method would otherwise redraw three empty figures)."""
+        spec = self._spec(experts, method, values)
+        run = self.ctl.session.cached_run(spec) if spec is not None and methods.get(spec.method).kind == "data" else None
+        shows = id(run) if run is not None else None
+        with self._lock:
+            same = who in self._panel and self._panel[who] == shows
+            self._panel[who] = shows
+        return (gr.skip(),) * 3 if same else self.ctl.learned(experts, method, *values)
+
+    def _partial_images(self, experts, method, values) -> int | None:
+        """Images per task of a partial first answer: only on a slow pool, for a static method's
+        result not yet computed."""
+        images = self.ctl.session.partial_images
+        if images is None:
+            return None
+        spec = self._spec(experts, method, values)
+        if spec is None or methods.get(spec.method).kind == "data" or self.ctl.session.cached(spec) is not None:
+            return None
+        return images

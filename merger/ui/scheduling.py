@@ -1,0 +1,40 @@
+"""How the app's listeners reach the one resident model.
+
+Gradio's own queue would run every listener of one concurrency group one at a time, so a sweep
+would hold every slider in the room. Instead previews and batch work have their own groups and
+the session's ``WorkQueue`` orders the actual work: previews first, batch jobs in chunks, taking
+turns. A batch listener is wrapped so that everything it computes is batch work.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+PREVIEW = "preview"  # slider moves, the evaluate endpoint: no Gradio limit, the WorkQueue orders them
+BATCH = "batch"  # sweeps, auto-tune, compare, landscape, runs, lab, exports, analysis
+BATCH_LIMIT = 4  # batch jobs running at once (their chunks interleave); more wait in Gradio's queue
+PREVIEW_EVENT = {"concurrency_id": PREVIEW, "concurrency_limit": None}
+BATCH_EVENT = {"concurrency_id": BATCH, "concurrency_limit": BATCH_LIMIT}
+
+
+def as_batch(session, fn):
+    """``fn`` with all its work marked as batch work. Gradio may run each step of a generator in
+    another thread, so the mark is set around each step, never left on a thread."""
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def steps(*args, **kwargs):
+            gen = fn(*args, **kwargs)
+            while True:
+                with session.batch():
+                    try:
+                        item = next(gen)
+                    except StopIteration:
+                        return
+                yield item
+        return steps
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with session.batch():
+            return fn(*args, **kwargs)
+    return call

@@ -1,0 +1,292 @@
+"""Live as a person feels it (issue 3/8): one move = at most one merge and one forward, previews
+before batch work, superseded moves dropped, progressive answers on slow pools, one owner of state.
+Everything here is counted or ordered by events, never timed."""
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+import merger
+from merger.work_queue import Superseded, WorkQueue
+from helpers import controls, ui_controller
+
+
+@pytest.fixture(scope="module")
+def ctl(tmp_path_factory):
+    return ui_controller(tmp_path_factory.mktemp("live"))
+
+
+@pytest.fixture(scope="module")
+def land_state(ctl):
+    from merger.ui.landscape_tab import LandscapeController
+
+    lc = LandscapeController(ctl)
+    *_, (state, _) = lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 7, "surface", [],
+                                *controls(ctl, lam=0.3), progress=lambda *a, **k: None)
+    return lc, state
+
+
+def events_for(ctl, lc):
+    from merger.ui.merge_events import MergeTabEvents
+
+    return MergeTabEvents(ctl, "task_arithmetic", lc)
+
+
+def person(name="person"):
+    return SimpleNamespace(session_hash=name)
+
+
+def work(ctl):
+    return ctl.session.evaluator.forwards, ctl.session.counts["applies"]
+
+
+@pytest.mark.parametrize("view", ["contour", "surface"])
+def test_a_move_costs_one_forward_and_one_apply_and_a_hit_none(ctl, land_state, view):
+    lc, state = land_state
+    state = {**state, "view": view}
+    events = events_for(ctl, lc)
+    list(events.move(person(), state, *controls(ctl, lam=0.05)))  # base, experts: once per split, before
+    shift = 0.0 if view == "contour" else 0.3  # values no earlier move computed
+    for lam, method in ((0.65 + shift, "task_arithmetic"), (0.7 + shift, "ties"), (0.75 + shift, "tsv_m")):
+        before = work(ctl)
+        numbers, views = list(events.move(person(), state, *controls(ctl, method, lam=lam)))
+        after = work(ctl)
+        assert (after[0] - before[0], after[1] - before[1]) == (1, 1), method
+        assert f"lam={lam:g}" in numbers[3]  # the numbers first, then the figures and the marker
+        assert len(views) == 8 and "live merge" in [t.name for t in views[7].data]
+        before = work(ctl)
+        list(events.move(person(), state, *controls(ctl, method, lam=lam)))  # the same values again
+        assert work(ctl) == before
+
+
+def test_the_3d_marker_is_measured_without_a_second_forward(ctl, land_state):
+    """The probe images are a subset of the live ones: the marker's height comes from the move's
+    own forward, and equals a forward of the point on the probe split."""
+    lc, _ = land_state
+    session = ctl.session
+    spec = session.spec("task_arithmetic", lam=0.45).rounded()
+    session.preview(spec)
+    acc, loss = session.probe_from_live(spec)
+    ref_acc, ref_loss = session.values_at_point(lc.land.spec_point(spec), "probe")
+    assert acc == pytest.approx(ref_acc, abs=1e-9) and loss == pytest.approx(ref_loss, rel=1e-4)
+
+
+def test_a_preview_goes_before_a_running_batch_job(ctl):
+    """A preview submitted during a sweep completes before the sweep's next grid point."""
+    from merger.tuning import sweep
+
+    session = ctl.session
+    done, seen = threading.Event(), []
+    lams = [round(1.0 + 0.05 * i, 2) for i in range(6)]
+
+    def progress(frac, msg):
+        seen.append(done.is_set())
+        if len(seen) == 1:
+            threading.Thread(target=lambda: (session.preview(session.spec("ties", lam=1.7)), done.set())).start()
+            deadline = time.monotonic() + 30
+            while session.queue.previews_waiting() == 0 and not done.is_set() and time.monotonic() < deadline:
+                time.sleep(0.001)  # until the preview is in line (an ordering check, not a timing one)
+
+    sweep(session, ["task_arithmetic"], "lam", lams, split="val", progress=progress)
+    assert seen[0] is False and all(seen[1:]), seen
+    assert session.queue.counts["previews"] > 0 and session.queue.counts["chunks"] >= len(lams)
+
+
+def test_a_batch_job_with_previews_between_equals_the_job_alone(tmp_path):
+    from merger.tuning import sweep
+
+    alone = ui_controller(tmp_path / "a").session
+    shared = ui_controller(tmp_path / "b").session
+    lams = [round(0.1 * i, 2) for i in range(1, 8)]
+    ref = sweep(alone, ["ties"], "lam", lams, split="val")
+
+    def progress(frac, msg):  # someone drags between the chunks
+        shared.preview(shared.spec("cart", lam=1 + frac))
+
+    assert sweep(shared, ["ties"], "lam", lams, split="val", progress=progress) == ref
+
+
+def test_after_a_batch_job_raised_the_next_preview_is_intact(ctl):
+    """A surface that fails mid-grid leaves a plane point's weights in the model; the next preview
+    writes all of its own."""
+    from merger.landscape import pca_plane
+
+    land = ctl.session.landscape
+    plane = pca_plane(land.named_points(["base", "experts"]))
+
+    def boom(frac, msg):
+        raise RuntimeError("the job failed")
+
+    with pytest.raises(RuntimeError):
+        land.surface(plane, (-3, 3, -3, 3), 5, split="live", progress=boom)
+    spec = ctl.session.spec("ties", lam=0.85, sparsity=0.7)
+    res = ctl.session.preview(spec)
+    ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "ties", lam=0.85, sparsity=0.7))
+    assert res.accuracy == ref.accuracy and res.loss == pytest.approx(ref.loss, rel=1e-5)
+
+
+def test_a_superseded_move_is_dropped_before_it_starts(ctl, land_state):
+    lc, state = land_state
+    events = events_for(ctl, lc)
+    queue = ctl.session.queue
+    out, started = [], threading.Event()
+    with queue.batch(), queue:  # a batch chunk holds the model
+        t = threading.Thread(target=lambda: (started.set(), out.extend(events.move(person("p"), state,
+                                                                                      *controls(ctl, lam=1.15)))))
+        before = work(ctl)
+        t.start()
+        started.wait()
+        deadline = time.monotonic() + 30
+        while queue.previews_waiting() == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        queue.ticket("p")  # the same person moved again
+    t.join()
+    assert work(ctl) == before and queue.counts["dropped"] >= 1
+    assert len(out) == 1 and all(o == {"__type__": "update"} for o in out[0])  # every output left as it is
+    assert ctl.session.cached(ctl.session.spec("task_arithmetic", lam=1.15)) is None
+
+
+def test_progressive_answer_partial_then_complete(tmp_path):
+    c = ui_controller(tmp_path)
+    session = c.session
+    session.measure_live(budget_s=0.0)  # as if a full live forward were slow
+    assert session.partial_images is not None and session.partial_images < 96
+    from merger.ui.merge_events import MergeTabEvents
+
+    frames = list(MergeTabEvents(c, "task_arithmetic").move(person(), None, *controls(c, lam=0.35)))
+    assert len(frames) == 3  # partial, then the complete numbers, then their figures
+    assert "partial" in frames[0][3] and f"{session.partial_images} images per task" in frames[0][3]
+    assert "partial" not in frames[1][3] and "96 images per task" in frames[1][3]
+    ref = merger.evaluate(c.pool, merger.merge(c.pool, "task_arithmetic", lam=0.35))
+    res = session.cached(session.spec("task_arithmetic", lam=0.35))
+    assert res.accuracy == ref.accuracy and not res.partial
+    rows = c.history.rows(pool=c.pool_ref)
+    assert len(rows) == 1  # the complete result only
+    session.measure_live(budget_s=1e9)
+    assert session.partial_images is None
+
+
+def test_the_session_owns_the_caches_and_prepared_state_never_changes(ctl):
+    session = ctl.session
+    m = merger.methods.get("tsv_m")
+    key, prepared = session.prepared(m, tuple(ctl.pool.tasks), {})
+    snapshot = {k: id(v) for k, v in prepared.items()}
+    for r in (0.1, 0.2, "auto"):
+        session.delta(session.spec("tsv_m", rank_ratio=r, lam=1.0))
+    assert {k: id(v) for k, v in prepared.items()} == snapshot
+    ties = merger.methods.get("ties")
+    _, prep = session.prepared(ties, tuple(ctl.pool.tasks), {})
+    keys = set(prep)
+    session.delta(session.spec("ties", sparsity=0.7314))  # off the slider grid
+    assert set(prep) == keys
+    assert not any(hasattr(ctl.pool, a) for a in ("_prepared", "_explorer", "_evaluator"))  # the pool holds data
+    assert merger.session_for(ctl.pool) is session  # one session per pool, not an attribute of the pool
+
+
+def test_adding_an_expert_invalidates_nothing(ctl):
+    session = ctl.session
+    spec = session.spec("task_arithmetic", lam=0.5)
+    res = session.preview(spec)
+    t = ctl.pool.tasks[0]
+    tv = ctl.pool.task_vectors
+    weights = {k: v.clone() for k, v in ctl.pool.base.items()}
+    for k in tv.keys:
+        weights[k] = tv.base[k] + 0.5 * tv.stacked[k][0]
+    session.add_expert("half-of-first", t, weights, {"owner": "x"})
+    assert session.cached(spec) is res
+    mine = session.preview(session.spec("task_arithmetic", lam=1.0, experts=["half-of-first"]))
+    ref = session.preview(session.spec("task_arithmetic", lam=0.5, experts=[t]))
+    assert mine.accuracy == ref.accuracy
+
+
+def test_work_queue_orders_previews_first_and_batch_jobs_take_turns():
+    q, order, lock = WorkQueue(), [], threading.Lock()
+
+    def job(name, n):
+        with q.batch():
+            for i in range(n):
+                with q:
+                    with lock:
+                        order.append(name)
+
+    def preview():
+        with q:
+            order.append("preview")
+
+    with q.batch(), q:  # held while everyone lines up
+        threads = [threading.Thread(target=job, args=("a", 3)), threading.Thread(target=job, args=("b", 3))]
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + 30
+        while q.batch_waiting() < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        p = threading.Thread(target=preview)
+        p.start()
+        while q.previews_waiting() == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    for th in [*threads, p]:
+        th.join()
+    assert order[0] == "preview"
+    rest = order[1:]
+    assert sorted(rest) == ["a"] * 3 + ["b"] * 3
+    assert all(x != y for x, y in zip(rest, rest[1:])), rest  # they alternate
+
+
+def _line_up(q, starts, waiting):
+    """Start the threads one by one, each once the previous one is in line."""
+    deadline = time.monotonic() + 30
+    for i, th in enumerate(starts):
+        th.start()
+        while waiting() < i + 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
+def test_previews_cannot_starve_batch_work_and_the_shorter_job_goes_first():
+    q, order, lock = WorkQueue(), [], threading.Lock()
+
+    def chunk(name, total):
+        with q.batch(chunks=total), q:
+            with lock:
+                order.append(name)
+
+    def preview(name):
+        with q:
+            with lock:
+                order.append(name)
+
+    with q.batch(), q:
+        long_job = threading.Thread(target=chunk, args=("long", 50))
+        short_job = threading.Thread(target=chunk, args=("short", 2))
+        _line_up(q, [long_job, short_job], q.batch_waiting)
+        previews = [threading.Thread(target=preview, args=(f"p{i}",)) for i in range(4)]
+        _line_up(q, previews, q.previews_waiting)
+    for th in [long_job, short_job, *previews]:
+        th.join()
+    # two previews, then a batch chunk (the short job's), two previews, the long job's chunk
+    assert order == ["p0", "p1", "short", "p2", "p3", "long"], order
+
+
+def test_yield_point_lets_a_waiting_preview_in():
+    q, order = WorkQueue(), []
+    with q.batch(), q:
+        p = threading.Thread(target=lambda: (q.__enter__(), order.append("preview"), q.__exit__()))
+        p.start()
+        deadline = time.monotonic() + 30
+        while q.previews_waiting() == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        order.append("step 1")
+        q.yield_point()
+        order.append("step 2")
+    p.join()
+    assert order == ["step 1", "preview", "step 2"] and q.counts["yields"] == 1
+
+
+def test_superseded_raises_only_for_older_tickets():
+    q = WorkQueue()
+    a = q.ticket("s")
+    b = q.ticket("s")
+    q.drop_if_superseded("s", b)
+    q.drop_if_superseded("other", 1)
+    with pytest.raises(Superseded):
+        q.drop_if_superseded("s", a)
