@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import MergerError
+from . import methods
 from .methods.ties import _n_keep
 
 
@@ -107,33 +108,18 @@ def reconstruction_and_interference(tv, ks: Sequence[int], centred: bool, keys: 
     return {"k": list(ks), "per_layer": per, "sum": summed, "centred": centred}
 
 
-MASKS = ("ties", "dare_linear", "dare_ties")  # the sparsifying operators M of seed 000
+def masking_methods() -> list[str]:
+    """The methods whose merge keeps only some entries of each τ (their sparsifying operator M)."""
+    return [m.name for m in methods.all_methods() if m.mask is not None]
 
 
-def merge_mask(tv, kind: str, sparsity: float, seed: int | None = None) -> torch.Tensor:
-    """Per task, the entries its merge keeps, [T, P] bool: TIES keeps the top (1 − sparsity) by
-    magnitude and then only entries whose sign agrees with the elected sign(Σ trimmed τ);
-    DARE keeps its seeded draw (dare_ties then elects signs among the kept entries)."""
-    T = tv.num_tasks
-    flat = torch.stack([_flat(tv, i) for i in range(T)])
-    if kind not in MASKS:
-        raise MergerError(f"mask '{kind}' unknown; one of {', '.join(MASKS)}")
-    keep = torch.zeros_like(flat, dtype=torch.bool)
-    for i in range(T):
-        if kind == "ties":
-            n = flat.shape[1]
-            thr = flat[i].abs().kthvalue(n - _n_keep(n, sparsity) + 1).values
-            keep[i] = flat[i].abs() >= thr
-        else:  # the very masks DARE merges with (seeded per task name)
-            from .methods.ties import _U16, prepare_dare
-
-            draws = prepare_dare(tv.subset([tv.tasks[i]]), int(seed or 0))["draws"]
-            drawn = torch.cat([draws[k][0].reshape(-1).to(torch.int32) for k in tv.keys])
-            keep[i] = drawn >= int(round(sparsity * _U16))
-    if kind in ("ties", "dare_ties"):
-        elected = torch.where(keep, flat, 0.0).sum(0).sign()
-        keep &= (flat.sign() == elected) & (flat != 0)
-    return keep
+def merge_mask(tv, method: str, sparsity: float, seed: int | None = None) -> torch.Tensor:
+    """Per task, the entries a method's merge keeps, [T, P] bool (the method's own ``mask``)."""
+    m = methods.get(method)
+    if m.mask is None:
+        raise MergerError(f"mask '{method}' unknown; one of {', '.join(masking_methods())}")
+    params = {"sparsity": sparsity, "seed": int(seed or 0)}
+    return m.mask(tv, **{k: v for k, v in params.items() if k in m.param_names})
 
 
 def heterogeneity(tv, coefficients: Sequence[float], mask: str | None = None, sparsity: float | None = None,

@@ -11,18 +11,15 @@ import torch
 from . import methods
 from .task_vectors import TaskVectors
 
-# Five settings per method, spread over the range a user drags (all on slider steps).
-MERGE_SETTINGS = {
-    "weight_averaging": [{}] * 5,
-    "task_arithmetic": [{"lam": v} for v in (0.1, 0.2, 0.3, 0.4, 0.5)],
-    "ties": [{"lam": l, "sparsity": s} for l, s in ((1.0, 0.8), (0.9, 0.7), (1.1, 0.9), (0.8, 0.6), (1.2, 0.85))],
-    "dare_linear": [{"lam": l, "sparsity": s, "seed": 0} for l, s in ((0.3, 0.9), (0.4, 0.8), (0.2, 0.7), (0.3, 0.85), (0.5, 0.95))],
-    "dare_ties": [{"lam": l, "sparsity": s, "seed": 0} for l, s in ((1.0, 0.9), (0.9, 0.8), (1.1, 0.7), (1.0, 0.85), (1.2, 0.95))],
-    "cart": [{"lam": l, "rank_ratio": r} for l, r in ((1.5, 0.04), (1.2, 0.06), (1.5, 0.08), (1.8, 0.12), (1.0, 0.16))],
-    "tsv_m": [{"lam": l, "rank_ratio": r} for l, r in ((1.0, "auto"), (0.9, 0.06), (1.1, 0.08), (1.0, 0.1), (1.2, 0.12))],
-    "iso_c": [{"lam": v} for v in (1.0, 1.2, 1.3, 1.4, 1.5)],
-}
-GOALS = {"task_arithmetic": 1.5, "ties": 1.5, "cart": 1.5}
+def merge_settings(method: str, n: int = 5) -> list[dict]:
+    """``n`` settings spread over a method's tune grid (what a user drags through)."""
+    from .tuning import grid_points
+
+    points = grid_points(method)
+    return [points[(i * len(points)) // n] for i in range(n)]
+
+
+GOAL_APPLY_S = 1.5  # one parameter change of a featured method on ViT-B-32 (CPU)
 
 
 def rss_gb() -> tuple[float, float]:
@@ -63,7 +60,7 @@ def random_pool(arch: str, n_experts: int, relative: float = 1e-3, seed: int = 0
 
 
 def bench_merge(args) -> int:
-    names = args.methods.split(",") if args.methods else [m.name for m in methods.all_methods() if m.kind == "static"]
+    names = args.methods.split(",") if args.methods else [m.name for m in methods.all_methods() if not m.data_driven]
     print(f"building {args.arch} (pretrained=None) and {args.experts} random experts (relative size 1e-3)...", flush=True)
     base, experts = random_pool(args.arch, args.experts)
     tv = TaskVectors(base, experts)
@@ -75,7 +72,7 @@ def bench_merge(args) -> int:
     failed = []
     for name in names:
         m = methods.get(name)
-        settings = MERGE_SETTINGS.get(name, [{}] * 5)[: args.repeats]
+        settings = merge_settings(name)[: args.repeats]
         gc.collect()
         reset_peak_rss()
         prep_args = {k: settings[0].get(k, 0) for k in m.prepare_params}
@@ -91,7 +88,7 @@ def bench_merge(args) -> int:
             del delta
         _, peak = rss_gb()
         med = statistics.median(times)
-        goal = GOALS.get(name)
+        goal = GOAL_APPLY_S if methods.get(name).featured else None
         verdict = "" if goal is None else (f"<= {goal} ok" if med <= goal else f"<= {goal} MISS")
         if goal is not None and med > goal:
             failed.append(name)
@@ -129,7 +126,7 @@ def run(what: str, args) -> int:
 
 # ---- the demo pool (live, browser, workshop: bench_live.py) -----------------------------------
 
-LIVE_METHODS = ("task_arithmetic", "ties", "cart")
+LIVE_METHODS = tuple(m.name for m in methods.all_methods() if m.featured)
 
 
 def percentile(xs, q):
@@ -189,7 +186,7 @@ def bench_api(args) -> int:
         print(f"started the app on {url} in {time.perf_counter() - t0:.1f} s")
     try:
         client = Client(url, verbose=False)
-        client.predict("task_arithmetic", 0.3, None, None, None, None, "live", api_name="/evaluate")  # warm-up
+        client.predict(method=LIVE_METHODS[0], split="live", api_name="/evaluate")  # warm-up
         rows = []
         for m in LIVE_METHODS:
             lams = [round(0.05 * i, 2) for i in range(1, args.moves + 1)]
@@ -308,7 +305,7 @@ def bench_scale(args) -> int:
     gc.collect()
     ex = PoolSession(pool)
     ex.evaluator.inputs("live")
-    ex.experts("live")
+    ex.expert_accuracy("live")
     setup = time.perf_counter() - t0
     rss, _ = rss_gb()
     print(f"{args.arch} (pretrained=None), {args.experts} random experts, {args.experts} tasks × "
@@ -355,11 +352,11 @@ def progressive_moves(session, lams=(0.35, 0.45)) -> bool:
     from types import SimpleNamespace
 
     from .bench_live import _controls
-    from .ui.callbacks import Controller
+    from .ui.merge_tab import Controller
     from .ui.merge_events import MergeTabEvents
 
     forward_s = session.measure_live()
-    events = MergeTabEvents(Controller(session), "task_arithmetic")
+    events = MergeTabEvents(Controller(session), LIVE_METHODS[0])
     person = SimpleNamespace(session_hash="bench")
     print(f"\nprogressive answers: one full live forward {forward_s:.1f} s; partial answers on "
           f"{session.partial_images or 'no'} images per task")
@@ -367,7 +364,7 @@ def progressive_moves(session, lams=(0.35, 0.45)) -> bool:
     ok = True
     for lam in lams:
         t = time.perf_counter()
-        frames = events.move(person, None, *_controls(session.pool, "task_arithmetic", lam))
+        frames = events.move(person, None, *_controls(session.pool, LIVE_METHODS[0], lam))
         first = next(frames)
         t_first = time.perf_counter() - t
         list(frames)
@@ -391,6 +388,7 @@ def bench_load(args) -> int:
 
     from . import evaluate, merge
     from .pool import open_pool
+    from .tuning import grid_points
     from .ui.browser import free_port, start_server
 
     clients, moves = args.clients or 20, (args.moves if args.moves_given else 50)
@@ -412,15 +410,10 @@ def bench_load(args) -> int:
         lat, errors, last = [], [], None
         for _ in range(moves):
             m = rng.choice(LIVE_METHODS)
-            params = {"lam": rng.choice(lams)}
-            if m == "ties":
-                params["sparsity"] = rng.choice([0.6, 0.7, 0.8, 0.9])
-            if m == "cart":
-                params["rank_ratio"] = rng.choice([0.04, 0.08, 0.16])
+            params = {**rng.choice(grid_points(m)), "lam": rng.choice(lams)}
             t = time.perf_counter()
             try:
-                out = c.predict(m, params["lam"], params.get("rank_ratio"), params.get("sparsity"), None, None, "live",
-                                api_name="/evaluate")
+                out = c.predict(method=m, split="live", **params, api_name="/evaluate")
                 last = (m, params, out)
             except Exception as exc:  # counted, reported
                 errors.append(str(exc)[:200])

@@ -21,11 +21,13 @@ from .bench import LIVE_METHODS, naive_evaluation, percentile
 
 
 def _controls(pool, method, lam):
-    from .methods.registry import PARAM_NAMES
+    """The Merge tab's inputs for ``method`` at its defaults, λ = ``lam``."""
+    from . import methods
+    from .ui.controls import control_values, default_params
 
-    values = dict(lam=lam, rank_ratio=0.08, sparsity=0.8, seed=0, steps=10, lr=1e-3, init=0.3, samples=16, k=2,
-                  step_size=0.5)
-    return [list(pool.tasks), method] + [values[n] for n in PARAM_NAMES]
+    m = methods.get(method)
+    params = {**default_params(m, len(pool.tasks)), "lam": lam}
+    return [list(pool.tasks), method, *control_values(m, params, len(pool.tasks))]
 
 
 # ---- live: the listener in process -----------------------------------------------------------
@@ -33,7 +35,7 @@ def _controls(pool, method, lam):
 def bench_live(args) -> int:
     from .pool import open_pool
     from .session import PoolSession
-    from .ui.callbacks import Controller
+    from .ui.merge_tab import Controller
     from .ui.landscape_tab import LandscapeController
     from .ui.merge_events import MergeTabEvents
 
@@ -43,10 +45,10 @@ def bench_live(args) -> int:
     forward_s = session.measure_live()
     ctl = Controller(session)
     lc = LandscapeController(ctl)
-    events = MergeTabEvents(ctl, "task_arithmetic", lc)
+    events = MergeTabEvents(ctl, LIVE_METHODS[0], lc)
     noop = lambda *a, **k: None  # noqa: E731
     *_, (state, _) = lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 7, "contour", [],
-                                *_controls(pool, "task_arithmetic", 0.3), progress=noop)
+                                *_controls(pool, LIVE_METHODS[0], 0.3), progress=noop)
     person = SimpleNamespace(session_hash="bench")
     for m in LIVE_METHODS:  # preparations are per method and expert subset, not per move
         list(events.move(person, state, *_controls(pool, m, 0.3)))
@@ -241,6 +243,9 @@ WARM_UP_S = 20.0  # the room drags before anyone starts a batch job
 
 
 def bench_workshop(args) -> int:
+    from .tuning import grid_points
+    from .ui.endpoint import endpoint_params
+
     names = args.jobs.split(",")
     unknown = [n for n in names if n not in JOBS]
     if unknown:
@@ -263,8 +268,8 @@ def bench_workshop(args) -> int:
             m = LIVE_METHODS[i % len(LIVE_METHODS)]
             while not stop.is_set():
                 lam = round(0.05 + 0.1 * rng.randrange(0, 20), 2)  # odd slider steps: never a sweep point
-                data = [m, lam, 0.04 * (1 + rng.randrange(4)) if m == "cart" else None,
-                        round(0.6 + 0.1 * rng.randrange(4), 1) if m == "ties" else None, None, None, "live"]
+                params = {**rng.choice(grid_points(m)), "lam": lam}
+                data = [m, *[params.get(n) for n in endpoint_params()], None, "live"]
                 t = time.perf_counter()
                 try:
                     call_endpoint(url, "evaluate", data)

@@ -7,7 +7,7 @@ import sys
 
 from . import methods
 from .errors import MergerError
-from .methods.registry import PARAM_NAMES
+from .methods import PARAM_NAMES
 
 
 @contextlib.contextmanager
@@ -39,7 +39,7 @@ def _run_data_driven(pool, spec) -> None:
     """A data-driven merge learns first, with a progress bar (the run is cached for what follows)."""
     from .session import session_for
 
-    if methods.get(spec.method).kind == "data":
+    if methods.get(spec.method).data_driven:
         with progress_bar(spec.method) as update:
             session_for(pool).run(spec, progress=update)
 
@@ -68,7 +68,7 @@ def method_params(args) -> dict:
 
 def cmd_methods(args) -> int:
     for m in methods.all_methods():
-        print(f"{m.name}  ({m.display_name}; {m.kind})")
+        print(f"{m.name}  ({m.display_name}; {'data-driven' if m.data_driven else 'sliders'})")
         print(f"    paper: {m.paper}")
         print(f"    {m.description}")
         if m.conventions:

@@ -209,7 +209,6 @@ class Landscape:
                 out[name[5:]] = self.file_point(name[5:])
             else:
                 method, *assignments = name.split(":")
-                method = {"ta": "task_arithmetic", "wa": "weight_averaging"}.get(method, method)
                 params = {}
                 for a in assignments:
                     k, sep, v = a.partition("=")

@@ -43,7 +43,6 @@ def resolve_paths(land: Landscape, names: Sequence[str]) -> list:
             continue
         if "@" in name:
             method, axis = name.split("@", 1)
-            method = {"ta": "task_arithmetic"}.get(method, method)
             out.append(trajectories.parameter_path(land, method, axis, trajectories.default_values(axis)))
         else:
             out.append(trajectories.finetune_trajectory(land, name))

@@ -56,7 +56,7 @@ class Spec:
         Only static methods' sliders snap. A data-driven method runs with exactly the values it
         was given (a typed lr = 4e-5 must not become 0), and "auto" stays "auto"."""
         m = methods.get(self.method)
-        if m.kind == "data":
+        if m.data_driven:
             return self
         out = []
         for name, value in self.params:
@@ -93,7 +93,7 @@ def merge_spec(pool, spec: Spec) -> dict[str, torch.Tensor]:
 
     m = methods.get(spec.method)
     session = session_for(pool)
-    if m.kind == "data":
+    if m.data_driven:
         return assemble(pool.base, pool.task_vectors, session.delta(spec))
     _, prepared = session.prepared(m, spec.experts, {k: spec.kwargs[k] for k in m.prepare_params})
     return assemble(pool.base, pool.task_vectors, m.delta(prepared, **spec.kwargs))
@@ -116,7 +116,7 @@ def merge_state_dicts(
     if not named:
         raise MergerError("no experts: merging needs at least one expert")
     m = methods.get(method)
-    if m.kind == "data":
+    if m.data_driven:
         raise MergerError(f"{m.name} learns from data: open a pool with tasks and use merger.merge(pool, ...)")
     spec = Spec.make(m.name, params, experts, list(named))
     base = checkpoints.strip_prefixes(base_sd)

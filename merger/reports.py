@@ -12,7 +12,7 @@ def demo_numbers(pool, split: str = "test", progress=None) -> dict:
     validation split, never on the split it is reported on) and the other methods at defaults."""
     ex = PoolSession(pool)
     classes = {t: len(ex.evaluator.data.classes(t)) for t in pool.tasks}
-    steps = [("base", lambda: ex.base(split)), ("experts", lambda: ex.experts(split))]
+    steps = [("base", lambda: ex.base(split)), ("experts", lambda: ex.expert_accuracy(split))]
     steps += [(f"TA λ={lam:g} {s}", lambda lam=lam, s=s: ex.preview(ex.spec("task_arithmetic", lam=lam), s))
               for s in (split, "val") for lam in TA_GRID]
     steps += [(m, lambda m=m: ex.preview(ex.spec(m), split)) for m in DEFAULT_METHODS]
@@ -79,7 +79,7 @@ def adaptive_numbers(pool, progress=print) -> list[dict]:
     import time
 
     ex = PoolSession(pool)
-    ex.experts("test")
+    ex.expert_accuracy("test")
     rows = []
     t0 = time.perf_counter()
     val = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "val").average_accuracy for lam in TA_GRID}

@@ -125,7 +125,7 @@ class PoolSession:
         """Δ of the spec as given (previews pass it rounded): from the small Δ cache, else one
         method apply."""
         m = methods.get(spec.method)
-        if m.kind == "data":
+        if m.data_driven:
             return self.run(spec).delta
         key = spec
         if key in self._deltas:
@@ -146,6 +146,19 @@ class PoolSession:
             delta = m.apply(state, **kw)
         return _lru_put(self._deltas, key, delta, self.delta_size)
 
+    def effective_weights(self, spec: Spec) -> tuple[list[float], str]:
+        """How the spec's merge weights each expert (the method's own reading, see the registry)."""
+        m = methods.get(spec.method)
+        kw = spec.rounded().kwargs
+        if m.data_driven:
+            state = self.cached_run(spec)
+            if state is None:
+                raise MergerError(f"{m.name}: press Run in the Merge tab first")
+        else:
+            with self.queue:
+                state = self.prepared(m, spec.experts, {k: kw[k] for k in m.prepare_params})[1]
+        return m.weights(kw, len(spec.experts), state)
+
     # ---- data-driven runs -------------------------------------------------------------------
     def run(self, spec: Spec, progress=None, cancel=None):
         """A data-driven method's run (batch work; cached by spec; deterministic for its seed). It
@@ -153,7 +166,7 @@ class PoolSession:
         from .methods.adaptive import Context
 
         m = methods.get(spec.method)
-        if m.kind != "data":
+        if not m.data_driven:
             raise MergerError(f"{m.name} is a static method: it has no run")
         key = spec.rounded()
         if key in self._runs:
@@ -190,7 +203,7 @@ class PoolSession:
         if hit is not None:
             return hit
         rounded = spec.rounded()
-        if methods.get(rounded.method).kind == "data":
+        if methods.get(rounded.method).data_driven:
             self.run(rounded)  # batch work of its own, before this evaluation takes the model
         with self.queue:
             self.queue.drop_if_superseded(session, ticket)
@@ -230,10 +243,7 @@ class PoolSession:
                     self._base[split] = self._with_references(self.evaluator.evaluate(None, split))
         return self._base[split]
 
-    def experts(self, split: str = "live") -> dict[str, float]:
-        return self.expert_accuracy(split)
-
-    def expert_accuracy(self, split: str) -> dict[str, float]:
+    def expert_accuracy(self, split: str = "live") -> dict[str, float]:
         """Each task's accuracy under the pool's own expert for it (the reference of a result)."""
         return {t: self.expert_task_accuracy(t, split) for t in self.pool.tasks}
 

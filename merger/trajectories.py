@@ -109,15 +109,25 @@ def run_path(landscape, run) -> Trajectory:
     base = landscape.pool.task_vectors.base
     points = [landscape.space.flatten({k: base[k] + d[k] for k in landscape.space.keys})
               for d in run.iterate_deltas(base)]
-    kind = "iteration" if run.method.startswith("fw") else "snapshot"
+    kind = methods.get(run.method).iterate
     return Trajectory(f"{run.method} iterates", "iterates", list(range(len(points))), points,
                       [f"{kind} {i}" for i in range(len(points))])
 
 
+# Path points per axis: fewer than a sweep's (each point is a forward per plane cell it lands on).
+PATH_VALUES = {"lam": [round(0.1 * i, 2) for i in range(0, 16)],
+               "rank_ratio": [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.75, 1.0],
+               "sparsity": [0.0, 0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99]}
+
+
 def default_values(axis: str) -> list[float]:
-    return {"lam": [round(0.1 * i, 2) for i in range(0, 16)],
-            "rank_ratio": [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.75, 1.0],
-            "sparsity": [0.0, 0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99]}[axis]
+    """The points of a parameter path; a parameter without its own list takes its sweep values."""
+    if axis in PATH_VALUES:
+        return PATH_VALUES[axis]
+    takers = methods.registry.with_param(axis)
+    if not takers or not takers[0].param(axis).sweep:
+        raise MergerError(f"no method has a parameter {axis} to draw a path along")
+    return list(takers[0].param(axis).sweep)
 
 
 def project(plane, trajectory: Trajectory) -> tuple[list[float], list[float], list[float]]:

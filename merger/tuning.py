@@ -12,27 +12,20 @@ from .errors import MergerError
 Progress = Callable[[float, str], None] | None
 
 
-def _frange(lo: float, hi: float, step: float) -> list[float]:
-    n = int(round((hi - lo) / step))
-    return [round(lo + i * step, 4) for i in range(n + 1)]
+def tunable_methods() -> list[str]:
+    """The methods auto-tune can search (those with a grid in the registry)."""
+    return [m.name for m in methods.all_methods() if m.tune_grid is not None]
 
 
-# The grids searched per method (the papers' grids, shortened where a slider step would do).
-TUNE_GRIDS: dict[str, dict[str, list]] = {
-    "weight_averaging": {},
-    "task_arithmetic": {"lam": _frange(0.05, 1.5, 0.05)},
-    "ties": {"lam": _frange(0.4, 1.5, 0.1), "sparsity": [0.5, 0.7, 0.8, 0.9]},
-    "dare_linear": {"lam": _frange(0.1, 1.0, 0.1), "sparsity": [0.5, 0.7, 0.9]},
-    "dare_ties": {"lam": _frange(0.4, 1.5, 0.1), "sparsity": [0.5, 0.7, 0.9]},
-    "cart": {"lam": _frange(0.5, 3.0, 0.25), "rank_ratio": [0.04, 0.08, 0.16, 0.32]},
-    "tsv_m": {"lam": _frange(0.5, 2.0, 0.1)},
-    "iso_c": {"lam": _frange(0.5, 2.0, 0.1)},
-}
 MAX_GRID_POINTS = 400  # a sweep or grid larger than this is refused (it would hold the queue)
 
 
 def grid_points(method: str) -> list[dict]:
-    grid = TUNE_GRIDS.get(methods.get(method).name, {})
+    m = methods.get(method)
+    if m.tune_grid is None:
+        raise MergerError(f"{m.name} learns its coefficients from data: it has no grid to search "
+                          f"(auto-tune takes {', '.join(tunable_methods())})")
+    grid = m.tune_grid
     names = list(grid)
     return [dict(zip(names, values)) for values in itertools.product(*grid.values())] or [{}]
 
@@ -66,11 +59,21 @@ def _auto_tune(session, method_names, experts, progress) -> list[dict]:
     return rows
 
 
-SWEEP_AXES = {
-    "lam": ("λ", None),
-    "rank_ratio": ("rank ratio", ("cart", "tsv_m")),
-    "sparsity": ("sparsity", ("ties", "dare_linear", "dare_ties")),
-}
+def sweep_axes() -> dict[str, tuple[str, list[str]]]:
+    """{parameter: (label, the slider methods that take it)} for every parameter with sweep values."""
+    out = {}
+    for name in methods.PARAM_NAMES:
+        users = [m for m in methods.registry.with_param(name) if m.param(name).sweep]
+        if users:
+            out[name] = (users[0].param(name).label or name, [m.name for m in users])
+    return out
+
+
+def sweep_values(axis: str, method: str) -> list[float]:
+    """The values a sweep of ``method`` along ``axis`` visits (the parameter's own, in its range)."""
+    p = methods.get(method).param(axis)
+    return [v for v in p.sweep if p.min <= v <= p.max and not (p.min_open and v == p.min)
+            and not (p.max_open and v == p.max)]
 
 
 def sweep(session, method_names: Sequence[str], axis: str, values: Sequence[float], split: str = "live",
@@ -82,8 +85,9 @@ def sweep(session, method_names: Sequence[str], axis: str, values: Sequence[floa
 
 
 def _sweep(session, method_names, axis, values, split, experts, fixed, progress) -> dict:
-    if axis not in SWEEP_AXES:
-        raise MergerError(f"sweep axis '{axis}' unknown; one of {', '.join(SWEEP_AXES)}")
+    axes = sweep_axes()
+    if axis not in axes:
+        raise MergerError(f"sweep axis '{axis}' unknown; one of {', '.join(axes)}")
     if len(values) * len(method_names) > MAX_GRID_POINTS:
         raise MergerError(f"sweep of {len(values) * len(method_names)} points is too large (at most {MAX_GRID_POINTS})")
     out, total, done = {}, len(values) * len(method_names), 0
@@ -91,7 +95,7 @@ def _sweep(session, method_names, axis, values, split, experts, fixed, progress)
     for m in method_names:
         rec = methods.get(m)
         if axis not in rec.param_names:
-            raise MergerError(f"{m} has no parameter {axis}: it cannot be swept along {SWEEP_AXES[axis][0]}")
+            raise MergerError(f"{m} has no parameter {axis}: it cannot be swept along {axes[axis][0]}")
         lo, hi = rec.bounds(axis, n_experts)  # e.g. TSV-M's rank ratio stops at 1/T
         xs, avg, per = [], [], {t: [] for t in session.tasks}
         for v in values:

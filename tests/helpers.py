@@ -5,7 +5,7 @@ from merger.testing import TINY_CONFIG, base_and_experts, demo_config, tiny_mode
 
 def controls(ctl, method="task_arithmetic", experts=None, **values):
     """The Merge tab's inputs: experts, method, then one value per registry parameter."""
-    from merger.methods.registry import PARAM_NAMES
+    from merger.methods import PARAM_NAMES
 
     defaults = dict(lam=0.3, rank_ratio=0.08, sparsity=0.8, seed=0, steps=5, lr=1e-3, init=0.3, samples=16, k=2,
                     step_size=0.5)
@@ -17,7 +17,7 @@ def ui_controller(root):
     """A Controller over a small demo-data pool with a history, as the app builds it."""
     import merger
     from merger.store import History
-    from merger.ui.callbacks import Controller
+    from merger.ui.merge_tab import Controller
 
     pool = merger.open_pool(write_pool(root, n_experts=3, scale=0.2, demo_data=True))
     return Controller(merger.PoolSession(pool), History(root / "history.sqlite"))

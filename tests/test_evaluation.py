@@ -62,7 +62,7 @@ def test_evaluate_matches_a_fresh_model(demo_like):
 
 def test_expert_weights_reproduce_expert_accuracy(demo_like):
     _, pool, ex = demo_like
-    experts = ex.experts("live")
+    experts = ex.expert_accuracy("live")
     for i, t in enumerate(pool.tasks):
         full = dict(pool.base)
         full.update({k: v for k, v in pool.task_vectors.expert(i).items()})

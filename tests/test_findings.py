@@ -6,9 +6,12 @@ from types import SimpleNamespace
 import pytest
 
 import merger
-from merger.methods.registry import PARAM_NAMES
+from merger.methods import PARAM_NAMES
 import helpers
 from helpers import ui_controller
+from merger.ui.compare_tab import CompareTab
+from merger.ui.history_tab import HistoryTab
+from merger.ui.endpoint import evaluate_endpoint
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +68,9 @@ def test_one_unavailable_trajectory_does_not_fail_the_plot_and_a_task_can_be_pic
 
 
 def test_sweeps_say_which_methods_they_skipped(ctl):
-    fig = ctl.sweep("sparsity", ["ties", "cart"], "live", None, progress=lambda *a, **k: None)
+    fig = CompareTab(ctl).sweep("sparsity", ["ties", "cart"], "live", None, progress=lambda *a, **k: None)
     assert "not swept: cart (no sparsity)" in fig.layout.title.text
-    fig = ctl.sweep("rank_ratio", ["cart", "tsv_m"], "live", None, progress=lambda *a, **k: None)
+    fig = CompareTab(ctl).sweep("rank_ratio", ["cart", "tsv_m"], "live", None, progress=lambda *a, **k: None)
     assert "tsv_m stops at rank ratio 0.333" in fig.layout.title.text
 
 
@@ -96,10 +99,10 @@ def test_lab_experts_belong_to_their_session(ctl):
     lc.opt_in(b, True)
     assert lc.visible(b) == tasks + ["mine"]
     assert ctl.pool.tasks == tasks  # nobody's tasks changed
-    out = ctl.api_evaluate("task_arithmetic", lam=0.3)  # experts=None: the pool's experts, not the lab's
+    out = evaluate_endpoint(ctl)("task_arithmetic", lam=0.3)  # experts=None: the pool's experts, not the lab's
     assert out["spec"]["experts"] == tasks and list(out["accuracy"]) == tasks
     with pytest.raises(Exception, match="mine belong.* to a browser session's expert lab"):
-        ctl.api_evaluate("task_arithmetic", lam=0.3, experts=["mine"])
+        evaluate_endpoint(ctl)("task_arithmetic", lam=0.3, experts=["mine"])
 
 
 def test_changing_method_keeps_what_was_set_and_follows_defaults_otherwise(ctl):
@@ -132,8 +135,8 @@ def test_a_reload_in_steps_restores_the_row_and_writes_nothing(ctl):
 
     events, me = MergeTabEvents(ctl, "task_arithmetic"), SimpleNamespace(session_hash="reloader")
     ctl.preview(*controls(ctl, "ties", lam=0.85, sparsity=0.65))
-    row = next(r for r in ctl.history_rows("ties", "") if '"lam": 0.85' in r[3])
-    n = len(ctl.history_rows())
+    row = next(r for r in HistoryTab(ctl).history_rows("ties", "") if '"lam": 0.85' in r[3])
+    n = len(HistoryTab(ctl).history_rows())
     shown = controls(ctl, lam=0.45)  # what the Merge tab shows: task arithmetic
     experts, method, *updates = events.reload(me, row[0], *shown)
     assert method["value"] == "ties"
@@ -148,9 +151,9 @@ def test_a_reload_in_steps_restores_the_row_and_writes_nothing(ctl):
     # the method change may come after the row's own move: it still keeps the row's values
     kept = dict(zip(PARAM_NAMES, events.method_controls(me, "ties", shown[0], *shown[2:])[:-1]))
     assert kept["lam"]["value"] == 0.85
-    assert len(ctl.history_rows()) == n  # nothing written
+    assert len(HistoryTab(ctl).history_rows()) == n  # nothing written
     out, _ = events.move(me, None, *controls(ctl, lam=0.55))  # the person moves on: the session is free
-    assert "task_arithmetic(lam=0.55)" in out[3] and len(ctl.history_rows()) == n + 1
+    assert "task_arithmetic(lam=0.55)" in out[3] and len(HistoryTab(ctl).history_rows()) == n + 1
     assert events.reload(me, row[0], *final) == (gr.skip(),) * len(final)  # reloading what is shown: no-op
 
 

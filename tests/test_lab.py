@@ -51,7 +51,7 @@ def test_lab_runs_are_deterministic_and_join_the_pool(ex):
     assert ex.preview(ex.spec("task_arithmetic", lam=0.3)) is before  # nothing cached was thrown away
     res = ex.preview(ex.spec("task_arithmetic", lam=0.3, experts=[t, f"{t}@lab"]))
     assert list(res.accuracy) == tasks and res is not before
-    assert ex.experts("live") == before.expert_accuracy  # the reference marks are the pool's experts
+    assert ex.expert_accuracy("live") == before.expert_accuracy  # the reference marks are the pool's experts
     assert ex.expert_task_accuracy(f"{t}@lab", "live") > 0
     assert lab.lab_experts(pool, owner="person-a") == [f"{t}@lab"] and lab.lab_experts(pool, owner="person-b") == []
     with pytest.raises(MergerError, match="already exists"):

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import merger
 from merger.cli import build_parser
-from merger.methods.registry import PARAM_NAMES
+from merger.methods import PARAM_NAMES
 
 EXPECTED = ["weight_averaging", "task_arithmetic", "ties", "dare_linear", "dare_ties", "cart", "tsv_m", "iso_c"]
 
@@ -24,8 +24,8 @@ def test_registry_is_complete():
             default = p.default if p.default is not None else m.defaults_for(4)[p.name]
             p.check(default, m.name)  # defaults are in range
         assert callable(m.prepare) and callable(m.apply)
-        assert (m.kind == "data") == (m.run is not None)
-    data = [m.name for m in merger.methods.all_methods() if m.kind == "data"]
+        assert (m.data_driven) == (m.run is not None)
+    data = [m.name for m in merger.methods.all_methods() if m.data_driven]
     assert data == ["adamerging_task", "adamerging_layer", "adamerging_cart", "fw_hard", "fw_soft"]
 
 

@@ -8,6 +8,9 @@ import pytest
 import merger
 from merger import plots
 from helpers import controls, ui_controller
+from merger.ui.compare_tab import CompareTab
+from merger.ui.history_tab import HistoryTab
+from merger.ui.endpoint import evaluate_endpoint
 
 
 @pytest.fixture(scope="module")
@@ -19,27 +22,34 @@ def shown_average(summary: str) -> float:
     return float(re.search(r"id='avg-acc' title='([0-9.]+)'", summary).group(1))
 
 
-def test_method_controls_disable_unused_with_a_reason(ctl):
+def by_name(updates):
+    from merger.methods import PARAM_NAMES
+
+    return dict(zip(PARAM_NAMES, updates))
+
+
+def test_method_controls_show_only_the_used_ones(ctl):
     *updates, about = ctl.method_controls("cart", ctl.pool.tasks)
-    lam, rank, sparsity, seed = updates[:4]
-    assert lam["interactive"] and rank["interactive"] and rank["value"] == 0.08
-    assert sparsity["interactive"] is False and "not used by CART" in sparsity["info"]
-    assert seed["interactive"] is False
+    u = by_name(updates)
+    assert u["lam"]["visible"] and u["rank_ratio"]["visible"] and u["rank_ratio"]["value"] == 0.08
+    assert u["rank_ratio"]["label"] == "rank ratio"
+    assert all(u[n] == {"__type__": "update", "visible": False} for n in u if n not in ("lam", "rank_ratio"))
     assert "CART" in about and "2412.12153" in about
     *updates, _ = ctl.method_controls("tsv_m", ctl.pool.tasks)
-    assert updates[1]["value"] == pytest.approx(1 / 3, abs=1e-6)  # TSV-M's default rank is 1/T
+    assert by_name(updates)["rank_ratio"]["value"] == pytest.approx(1 / 3, abs=1e-6)  # TSV-M's default rank is 1/T
 
 
 def test_tsv_m_auto_rank_survives_the_slider_and_follows_the_experts(ctl):
     tasks = list(ctl.pool.tasks)
     *updates, about = ctl.method_controls("tsv_m", tasks)
-    assert updates[1]["value"] == 1 / 3 and updates[1]["maximum"] == 1 / 3  # capped at 1/T
+    rank = by_name(updates)["rank_ratio"]
+    assert rank["value"] == 1 / 3 and rank["maximum"] == 1 / 3  # capped at 1/T
     assert "Conventions" in about
     spec = ctl.spec_from_controls(*controls(ctl, "tsv_m", rank_ratio=1 / 3))
     assert spec.kwargs["rank_ratio"] == "auto" and spec.rounded().kwargs["rank_ratio"] == "auto"
     assert ctl.spec_from_controls(*controls(ctl, "tsv_m", rank_ratio=0.33)).kwargs["rank_ratio"] == 0.33
     # unticking an expert: the cap becomes 1/2 and the slider moves from its old auto position
-    from merger.methods.registry import PARAM_NAMES
+    from merger.methods import PARAM_NAMES
 
     ups = dict(zip(PARAM_NAMES, ctl.refresh_limits(*controls(ctl, "tsv_m", experts=tasks[:2], rank_ratio=1 / 3))))
     assert ups["rank_ratio"]["value"] == 0.5 and ups["rank_ratio"]["maximum"] == 0.5
@@ -85,7 +95,7 @@ def test_pin_and_compare(ctl):
     pins, _ = ctl.pin(pins, *controls(ctl, lam=0.3))
     pins, text = ctl.pin(pins, *controls(ctl, "cart", lam=1.5, rank_ratio=0.1))
     assert len(pins) == 2 and "cart" in text
-    table, bars, radar = ctl.compare(pins, "live")
+    table, bars, radar = CompareTab(ctl).compare(pins, "live")
     assert len(table) == 2 and len(bars.data) == 2 and len(radar.data) == 2
     ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "cart", lam=1.5, rank_ratio=0.1))
     assert table[1][2] == pytest.approx(round(100 * ref.average_accuracy, 2))
@@ -104,7 +114,7 @@ def test_export_offers_the_cli_files(ctl):
 def test_failed_export_leaves_no_partial_file(ctl, monkeypatch, tmp_path):
     import safetensors.torch
 
-    from merger.ui import callbacks
+    from merger.ui import merge_tab as callbacks
 
     monkeypatch.setattr(callbacks, "EXPORT_ROOT", tmp_path)
 
@@ -120,10 +130,14 @@ def test_failed_export_leaves_no_partial_file(ctl, monkeypatch, tmp_path):
 
 
 def test_auto_tune_picks_the_best_on_validation(ctl, monkeypatch):
-    from merger import tuning
 
-    monkeypatch.setitem(tuning.TUNE_GRIDS, "task_arithmetic", {"lam": [0.1, 0.5, 1.0]})
-    table, bars, radar = ctl.auto_tune(["task_arithmetic"], ctl.pool.tasks, progress=lambda *a, **k: None)
+    import dataclasses
+
+    from merger.methods import registry
+
+    ta = registry.get("task_arithmetic")
+    monkeypatch.setitem(registry._REGISTRY, "task_arithmetic", dataclasses.replace(ta, tune_grid={"lam": (0.1, 0.5, 1.0)}))
+    table, bars, radar = CompareTab(ctl).auto_tune(["task_arithmetic"], ctl.pool.tasks, progress=lambda *a, **k: None)
     ex = ctl.session
     vals = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "val").average_accuracy for lam in (0.1, 0.5, 1.0)}
     best = max(vals, key=vals.get)
@@ -132,39 +146,41 @@ def test_auto_tune_picks_the_best_on_validation(ctl, monkeypatch):
 
 
 def test_sweeps(ctl):
-    fig = ctl.sweep("lam", ["task_arithmetic", "ties"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
+    fig = CompareTab(ctl).sweep("lam", ["task_arithmetic", "ties"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
     names = [t.name for t in fig.data]
     assert "task_arithmetic (average)" in names and "ties (average)" in names
     ta = next(t for t in fig.data if t.name == "task_arithmetic (average)")
     ex = ctl.session
     assert ta.y[3] == pytest.approx(100 * ex.preview(ex.spec("task_arithmetic", lam=ta.x[3])).average_accuracy)
-    fig = ctl.sweep("rank_ratio", ["task_arithmetic", "cart"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
+    fig = CompareTab(ctl).sweep("rank_ratio", ["task_arithmetic", "cart"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
     assert [t.name for t in fig.data][0] == "cart (average)"
-    fig = ctl.sweep("tasks", ["task_arithmetic"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
+    fig = CompareTab(ctl).sweep("tasks", ["task_arithmetic"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
     assert list(fig.data[0].x) == [1, 2, 3]
     with pytest.raises(gr.Error, match="none of the ticked methods has sparsity"):
-        ctl.sweep("sparsity", ["cart"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
+        CompareTab(ctl).sweep("sparsity", ["cart"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
 
 
 def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch):
     ctl.preview(*controls(ctl, "iso_c", lam=1.25))
-    rows = ctl.history_rows("iso_c", "")
+    rows = HistoryTab(ctl).history_rows("iso_c", "")
     assert rows and rows[0][2] == "iso_c" and '"lam": 1.25' in rows[0][3]
-    experts, method, lam, rank, sparsity, *_ = ctl.reload(rows[0][0])
-    assert method["value"] == "iso_c" and lam["value"] == 1.25 and rank["interactive"] is False
+    experts, method, *values = ctl.reload(rows[0][0])
+    from merger.methods import PARAM_NAMES
+    by_name = dict(zip(PARAM_NAMES, values))
+    assert method["value"] == "iso_c" and by_name["lam"]["value"] == 1.25 and by_name["rank_ratio"]["visible"] is False
     with pytest.raises(gr.Error, match="no row with id 999999"):
         ctl.reload(999999)
-    from merger.ui import callbacks
+    from merger.ui import merge_tab as callbacks
 
     monkeypatch.setattr(callbacks, "EXPORT_ROOT", tmp_path)
-    path = ctl.history_csv("iso_c", "")
+    path = HistoryTab(ctl).history_csv("iso_c", "")
     with open(path) as fh:
         data = list(csv.DictReader(fh))
     assert data and all(r["method"] == "iso_c" for r in data)
 
 
 def test_api_evaluate(ctl):
-    out = ctl.api_evaluate("cart", lam=1.5, rank_ratio=0.25, experts=ctl.pool.tasks[:2], split="live")
+    out = evaluate_endpoint(ctl)("cart", lam=1.5, rank_ratio=0.25, experts=ctl.pool.tasks[:2], split="live")
     ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "cart", lam=1.5, rank_ratio=0.25, experts=ctl.pool.tasks[:2]))
     assert out["average_accuracy"] == pytest.approx(ref.average_accuracy)
     assert out["spec"]["experts"] == ctl.pool.tasks[:2]
@@ -177,8 +193,8 @@ def test_api_evaluate(ctl):
         (dict(method="task_arithmetic", split="dev"), "unknown split 'dev'"),
     ]:
         with pytest.raises(gr.Error, match=message):
-            ctl.api_evaluate(**kwargs)
-    assert ctl.api_evaluate("task_arithmetic", lam=0.3)["average_accuracy"] >= 0
+            evaluate_endpoint(ctl)(**kwargs)
+    assert evaluate_endpoint(ctl)("task_arithmetic", lam=0.3)["average_accuracy"] >= 0
 
 
 def test_radar_closes_polygons():

@@ -1,5 +1,16 @@
-"""Merge methods. Importing this package registers every method."""
-from . import basic, ties, lowrank, adaptive  # noqa: F401,I001  (registration order = display order)
-from .registry import Method, Param, Paper, all_methods, get, names
+"""Merge methods. Importing this package registers every method: each module of this package
+registers its own, so a new method is one new file here."""
+import importlib
+import pkgutil
 
-__all__ = ["Method", "Param", "Paper", "all_methods", "get", "names"]
+# Display order: these first, then any other module of the package by name.
+_FIRST = ("basic", "ties", "lowrank", "adaptive")
+_modules = [m.name for m in pkgutil.iter_modules(__path__) if m.name != "registry" and not m.name.startswith("_")]
+for _name in [*_FIRST, *sorted(set(_modules) - set(_FIRST))]:
+    importlib.import_module(f"{__name__}.{_name}")
+
+from .registry import Method, Param, Paper, all_methods, get, names, param_names  # noqa: E402
+
+PARAM_NAMES = param_names()  # the shared parameter vocabulary, in order of first use
+
+__all__ = ["Method", "Param", "PARAM_NAMES", "Paper", "all_methods", "get", "names", "param_names"]

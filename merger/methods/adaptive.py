@@ -335,6 +335,10 @@ def _ada(granularity: str, cart: bool = False) -> Callable:
     return run
 
 
+def learned_weights(params, num_experts: int, run) -> tuple[list[float], str]:
+    return run.coefficients.mean(1).tolist(), "learned (mean over layers)"
+
+
 def _unused(*a, **k):
     raise MergerError("a data-driven method runs with its data (Explorer.run), it has no static apply")
 
@@ -342,14 +346,16 @@ def _unused(*a, **k):
 for name, display, gran, paper in (("adamerging_task", "AdaMerging (task-wise)", "task", ADA),
                                    ("adamerging_layer", "AdaMerging (layer-wise)", "layer", ADA)):
     register(Method(
-        name=name, display_name=display, paper=paper, kind="data",
+        name=name, display_name=display, paper=paper, objective="entropy", iterate="snapshot",
+        weights=learned_weights,
         description=f"θ0 + Σt λt{'' if gran == 'task' else ',l'} τt{'' if gran == 'task' else ',l'}, λ learned by "
                     "minimising prediction entropy on unlabeled validation images (Adam, clamp [0, 1]).",
         params=ADA_PARAMS, prepare=_unused, apply=_unused, run=_ada(gran),
         conventions=ADA_NOTE))
 
 register(Method(
-    name="adamerging_cart", display_name="AdaMerging + CART", paper=CART, kind="data",
+    name="adamerging_cart", display_name="AdaMerging + CART", paper=CART, objective="entropy", iterate="snapshot",
+    weights=learned_weights,
     description="θavg + Σt λt,l SVD_k(θt − θavg), layer-wise λ learned by entropy minimisation (clamp [0, 3]).",
     params=(RANK_RATIO, with_default(STEPS, 300), LR, with_default(INIT, 1.0), SAMPLES, SEED),
     prepare=_unused, apply=_unused, run=_ada("layer", cart=True),
@@ -365,7 +371,8 @@ def _fw(soft: bool) -> Callable:
 
 
 register(Method(
-    name="fw_hard", display_name="FW-Merging (hard)", paper=FW, kind="data",
+    name="fw_hard", display_name="FW-Merging (hard)", paper=FW, objective="calibration loss",
+    iterate="iteration", weights=learned_weights,
     description="Frank–Wolfe over the convex hull of the experts, from the start θ0 + lam Σ τ (TA; 0: the base): "
                 "each iteration moves γi = step_size · 2/(i+2) of the way to the expert the linearised "
                 "calibration loss prefers (the LMO).",
@@ -375,7 +382,8 @@ register(Method(
     conventions="LMO by the inner product ⟨∇ℓ, θt⟩ (the textbook rule; the authors' code scores per-tensor "
                 "cosines against full weights). Cross-entropy on a labelled calibration set from validation."))
 register(Method(
-    name="fw_soft", display_name="FW-Merging (soft)", paper=FW, kind="data",
+    name="fw_soft", display_name="FW-Merging (soft)", paper=FW, objective="calibration loss",
+    iterate="iteration", weights=learned_weights,
     description="Frank–Wolfe with the top-k LMO vertices: λ* = argmin over the k-simplex of the calibration loss "
                 "of Σj λj s̃j (projected gradient with backtracking), θ ← θ + Σj λ*j (s̃j − θ); start = TA with "
                 "λ = lam (0: the base); the result is the iterate with the lowest calibration loss.",

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..task_vectors import TaskVectors
-from .registry import LAM, Method, Paper, register, with_default
+from .registry import LAM, Method, Paper, frange, register, sum_weights, with_default
 
 
 def prepare_sum(tv: TaskVectors) -> dict:
@@ -20,6 +20,7 @@ def apply_task_arithmetic(prepared: dict, lam: float) -> dict:
 
 register(Method(
     name="weight_averaging",
+    aliases=("wa",),
     display_name="Weight averaging",
     paper=Paper("Model soups: averaging weights of multiple fine-tuned models improves accuracy "
                 "without increasing inference time", "2203.05482"),
@@ -27,14 +28,20 @@ register(Method(
     params=(),
     prepare=prepare_sum,
     apply=apply_average,
+    tune_grid={},
+    weights=sum_weights("average"),
 ))
 
 register(Method(
     name="task_arithmetic",
+    aliases=("ta",),
+    featured=True,
     display_name="Task arithmetic",
     paper=Paper("Editing models with task arithmetic", "2212.04089"),
     description="θ0 + λ Σ τt; λ ≈ 0.3 for 8 tasks, negative λ negates tasks.",
     params=(with_default(LAM, 0.3),),
     prepare=prepare_sum,
     apply=apply_task_arithmetic,
+    tune_grid={"lam": frange(0.05, 1.5, 0.05)},
+    weights=sum_weights("sum"),
 ))

@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..task_vectors import TaskVectors
-from .registry import LAM, RANK_RATIO, Method, Paper, kept_rank, register, with_default
+from .registry import LAM, RANK_RATIO, Method, Paper, frange, kept_rank, register, sum_weights, with_default
 
 MATRICES_NOTE = ("Matrices = the 2-D attention and MLP weights (in_proj, out_proj, c_fc, c_proj); "
                  "every other tensor (biases, norms, embeddings, conv1, visual projection) is 'other'.")
@@ -66,6 +66,7 @@ def cart_note(params, prepared) -> str | None:
 
 register(Method(
     name="cart",
+    featured=True,
     display_name="CART (centred low-rank)",
     paper=Paper("Revisiting weight averaging for model merging", "2412.12153"),
     description="θavg + λ Σt SVD_k(θt − θavg) on attention/MLP matrices, θavg elsewhere.",
@@ -73,6 +74,8 @@ register(Method(
     prepare=prepare_cart,
     apply=apply_cart,
     note=cart_note,
+    tune_grid={"lam": frange(0.5, 3.0, 0.25), "rank_ratio": (0.04, 0.08, 0.16, 0.32)},
+    weights=sum_weights("average"),
     conventions=MATRICES_NOTE + " k = ⌈rank_ratio · r⌉ as the paper's Algorithm 1 (the authors' code rounds "
                 "down: max(1, ⌊γ · min(m, n)⌋), one rank fewer at most ratios).",
 ))
@@ -134,6 +137,8 @@ register(Method(
     derive=tsv_direction,
     derive_params=("rank_ratio",),
     apply=apply_tsv,
+    tune_grid={"lam": frange(0.5, 2.0, 0.1)},
+    weights=sum_weights("mean"),
     limits_for=lambda T: {"rank_ratio": (1.0 / T, "TSV-M concatenates T·k singular vectors, which must not "
                                                    "exceed the rank r (k ≤ ⌊r/T⌋); use auto for exactly ⌊r/T⌋")},
     conventions=MATRICES_NOTE + " The TSV authors' code also decomposes the positional embedding and the visual "
@@ -167,6 +172,8 @@ register(Method(
     params=(with_default(LAM, 1.3),),
     prepare=prepare_iso,
     apply=apply_iso,
+    tune_grid={"lam": frange(0.5, 2.0, 0.1)},
+    weights=sum_weights("sum"),
     conventions=MATRICES_NOTE + " The Iso authors' code treats every 2-D tensor but the embeddings as a matrix "
                 "(so also the visual projection, which gets the mean here).",
 ))

@@ -12,8 +12,6 @@ from typing import Any, Callable, Mapping
 
 from ..errors import MethodError
 
-# The parameter vocabulary shared by every method, the CLI and the UI.
-PARAM_NAMES = ("lam", "rank_ratio", "sparsity", "seed", "steps", "lr", "init", "samples", "k", "step_size")
 
 
 @dataclass(frozen=True)
@@ -30,6 +28,8 @@ class Param:
     # When set, the value "auto" is allowed and means this rule (e.g. TSV-M's k = ⌊r/T⌋), which a
     # number cannot always express exactly (1/3 of 768 is not a float times 768 rounded down).
     auto: str | None = None
+    label: str = ""  # what the UI calls it ("λ (merge coefficient)"); the name where empty
+    sweep: tuple = ()  # the values a sweep against this parameter visits; () = not a sweep axis
 
     def range_text(self) -> str:
         lo = "(" if self.min_open else "["
@@ -89,13 +89,32 @@ class Method:
     defaults_for: Callable[[int], dict[str, Any]] | None = None  # defaults that depend on T
     # Upper bounds that depend on T, {name: (bound, reason)}: e.g. TSV-M keeps T·k ≤ r.
     limits_for: Callable[[int], dict[str, tuple[float, str]]] | None = None
-    kind: str = "static"  # "static" (sliders) or "data" (learns coefficients: run(...) instead)
     # Data-driven methods: run(context, progress, cancel, **params) -> Run (see methods/adaptive.py)
+    # instead of sliders; the method is then "data-driven" (``data_driven``).
     run: Callable[..., Any] | None = None
+    # The grid auto-tune searches on validation, {param: values}; {} for a method without sliders.
+    # None only for data-driven methods (they learn their coefficients instead).
+    tune_grid: Mapping[str, tuple] | None = None
+    # How Δ weights the experts: weights(params, T, state) -> (one weight per expert, how to read it);
+    # state is the prepared state (static) or the Run (data-driven). The Analysis tab, the logit
+    # ensemble and cross-task linearity read it.
+    weights: Callable[[Mapping[str, Any], int, Any], tuple[list[float], str]] | None = None
+    # Which entries of each τt the merge keeps (seed 000's sparsifying operator M):
+    # mask(task_vectors, **params) -> [T, P] bool over the flattened task vectors, or None.
+    mask: Callable[..., Any] | None = None
+    objective: str = ""  # data-driven: what the run minimises ("entropy", "calibration loss")
+    iterate: str = "step"  # data-driven: what one recorded iterate is called ("snapshot", "iteration")
+    aliases: tuple[str, ...] = ()  # short names accepted wherever a method is named ("ta")
+    featured: bool = False  # ticked by default where the app offers a choice (auto-tune, sweeps, benches)
+    slow_prepare: bool = False  # prepare takes seconds or more: run it with progress and cancel
     extra: dict = field(default_factory=dict)
     # Where the field's tools differ (mergekit, FusionBench, the authors' code): users comparing
     # numbers must be able to tell why they differ.
     conventions: str = ""
+
+    @property
+    def data_driven(self) -> bool:
+        return self.run is not None
 
     def delta(self, prepared, **params) -> Mapping[str, Any]:
         """Δ for these parameters without any cache (derive, if any, then apply)."""
@@ -143,17 +162,63 @@ _REGISTRY: dict[str, Method] = {}
 
 
 def register(method: Method) -> Method:
+    """Add a method; what every surface needs is checked here, so that a method missing a piece
+    fails at import, not silently in one tab."""
     if method.name in _REGISTRY:
         raise ValueError(f"method {method.name} registered twice")
+    problems = []
+    if method.weights is None:
+        problems.append("weights (how Δ weights the experts)")
+    if method.data_driven:
+        if not method.objective:
+            problems.append("objective (the name of what the run minimises)")
+    elif method.tune_grid is None:
+        problems.append("tune_grid ({} for a method without sliders)")
+    else:
+        for name, values in method.tune_grid.items():
+            p = method.param(name)
+            for v in values:
+                p.check(v, method.name)
     for p in method.params:
-        if p.name not in PARAM_NAMES:
-            raise ValueError(f"{method.name}: parameter {p.name} is not in the shared vocabulary")
+        for other in _REGISTRY.values():
+            if p.name in other.param_names and (other.param(p.name).kind != p.kind):
+                problems.append(f"parameter {p.name}: {other.name} declares it as {other.param(p.name).kind}")
+    if problems:
+        raise ValueError(f"method {method.name} lacks " + "; ".join(problems))
     _REGISTRY[method.name] = method
     return method
 
 
+# The order of the shared parameter records (below); a method's own new parameter comes after them.
+SHARED_ORDER = ("lam", "rank_ratio", "sparsity", "seed", "steps", "lr", "init", "samples", "k", "step_size")
+
+
+def param_names() -> tuple[str, ...]:
+    """Every parameter name of the registered methods (the shared ones first, in their order, then
+    new ones in order of first use): the UI's controls, the CLI's flags and the endpoint's arguments."""
+    seen: dict[str, None] = {n: None for n in SHARED_ORDER if any(n in m.param_names for m in _REGISTRY.values())}
+    for m in _REGISTRY.values():
+        for p in m.params:
+            seen.setdefault(p.name, None)
+    return tuple(seen)
+
+
+def param_record(name: str) -> tuple[Method, Param]:
+    """The first method that uses a parameter, and its record (the control's range and label)."""
+    for m in _REGISTRY.values():
+        if name in m.param_names:
+            return m, m.param(name)
+    raise MethodError(f"no method has a parameter {name}")
+
+
+def with_param(name: str, *, sliders_only: bool = True) -> list[Method]:
+    """The methods that take a parameter (by default those that evaluate live from sliders)."""
+    return [m for m in _REGISTRY.values() if name in m.param_names and not (sliders_only and m.data_driven)]
+
+
 def get(name: str) -> Method:
     key = str(name).strip().lower().replace("-", "_")
+    key = next((m.name for m in _REGISTRY.values() if key in m.aliases), key)
     if key not in _REGISTRY:
         raise MethodError(f"unknown method '{name}'; known: {', '.join(_REGISTRY)}")
     return _REGISTRY[key]
@@ -168,28 +233,55 @@ def all_methods() -> list[Method]:
 
 
 # Parameter records reused by several methods (same name, range and step everywhere).
-LAM = Param("lam", 1.0, -3.0, 3.0, 0.05, help="merge coefficient λ (negative: task negation)")
+LAM = Param("lam", 1.0, -3.0, 3.0, 0.05, help="merge coefficient λ (negative: task negation)",
+            label="λ (merge coefficient)", sweep=tuple(round(0.1 * i, 2) for i in range(0, 31)))
 SPARSITY = Param(
-    "sparsity", 0.8, 0.0, 1.0, 0.01, max_open=True, help="fraction of task-vector entries removed"
+    "sparsity", 0.8, 0.0, 1.0, 0.01, max_open=True, help="fraction of task-vector entries removed",
+    label="sparsity", sweep=tuple(round(0.1 * i, 2) for i in range(0, 10)) + (0.95, 0.99),
 )
 RANK_RATIO = Param(
     "rank_ratio", 0.08, 0.0, 1.0, 0.01, min_open=True,
     help="kept rank per attention/MLP matrix, r = min(m, n): CART k = ⌈rank_ratio · r⌉ (Algorithm 1); "
          "TSV-M k = ⌊rank_ratio · r⌋ per task, at most 1/T, or auto = ⌊r/T⌋",
+    label="rank ratio", sweep=(0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.16, 0.24, 0.32, 0.5, 0.75, 1.0),
 )
-SEED = Param("seed", 0, 0, 2**31 - 1, 1, kind="int", help="random seed of the drop masks")
-STEPS = Param("steps", 300, 1, 5000, 1, kind="int", help="optimisation steps (iterations)")
-LR = Param("lr", 1e-3, 0.0, 1.0, 1e-4, min_open=True, help="learning rate of the coefficients (Adam)")
-INIT = Param("init", 0.3, 0.0, 3.0, 0.05, help="initial value of every learned coefficient")
+SEED = Param("seed", 0, 0, 2**31 - 1, 1, kind="int", help="random seed of the drop masks", label="seed")
+STEPS = Param("steps", 300, 1, 5000, 1, kind="int", help="optimisation steps (iterations)", label="steps")
+LR = Param("lr", 1e-3, 0.0, 1.0, 1e-4, min_open=True, help="learning rate of the coefficients (Adam)",
+           label="learning rate")
+INIT = Param("init", 0.3, 0.0, 3.0, 0.05, help="initial value of every learned coefficient",
+             label="initial coefficient")
 SAMPLES = Param("samples", 64, 1, 10000, 1, kind="int",
-                help="validation images per task used per step (AdaMerging) or as calibration set (FW)")
-TOP_K = Param("k", 2, 1, 64, 1, kind="int", help="FW-soft: how many LMO vertices to combine")
+                help="validation images per task used per step (AdaMerging) or as calibration set (FW)",
+                label="samples per task")
+TOP_K = Param("k", 2, 1, 64, 1, kind="int", help="FW-soft: how many LMO vertices to combine",
+              label="top-k vertices")
 STEP_SIZE = Param("step_size", 1.0, 0.0, 1.0, 0.01, min_open=True,
-                  help="FW step factor s: iteration i moves γi = s · 2/(i + 2) of the way to the chosen vertex")
+                  help="FW step factor s: iteration i moves γi = s · 2/(i + 2) of the way to the chosen vertex",
+                  label="FW step factor")
 
 
 def with_default(p: Param, default, **changes) -> Param:
     return replace(p, default=default, **changes)
+
+
+def frange(lo: float, hi: float, step: float) -> tuple[float, ...]:
+    """lo, lo + step, …, hi (rounded: grid values print as typed)."""
+    n = int(round((hi - lo) / step))
+    return tuple(round(lo + i * step, 4) for i in range(n + 1))
+
+
+def sum_weights(scale: str):
+    """Effective weights of a merge that is a scaled sum (λ per task) or mean (λ/T) of the task
+    vectors; exact for sums, a reading for methods that reshape the sum."""
+    def weights(params, num_experts: int, state) -> tuple[list[float], str]:
+        lam = params.get("lam", 1.0)
+        if scale == "sum":
+            return [lam] * num_experts, "λ per task"
+        if scale == "mean":
+            return [lam / num_experts] * num_experts, "λ/T per task (a mean of the task vectors, scaled by λ)"
+        return [1.0 / num_experts] * num_experts, "1/T per task (the weight average is the anchor)"
+    return weights
 
 
 def kept_rank(rank_ratio: float, m: int, n: int) -> int:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..task_vectors import TaskVectors
-from .registry import LAM, SEED, SPARSITY, Method, Paper, register, with_default
+from .registry import LAM, SEED, SPARSITY, Method, Paper, frange, register, sum_weights, with_default
 
 CHUNK = 1 << 14
 GRID = 100  # sparsity thresholds precomputed at steps of 1/GRID (the slider step)
@@ -149,12 +149,16 @@ TIES_NOTE = TRIM_NOTE + " " + MEAN_NOTE
 
 register(Method(
     name="ties",
+    featured=True,
     display_name="TIES-merging",
     paper=Paper("TIES-Merging: Resolving interference when merging models", "2306.01708"),
     description="Trim each τt to its top (1 − sparsity) by magnitude, elect signs, disjoint mean; θ0 + λ·that.",
     params=(LAM, SPARSITY),
     prepare=prepare_ties,
     apply=apply_ties,
+    tune_grid={"lam": frange(0.4, 1.5, 0.1), "sparsity": (0.5, 0.7, 0.8, 0.9)},
+    weights=sum_weights("mean"),
+    mask=lambda tv, sparsity, lam=None: kept_entries(tv, "ties", sparsity),
     conventions=TIES_NOTE,
 ))
 
@@ -225,6 +229,9 @@ register(Method(
     prepare=prepare_dare,
     apply=apply_dare_linear,
     prepare_params=("seed",),
+    tune_grid={"lam": frange(0.1, 1.0, 0.1), "sparsity": (0.5, 0.7, 0.9)},
+    weights=sum_weights("sum"),
+    mask=lambda tv, sparsity, seed, lam=None: kept_entries(tv, "dare", sparsity, seed),
     conventions="Masks are seeded per task name, so a task's mask does not change with the expert subset.",
 ))
 
@@ -237,6 +244,33 @@ register(Method(
     prepare=prepare_dare,
     apply=apply_dare_ties,
     prepare_params=("seed",),
+    tune_grid={"lam": frange(0.4, 1.5, 0.1), "sparsity": (0.5, 0.7, 0.9)},
+    weights=sum_weights("mean"),
+    mask=lambda tv, sparsity, seed, lam=None: kept_entries(tv, "dare_ties", sparsity, seed),
     conventions="Masks are seeded per task name, so a task's mask does not change with the expert subset. "
                 "After dropping, as TIES. " + MEAN_NOTE,
 ))
+
+
+# ---- the kept entries (seed 000's sparsifying operator M, for the heterogeneity diagnostic) --
+
+def kept_entries(tv: TaskVectors, rule: str, sparsity: float, seed: int | None = None) -> torch.Tensor:
+    """Per task, the entries its merge keeps, [T, P] bool over the flattened task vectors: TIES keeps
+    the top (1 − sparsity) by magnitude and then only entries whose sign agrees with the elected
+    sign(Σ trimmed τ); DARE keeps its seeded draw (dare_ties then elects signs among the kept)."""
+    T = tv.num_tasks
+    flat = torch.stack([torch.cat([tv.stacked[k][i].reshape(-1) for k in tv.keys]) for i in range(T)])
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    for i in range(T):
+        if rule == "ties":
+            n = flat.shape[1]
+            thr = flat[i].abs().kthvalue(n - _n_keep(n, sparsity) + 1).values
+            keep[i] = flat[i].abs() >= thr
+        else:  # the very masks DARE merges with (seeded per task name)
+            draws = prepare_dare(tv.subset([tv.tasks[i]]), int(seed or 0))["draws"]
+            drawn = torch.cat([draws[k][0].reshape(-1).to(torch.int32) for k in tv.keys])
+            keep[i] = drawn >= int(round(sparsity * _U16))
+    if rule in ("ties", "dare_ties"):
+        elected = torch.where(keep, flat, 0.0).sum(0).sign()
+        keep &= (flat.sign() == elected) & (flat != 0)
+    return keep

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import gradio as gr
 
-from .. import analysis, methods, plots, trajectories
+from .. import analysis, plots, trajectories
 from ..errors import MergerError
 
-from ..methods.registry import PARAM_NAMES
+from ..methods import PARAM_NAMES
+from .errors import fail
 from .scheduling import BATCH_EVENT, as_batch
 from .lab_tab import build_lab_tab
 
@@ -20,18 +21,11 @@ class AnalysisController:
         self.pool = ctl.pool
 
     def effective_weights(self, spec) -> tuple[list[float], str]:
-        """Per-task weights of a merge on the task vectors (exact for sums, a reading otherwise)."""
-        T, name, kw = len(spec.experts), spec.method, spec.kwargs
-        if methods.get(name).kind == "data":
-            run = self.ex.cached_run(spec)
-            if run is None:
-                raise gr.Error(f"{name}: press Run in the Merge tab first")
-            return run.coefficients.mean(1).tolist(), "learned (mean over layers)"
-        if name in ("task_arithmetic", "dare_linear", "iso_c"):
-            return [kw["lam"]] * T, "λ per task"
-        if name in ("ties", "dare_ties", "tsv_m"):
-            return [kw["lam"] / T] * T, "λ/T per task (a mean of the task vectors, scaled by λ)"
-        return [1.0 / T] * T, "1/T per task (the weight average is the anchor)"
+        """Per-task weights of a merge on the task vectors (the method's own reading, see the registry)."""
+        try:
+            return self.ex.effective_weights(spec)
+        except MergerError as exc:
+            fail(exc)
 
     def _tv(self, experts):
         return self.pool.task_vectors.subset([e for e in self.pool.experts if e in (experts or self.pool.tasks)])
@@ -77,12 +71,12 @@ class AnalysisController:
         try:
             spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
         except MergerError as exc:
-            raise gr.Error(str(exc))
+            fail(exc)
         tv = self._tv(spec.experts)
         v = spec.kwargs
         name = spec.method
         lam, how = self.effective_weights(spec)
-        mask = name if name in analysis.MASKS else None
+        mask = name if name in analysis.masking_methods() else None
         h = analysis.heterogeneity(tv, lam, mask, v.get("sparsity"), v.get("seed"))
         series = {"ζt²": h["zeta2"]}
         if "delta" in h:
@@ -99,7 +93,7 @@ class AnalysisController:
         try:
             traj = trajectories.finetune_trajectory(land, task)
         except MergerError as exc:
-            raise gr.Error(f"{exc}: epoch dynamics need per-epoch checkpoints (a trajectory)")
+            fail(f"{exc}: epoch dynamics need per-epoch checkpoints (a trajectory)")
         if len(traj.points) >= 3:
             d = analysis.epoch_dynamics(traj.points)
             epochs = [f"epoch {s}" for s in traj.steps[1:]]
@@ -139,13 +133,13 @@ class AnalysisController:
         try:
             spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
         except MergerError as exc:
-            raise gr.Error(str(exc))
+            fail(exc)
         land = self.ex.landscape
         if endpoints == "base → current merge":
             a, b, title = land.base_point(), land.spec_point(spec), f"base → {spec.label()}"
         else:
             if len(spec.experts) < 2:
-                raise gr.Error("tick at least two experts for an expert-to-expert path")
+                fail("tick at least two experts for an expert-to-expert path")
             a, b = land.expert_point(spec.experts[0]), land.expert_point(spec.experts[1])
             title = f"{spec.experts[0]} → {spec.experts[1]}"
         ev = self.ex.evaluator
@@ -162,7 +156,7 @@ class AnalysisController:
         try:
             spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
         except MergerError as exc:
-            raise gr.Error(str(exc))
+            fail(exc)
         w, how = self.effective_weights(spec)
         tv = self.pool.task_vectors
         experts_w = [tv.expert(tv.tasks.index(t)) for t in spec.experts]

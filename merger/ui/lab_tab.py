@@ -12,6 +12,7 @@ from ..errors import MergerError
 from ..lab import (GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, TRENDS, add_expert, check_settings, finetune, lab_experts,
                    scaling_view)
 from ..trajectories import has_trajectory
+from .errors import fail
 from .merge_events import session_of
 from .scheduling import BATCH_EVENT, as_batch
 
@@ -35,7 +36,7 @@ class LabController:
         except Cancelled:
             return None, True
         except (MergerError, ValueError) as exc:
-            raise gr.Error(str(exc))
+            fail(exc)
         finally:
             self._cancel.pop(key, None)
 

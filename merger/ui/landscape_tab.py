@@ -7,6 +7,8 @@ from .. import methods, plots, trajectories
 from ..errors import MergerError
 from ..landscape import extent_of
 from ..landscape_report import landscape_figure, landscape_layers, make_plane
+from ..methods.registry import with_param
+from .errors import fail, warn
 from .scheduling import BATCH_EVENT
 
 PLANE_CHOICES = [("PCA of base, experts and pinned merges", "pca"), ("base + two task vectors", "tasks"),
@@ -39,7 +41,7 @@ class LandscapeController:
 
     def _path(self, name, method, spec_params, spec):
         if name == ITERATES:
-            run = self.ctl.session.cached_run(spec) if spec is not None and methods.get(spec.method).kind == "data" else None
+            run = self.ctl.session.cached_run(spec) if spec is not None and methods.get(spec.method).data_driven else None
             if run is None:
                 raise MergerError("no data-driven run for the current spec: pick AdaMerging or FW and press Run first")
             return trajectories.run_path(self.land, run)
@@ -47,8 +49,9 @@ class LandscapeController:
             return trajectories.finetune_trajectory(self.land, name[len("fine-tuning: "):])
         axis = PATH_AXES[name]
         m = method
-        if methods.get(m).kind == "data" or axis not in methods.get(m).param_names:
-            m = {"rank_ratio": "cart", "sparsity": "ties", "lam": "task_arithmetic"}[axis]
+        if methods.get(m).data_driven or axis not in methods.get(m).param_names:
+            takers = with_param(axis)  # the current method has no such slider: the first one that does
+            m = next((t.name for t in takers if t.featured), takers[0].name)
         fixed = {k: v for k, v in spec_params.items() if k in methods.get(m).param_names and k != axis}
         return trajectories.parameter_path(self.land, m, axis, trajectories.default_values(axis), fixed)
 
@@ -69,7 +72,7 @@ class LandscapeController:
                                [task_a, task_b])
             paths, problems = self._paths(chosen_paths, spec.method, spec.kwargs, spec)
             if problems:
-                gr.Warning("Not drawn: " + "; ".join(problems))
+                warn("Not drawn: " + "; ".join(problems))
             live_label, live_vec = self._live(spec)
             coords = [plane.coords(v)[:2] for v in points.values()] + [plane.coords(live_vec)[:2]]
             for tr in paths:
@@ -82,7 +85,7 @@ class LandscapeController:
                          "metric": metric, "task": task, "view": view}
                 yield state, self.figure(state, spec)
         except MergerError as exc:
-            raise gr.Error(str(exc))
+            fail(exc)
 
     def figure(self, state, spec=None):
         live = live_values = None
@@ -127,14 +130,14 @@ class LandscapeController:
         """Accuracy or loss along the ticked trajectories (the mean over tasks, or one task's); a
         trajectory that is not available is named in the title, the others are drawn."""
         if not chosen:
-            raise gr.Error("tick at least one trajectory")
+            fail("tick at least one trajectory")
         task = None if task in (None, "", "all tasks (mean)") else task
         try:
             spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
             paths, problems = self._paths(chosen, spec.method, spec.kwargs, spec)
             data = {tr.name: trajectories.evaluate_along(self.land, tr, split) for tr in paths}
         except MergerError as exc:
-            raise gr.Error(str(exc))
+            fail(exc)
         if not data:
             return plots.empty("No trajectory available: " + "; ".join(problems))
         return plots.trajectory_curves(data, metric, task=task, missing=problems)

@@ -134,7 +134,7 @@ class MergeTabEvents:
         """The data-driven panel, or skips when it would show what it already shows (every move of a
         static method would otherwise redraw three empty figures)."""
         spec = self._spec(experts, method, values)
-        run = self.ctl.session.cached_run(spec) if spec is not None and methods.get(spec.method).kind == "data" else None
+        run = self.ctl.session.cached_run(spec) if spec is not None and methods.get(spec.method).data_driven else None
         shows = id(run) if run is not None else None
         with self._lock:
             same = who in self._panel and self._panel[who] == shows
@@ -148,6 +148,6 @@ class MergeTabEvents:
         if images is None:
             return None
         spec = self._spec(experts, method, values)
-        if spec is None or methods.get(spec.method).kind == "data" or self.ctl.session.cached(spec) is not None:
+        if spec is None or methods.get(spec.method).data_driven or self.ctl.session.cached(spec) is not None:
             return None
         return images

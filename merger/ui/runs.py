@@ -10,6 +10,7 @@ import gradio as gr
 from .. import methods, plots
 from ..errors import MergerError
 from ..methods.adaptive import Cancelled
+from .errors import notice
 from .merge_events import session_of
 
 
@@ -20,8 +21,7 @@ class RunController:
 
     @staticmethod
     def objective_label(method: str) -> str:
-        return "entropy" if method.startswith("adamerging") else "calibration loss"
-
+        return methods.get(method).objective
     @classmethod
     def views(cls, run) -> tuple:
         """(objective curve, coefficient heatmap, FW progress) of a finished run."""
@@ -48,10 +48,10 @@ class RunController:
         try:
             spec = self.ctl.spec_from_controls(experts, method, *values)
         except MergerError as exc:
-            yield (f"⚠️ {exc}", *skip7)
+            yield (notice(exc), *skip7)
             return
         m = methods.get(spec.method)
-        if m.kind != "data":
+        if not m.data_driven:
             yield (f"{m.display_name} needs no run: its sliders evaluate live.", *skip7)
             return
         flag = threading.Event()
@@ -81,7 +81,7 @@ class RunController:
         if "error" in box:
             err = box["error"]
             msg = "cancelled: nothing was cached; the app is as before" if isinstance(err, Cancelled) else str(err)
-            yield (f"⚠️ {msg}", gr.skip(), *(gr.skip(),) * 6)
+            yield (notice(msg), gr.skip(), *(gr.skip(),) * 6)
             return
         run = box["run"]
         acc, loss, radar, summary = self.ctl.preview(experts, method, *values)

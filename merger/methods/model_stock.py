@@ -1,0 +1,61 @@
+"""Model Stock (Jang et al., arXiv 2403.19522): per layer, interpolate between the base and the
+experts' average by a ratio read off the angle between the experts around the base."""
+from __future__ import annotations
+
+import torch
+
+from ..task_vectors import TaskVectors
+from .registry import Method, Paper, register
+
+
+def _cos_between_experts(stacked: torch.Tensor) -> torch.Tensor:
+    """Mean pairwise cosine of the task vectors of one tensor ([T, ...] → scalar). One expert is
+    its own neighbour: cos θ = 1 (Model Stock is then that expert)."""
+    T = stacked.shape[0]
+    if T == 1:
+        return stacked.new_tensor(1.0)
+    flat = torch.nn.functional.normalize(stacked.reshape(T, -1), dim=1)
+    gram = flat @ flat.T
+    return (gram.sum() - gram.diagonal().sum()) / (T * (T - 1))
+
+
+def interpolation_ratio(cos: torch.Tensor, k: int) -> torch.Tensor:
+    """t = k·cos θ / (1 + (k − 1)·cos θ) (the paper's Eq. for k fine-tuned models), with cos θ
+    clamped to [0, 1] so that t stays a ratio in [0, 1]."""
+    cos = cos.clamp(0.0, 1.0)
+    return k * cos / (1 + (k - 1) * cos)
+
+
+def prepare_model_stock(tv: TaskVectors) -> dict:
+    T = tv.num_tasks
+    ratio = {k: interpolation_ratio(_cos_between_experts(v), T) for k, v in tv.stacked.items()}
+    # θ = t·θavg + (1 − t)·θ0, i.e. Δ = t·mean τ per tensor: no slider, so Δ is computed here once.
+    return {"delta": {k: ratio[k] * v.mean(0) for k, v in tv.stacked.items()},
+            "ratio": {k: float(r) for k, r in ratio.items()}, "T": T}
+
+
+def apply_model_stock(prepared: dict) -> dict:
+    return dict(prepared["delta"])
+
+
+def effective_weights(params, num_experts: int, prepared) -> tuple[list[float], str]:
+    t = sum(prepared["ratio"].values()) / len(prepared["ratio"])
+    return [t / num_experts] * num_experts, f"t/T per task (t = {t:.3g}, the mean ratio over tensors)"
+
+
+register(Method(
+    name="model_stock",
+    display_name="Model Stock",
+    paper=Paper("Model Stock: All we need is just a few fine-tuned models", "2403.19522"),
+    description="Per tensor, θ = t·θavg + (1 − t)·θ0 with t = k·cos θ / (1 + (k − 1)·cos θ) from the angle θ "
+                "between the experts' task vectors (k experts); no slider.",
+    params=(),
+    prepare=prepare_model_stock,
+    apply=apply_model_stock,
+    tune_grid={},
+    weights=effective_weights,
+    conventions="cos θ is the mean pairwise cosine of the k task vectors of each tensor (the paper states θ for two "
+                "models; mergekit averages pairs the same way), clamped to [0, 1] so that t is a ratio (mergekit "
+                "clamps to [−1, 1], where t can leave [0, 1] or divide by zero). Every tensor of the image tower is a "
+                "'layer', biases and norms included.",
+))

@@ -1,0 +1,141 @@
+"""The Compare tab: pinned merges side by side, auto-tune (grid search on validation, the best
+setting on test) and sweeps against one parameter, all from the registry's grids and sweep values."""
+from __future__ import annotations
+
+import gradio as gr
+
+from .. import methods, plots
+from ..errors import MergerError
+from ..tuning import auto_tune, sweep, sweep_axes, sweep_num_tasks, sweep_values, tunable_methods
+from .errors import fail
+from .scheduling import BATCH_EVENT
+
+SPLITS_SHOWN = ("live", "val", "test")
+
+
+def _fmt(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def featured(names) -> list[str]:
+    """The methods ticked by default: the registry's featured ones among ``names``."""
+    return [n for n in names if methods.get(n).featured]
+
+
+class CompareTab:
+    def __init__(self, ctl):
+        self.ctl = ctl
+
+    def compare(self, pins, split):
+        if not pins:
+            empty = plots.empty("Pin merges in the Merge tab to compare them here.")
+            return [], empty, empty
+        try:
+            with self.ctl.session.batch():
+                results = {s.label(): self.ctl.session.preview(s, split) for s in pins}
+        except MergerError as exc:
+            fail(exc)
+        table = [[label, ", ".join(s.experts), round(100 * r.average_accuracy, 2),
+                  round(100 * r.normalized_accuracy, 2), round(r.average_loss, 4)]
+                 + [round(100 * r.accuracy[t], 1) for t in self.ctl.pool.tasks]
+                 for (label, r), s in zip(results.items(), pins)]
+        return table, plots.grouped_bars(results), plots.radar(results)
+
+    def compare_headers(self) -> list[str]:
+        return ["spec", "experts", "avg acc %", "normalised %", "loss"] + list(self.ctl.pool.tasks)
+
+    def auto_tune(self, method_names, experts, progress=gr.Progress()):
+        if not method_names:
+            fail("tick at least one method to auto-tune")
+        try:
+            rows = auto_tune(self.ctl.session, method_names, experts=list(experts) if experts else None,
+                             progress=lambda f, msg: progress(f, desc=msg))
+        except MergerError as exc:
+            fail(exc)
+        table = [[r["method"], ", ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items()) or "-",
+                  r["grid_points"], round(100 * r["val_accuracy"], 2), round(100 * r["test_accuracy"], 2),
+                  round(100 * r["test_normalized"], 2)] for r in rows]
+        results = {f"{r['method']} (best)": r["test"] for r in rows}
+        return table, plots.grouped_bars(results, "Auto-tuned: test accuracy per task"), plots.radar(results)
+
+    def sweep(self, axis, method_names, split, experts, progress=gr.Progress()):
+        experts = list(experts) if experts else None
+        try:
+            if axis == "tasks":
+                if not method_names:
+                    raise MergerError("tick at least one method")
+                curves, errors = {}, {}
+                for m in method_names:
+                    r = sweep_num_tasks(self.ctl.session, m, split=split, progress=lambda f, msg: progress(f, desc=f"{m}: {msg}"))
+                    curves[m], errors[m] = (r["x"], r["mean"]), r["se"]
+                return plots.sweep_curves(curves, "number of merged tasks",
+                                          "Average accuracy over the merged tasks (mean ± s.e. over random subsets)",
+                                          errors=errors)
+            axes = sweep_axes()
+            if axis not in axes:
+                raise MergerError(f"sweep axis '{axis}' unknown; one of {', '.join(axes)}")
+            label, only = axes[axis]
+            chosen = [m for m in method_names if axis in methods.get(m).param_names]
+            if not chosen:
+                raise MergerError(f"none of the ticked methods has {label}" + (f" (try {', '.join(only)})" if only else ""))
+            skipped = [m for m in method_names if m not in chosen]
+            values = sorted({v for m in chosen for v in sweep_values(axis, m)})
+            data = sweep(self.ctl.session, chosen, axis, values, split=split, experts=experts,
+                         progress=lambda f, msg: progress(f, desc=msg))
+        except MergerError as exc:
+            fail(exc)
+        curves, dashed = {}, []
+        for m, d in data.items():
+            curves[f"{m} (average)"] = (d["x"], d["average"])
+        for m, d in data.items():
+            for t, ys in d["per_task"].items():
+                curves[f"{m} · {t}"] = (d["x"], ys)
+                dashed.append(f"{m} · {t}")
+        n = len(experts) if experts else len(self.ctl.pool.tasks)
+        capped = [f"{m} stops at {label} {methods.get(m).bounds(axis, n)[1]:.3g}" for m in chosen
+                  if methods.get(m).bounds(axis, n)[1] < max(values)]
+        notes = ([f"not swept: {', '.join(skipped)} (no {label})"] if skipped else []) + capped
+        title = f"Accuracy against {label} ({split} split; per-task curves in the legend)"
+        if notes:
+            title += "<br><sub>" + "; ".join(notes) + "</sub>"
+        return plots.sweep_curves(curves, label, title, dashed=dashed)
+
+
+def build_compare_tab(ctl, pins, experts, batch) -> CompareTab:
+    tab = CompareTab(ctl)
+    with gr.Tab("Compare", id="compare"):
+        with gr.Row():
+            cmp_split = gr.Dropdown(list(SPLITS_SHOWN), value="live", label="split")
+            cmp_btn = gr.Button("Compare pinned merges")
+        cmp_table = gr.Dataframe(headers=tab.compare_headers(), interactive=False)
+        with gr.Row():
+            cmp_bars = gr.Plot()
+            cmp_radar = gr.Plot()
+        cmp_btn.click(batch(tab.compare), [pins, cmp_split], [cmp_table, cmp_bars, cmp_radar],
+                      **BATCH_EVENT, api_visibility="private")
+        gr.Markdown("### Auto-tune\nGrid search on the validation split, then the best setting on the test split.")
+        tunable = tunable_methods()
+        tune_methods = gr.CheckboxGroup([(methods.get(n).display_name, n) for n in tunable], value=featured(tunable),
+                                        label="methods")
+        tune_btn = gr.Button("Auto-tune")
+        tune_table = gr.Dataframe(headers=["method", "best parameters", "grid points", "val acc %",
+                                           "test acc %", "test normalised %"], interactive=False)
+        with gr.Row():
+            tune_bars = gr.Plot(elem_id="tune-bars")
+            tune_radar = gr.Plot()
+        tune_btn.click(batch(tab.auto_tune), [tune_methods, experts], [tune_table, tune_bars, tune_radar],
+                       **BATCH_EVENT, api_visibility="private")
+        gr.Markdown("### Sweeps")
+        axes = sweep_axes()
+        swept = [m.name for m in methods.all_methods() if not m.data_driven]
+        with gr.Row():
+            sweep_axis = gr.Radio([(label, name) for name, (label, _) in axes.items()] + [("number of tasks", "tasks")],
+                                  value=next(iter(axes)), label="against")
+            sweep_methods = gr.CheckboxGroup([(methods.get(n).display_name, n) for n in swept], value=featured(swept),
+                                             label="methods")
+            sweep_split = gr.Dropdown(list(SPLITS_SHOWN), value="live", label="split")
+        sweep_btn = gr.Button("Sweep")
+        sweep_plot = gr.Plot(elem_id="sweep-plot")
+        sweep_btn.click(batch(tab.sweep), [sweep_axis, sweep_methods, sweep_split, experts], sweep_plot,
+                        **BATCH_EVENT, api_visibility="private")
+    return tab

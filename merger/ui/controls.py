@@ -1,0 +1,170 @@
+"""The Merge tab's method controls, one per parameter of the registry, mapped by name.
+
+Every control exists once (one slider per parameter name, shared by the methods that take it);
+a method shows the ones it uses and hides the rest. Values travel in ``PARAM_NAMES`` order.
+"""
+from __future__ import annotations
+
+import math
+
+import gradio as gr
+
+from .. import methods
+from ..errors import MergerError, MethodError
+from ..methods import PARAM_NAMES
+from ..methods.registry import param_record
+
+
+def by_name(values) -> dict:
+    """The controls' values keyed by parameter name."""
+    return dict(zip(PARAM_NAMES, values))
+
+
+def param_control(name: str, num_experts: int, method=None):
+    """The control of one parameter: its range, step, label and help from the registry; its value
+    the default of ``method`` (or of the first method that takes it); shown only if ``method``
+    takes it."""
+    owner, p = param_record(name)
+    m = method if method is not None and name in method.param_names else owner
+    p = m.param(name)
+    value = (m.defaults_for(num_experts) if m.defaults_for else {}).get(name, p.default)
+    if value == "auto":  # the slider's auto position: the top of its range for this many experts
+        value = m.bounds(name, num_experts)[1]
+    visible = method is None or name in method.param_names
+    label = p.label or name
+    if p.kind == "int":
+        return gr.Number(value=value, label=label, precision=0, minimum=p.min, maximum=p.max,
+                         elem_id=f"ctl-{name}", info=p.help, visible=visible)
+    return gr.Slider(minimum=p.min, maximum=p.max, step=p.step, value=value, label=label,
+                     elem_id=f"ctl-{name}", info=p.help, visible=visible)
+
+
+def _at_auto(method, name: str, value, num_experts: int) -> bool:
+    """A slider sits at a parameter's auto position: the top of its T-dependent range (TSV-M:
+    1/T), or a value the app set for another T (1/n, off the slider's grid: no drag lands there)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return False
+    if abs(v - method.bounds(name, num_experts)[1]) < 1e-9:
+        return True
+    step = method.param(name).step
+    off_grid = abs(v / step - round(v / step)) > 1e-6
+    return v > 0 and off_grid and abs(1 / v - round(1 / v)) < 1e-6
+
+
+def _fits(param, value, hi: float = math.inf) -> bool:
+    """A control's value is a valid value of this parameter (its own check), under a cap that
+    depends on T (so a method change may keep it)."""
+    try:
+        v = param.check(value, "")
+    except MethodError:
+        return False
+    return isinstance(v, str) or v <= hi + 1e-12
+
+
+def default_params(method, num_experts: int) -> dict:
+    auto = method.defaults_for(num_experts) if method.defaults_for else {}
+    return {p.name: auto.get(p.name, p.default) for p in method.params}
+
+
+def control_values(method, params: dict, num_experts: int) -> list:
+    """One value per control (PARAM_NAMES order; None where the method has no such parameter):
+    "auto" becomes its slider position for this many experts."""
+    out = []
+    for name in PARAM_NAMES:
+        value = params.get(name) if name in method.param_names else None
+        if value == "auto":
+            value = method.bounds(name, max(1, num_experts))[1]
+        out.append(value)
+    return out
+
+
+def shown(method, name: str, **changes):
+    """A control update for ``method``: shown with the changes if it takes the parameter, else hidden."""
+    if name in method.param_names:
+        return gr.update(visible=True, **changes)
+    return gr.update(visible=False)
+
+
+class ControlPanel:
+    """Controls → specs, and the control updates a method change or an expert change needs."""
+
+    def __init__(self, session):
+        self.session = session
+        self.pool = session.pool
+
+    def spec_from_controls(self, experts, method, *values):
+        """The spec the controls describe (values in PARAM_NAMES order); only the parameters the
+        method uses are read. A parameter with an "auto" rule reads "auto" where the slider sits at
+        its auto position (see ``_at_auto``), so snapping to the slider step cannot change it."""
+        m = methods.get(method)
+        values = by_name(values)
+        params = {k: values[k] for k in m.param_names if values.get(k) is not None}
+        if not experts:
+            raise MergerError("experts: empty subset, tick at least one expert")
+        for k, v in params.items():
+            if m.param(k).auto and _at_auto(m, k, v, len(experts)):
+                params[k] = "auto"
+        return self.session.spec(m.name, experts=list(experts), **params)
+
+    def method_controls(self, method, experts, *values, previous: str | None = None):
+        """Control updates for a method: its parameters shown with their ranges, the others hidden.
+        A value the person set in the ``previous`` method (a parameter both share, moved from that
+        method's default) is kept where it fits; every other parameter starts at the new method's
+        default. Without ``previous`` (a reload), every value that fits is kept."""
+        m = methods.get(method)
+        n = max(1, len(experts or self.pool.tasks))
+        current = by_name(values)
+        set_by_person = set(m.param_names)
+        if previous:
+            before = methods.get(previous)
+            old = by_name(control_values(before, default_params(before, n), n))
+            set_by_person = {k for k in before.param_names if _fits(before.param(k), current.get(k))
+                             and abs(float(current[k]) - float(old[k])) > 1e-9}
+        defaults = control_values(m, default_params(m, n), n)
+        updates = []
+        for name, default in zip(PARAM_NAMES, defaults):
+            if name not in m.param_names:
+                updates.append(shown(m, name))
+                continue
+            p = m.param(name)
+            lo, hi = m.bounds(name, n)
+            value = current.get(name)
+            if name not in set_by_person or not _fits(p, value, hi):
+                value = default
+            updates.append(shown(m, name, value=value, minimum=lo, maximum=hi, step=p.step, info=p.help,
+                                 label=p.label or name))
+        about = f"**{m.display_name}**: {m.description}  \n*{m.paper}*"
+        if m.conventions:
+            about += f"  \nConventions: {m.conventions}"
+        if not m.params:
+            about += "  \nThis method has no parameters: the merge is fixed by the experts."
+        return (*updates, about)
+
+    def refresh_limits(self, experts, method, *values):
+        """The expert subset changed: ranges that depend on T follow it (TSV-M's rank ratio ≤ 1/T),
+        and a slider at its auto position moves to the new one."""
+        m = methods.get(method)
+        n = max(1, len(experts or []))
+        values = by_name(values)
+        limits = m.limits_for(n) if m.limits_for else {}
+        updates = []
+        for name in PARAM_NAMES:
+            if name not in limits or name not in m.param_names:
+                updates.append(gr.skip())
+                continue
+            lo, hi = m.bounds(name, n)
+            v = values.get(name)
+            if v is None or v > hi or (m.param(name).auto and _at_auto(m, name, v, n)):
+                v = hi
+            updates.append(gr.update(minimum=lo, maximum=hi, value=v))
+        return tuple(updates)
+
+    @staticmethod
+    def default_params(method, num_experts: int) -> dict:
+        return default_params(method, num_experts)
+
+    @staticmethod
+    def control_values(method, params: dict, num_experts: int) -> list:
+        return control_values(method, params, num_experts)

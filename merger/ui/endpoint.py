@@ -1,0 +1,71 @@
+"""The ``evaluate`` endpoint (Gradio API, gradio_client, HTTP): every slider parameter of the
+registry is an argument by its own name, so a new method's parameter is one more argument."""
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+from .. import methods
+from ..errors import MergerError
+from ..methods.registry import param_record, with_param
+from .errors import fail
+
+FIXED = ("method", "experts", "split")  # the method, the parameters (PARAM_NAMES order), experts, split
+
+
+def endpoint_params() -> list[str]:
+    """The endpoint's parameter arguments: every parameter of a method that evaluates live."""
+    return [n for n in methods.PARAM_NAMES if with_param(n)]
+
+
+def _signature() -> tuple[inspect.Signature, dict]:
+    P = inspect.Parameter
+    hints = {"method": str, "experts": Optional[list[str] | str], "split": str, "return": dict}
+    params = [P("method", P.POSITIONAL_OR_KEYWORD, annotation=str)]
+    for name in endpoint_params():
+        kind = param_record(name)[1].kind
+        hints[name] = Optional[int | str] if kind == "int" else Optional[float | str]
+        params.append(P(name, P.POSITIONAL_OR_KEYWORD, default=None, annotation=hints[name]))
+    # experts and split last: positional callers of the first endpoint (method, lam, rank_ratio,
+    # sparsity, seed, experts, split) keep working
+    params += [P("experts", P.POSITIONAL_OR_KEYWORD, default=None, annotation=hints["experts"]),
+               P("split", P.POSITIONAL_OR_KEYWORD, default="live", annotation=str)]
+    return inspect.Signature(params, return_annotation=dict), hints
+
+
+def evaluate_endpoint(ctl):
+    """The endpoint's function for this app: evaluate a spec of a method that evaluates live;
+    returns per-task accuracy and loss, averages and normalised accuracy, and the spec."""
+    sig, hints = _signature()
+
+    def evaluate(*args, **kwargs) -> dict:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = dict(bound.arguments)
+        method, experts, split = (given.pop(k) for k in FIXED)
+        try:
+            if methods.get(method).data_driven:
+                raise MergerError(f"{method} learns from data: run it in the Merge tab or with `python -m merger merge`")
+            params = {k: v for k, v in given.items() if v is not None and v != ""}
+            if experts is not None and not isinstance(experts, str) and len(experts) == 0:
+                raise MergerError("experts: empty subset, pick at least one expert")
+            names = experts.split(",") if isinstance(experts, str) else (experts or [])
+            pool = ctl.pool
+            private = [str(e).strip() for e in names if str(e).strip() in pool.expert_info
+                       and str(e).strip() not in pool.tasks]
+            if private:
+                raise MergerError(f"experts: {', '.join(private)} belong(s) to a browser session's expert lab; the "
+                                  f"endpoint merges the pool's experts ({', '.join(pool.tasks)})")
+            spec = ctl.session.spec(method, experts=experts, **params)
+            cached = ctl.session.cached(spec, split) is not None
+            result = ctl.session.preview(spec, split)
+        except MergerError as exc:
+            fail(exc)
+        if ctl.history is not None and not cached:
+            ctl.history.record(ctl.pool_ref, spec.rounded(), result)
+        return {"spec": spec.rounded().as_dict(), **result.to_dict()}
+
+    evaluate.__signature__ = sig
+    evaluate.__annotations__ = hints
+    evaluate.__doc__ = evaluate_endpoint.__doc__
+    return evaluate

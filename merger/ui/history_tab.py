@@ -1,0 +1,53 @@
+"""The History tab: every evaluated spec (SQLite), filtered, reloaded into the Merge tab, exported as CSV."""
+from __future__ import annotations
+
+import uuid
+
+import gradio as gr
+
+from .. import methods
+from .errors import fail
+from . import merge_tab
+
+
+class HistoryTab:
+    def __init__(self, ctl):
+        self.ctl = ctl
+
+    HISTORY_HEADERS = ["id", "time", "method", "params", "experts", "split", "avg acc %", "normalised %", "loss"]
+
+    def history_rows(self, method_filter="", text=""):
+        if self.ctl.history is None:
+            return []
+        rows = self.ctl.history.rows(method=method_filter or None, pool=self.ctl.pool_ref, text=text or None)
+        return [[r["id"], r["time"], r["method"], r["params"], r["experts"], r["split"],
+                 round(100 * r["average_accuracy"], 2),
+                 None if r["normalized_accuracy"] is None else round(100 * r["normalized_accuracy"], 2),
+                 round(r["average_loss"], 4)] for r in rows]
+
+    def history_csv(self, method_filter="", text=""):
+        if self.ctl.history is None:
+            fail("history is off")
+        out = merge_tab.EXPORT_ROOT / uuid.uuid4().hex / "history.csv"
+        return str(self.ctl.history.export_csv(out, method=method_filter or None, pool=self.ctl.pool_ref, text=text or None))
+
+
+def build_history_tab(ctl, events, merge: dict) -> HistoryTab:
+    tab = HistoryTab(ctl)
+    with gr.Tab("History", id="history"):
+        with gr.Row():
+            hist_method = gr.Dropdown([""] + methods.names(), value="", label="method")
+            hist_text = gr.Textbox(label="filter (method, parameters or experts contain)")
+            hist_refresh = gr.Button("Refresh")
+        hist_table = gr.Dataframe(headers=HistoryTab.HISTORY_HEADERS, interactive=False)
+        with gr.Row():
+            hist_id = gr.Number(label="row id to reload into the Merge tab", precision=0)
+            hist_reload = gr.Button("Reload")
+            hist_csv_btn = gr.Button("Export CSV")
+        hist_file = gr.File(label="history CSV", interactive=False)
+        for trig in (hist_refresh.click, hist_method.change, hist_text.submit):
+            trig(tab.history_rows, [hist_method, hist_text], hist_table, api_visibility="private")
+        hist_reload.click(events.reload, [hist_id, *merge["inputs"]], [merge["experts"], merge["method"], *merge["controls"]],
+                          api_visibility="private")
+        hist_csv_btn.click(tab.history_csv, [hist_method, hist_text], hist_file, api_visibility="private")
+    return tab

@@ -1,0 +1,226 @@
+"""The Merge tab: the method controls, the live answer to every move (accuracy, loss, radar,
+summary), pins, export, the data-driven panel; its callbacks as plain methods (tested without a
+browser). Per-session state (pins) lives in a ``gr.State``; caches are the pool session's.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import uuid
+from pathlib import Path
+from typing import NamedTuple
+
+import gradio as gr
+
+from .. import methods, plots
+from ..errors import MergerError
+from ..export import export_merge, pool_reference
+from ..methods import PARAM_NAMES
+from ..work_queue import Superseded
+from .controls import ControlPanel, control_values, param_control, shown
+from .errors import fail, notice, warn
+from .merge_events import MergeTabEvents
+from .runs import RunController
+from .scheduling import BATCH_EVENT
+
+EXPORT_ROOT = Path(tempfile.gettempdir()) / "merger-exports"
+
+
+class Answer(NamedTuple):
+    """What a move computed: the spec and its result, or the message to show instead."""
+    spec: object
+    result: object
+    cached: bool
+    message: str = ""
+    why: str = ""
+
+
+class Controller(ControlPanel):
+    """The Merge tab's callbacks (the controls' spec, its answer and views, pins, export); the other
+    tabs reach the session, the pool and the history through it."""
+
+    def __init__(self, session, history=None):
+        super().__init__(session)
+        self.history = history
+        self.pool_ref = pool_reference(self.pool)
+
+    # ---- merge tab ----------------------------------------------------------------------
+    def preview(self, experts, method, *values, **options):
+        """(accuracy bars, loss bars, radar, summary markdown) for the controls' spec (see ``answer``)."""
+        ans = self.answer(experts, method, *values, **options)
+        if ans.result is None:
+            return self.no_result(ans.message, ans.why)
+        return (*self.figures(ans), self.summary(ans.spec, ans.result, ans.cached))
+
+    def answer(self, experts, method, *values, record: bool = True, session: str | None = None,
+               ticket: int | None = None, images: int | None = None) -> "Answer":
+        """The controls' spec and its result; a new complete result goes into the history unless
+        ``record`` is False. ``images``: a partial answer on the first images of each task (never
+        cached, never recorded). A move of a browser ``session`` superseded before it starts raises
+        ``Superseded``. Bad settings give an answer without a result, with the message to show."""
+        split = "live"
+        try:
+            spec = self.spec_from_controls(experts, method, *values)
+            if methods.get(spec.method).data_driven and self.session.cached_run(spec) is None:
+                return Answer(spec, None, False,
+                              f"**{methods.get(spec.method).display_name}** learns its coefficients from validation "
+                              "data: set its parameters, open **Data-driven methods** below the controls and press "
+                              "**Run**.", "no run yet for these settings")
+            cached = self.session.cached(spec, split) is not None
+            if images is not None:
+                result = self.session.partial(spec.rounded(), images, split)
+            else:
+                result = self.session.preview(spec, split, session=session, ticket=ticket)
+        except Superseded:
+            raise
+        except MergerError as exc:
+            return Answer(None, None, False, notice(exc), "no result for the current settings")
+        if self.history is not None and not cached and record and not result.partial:
+            self.history.record(self.pool_ref, spec.rounded(), result)
+        return Answer(spec, result, cached)
+
+    def figures(self, ans: "Answer") -> tuple:
+        """(accuracy bars, loss bars, radar) of an answer with a result."""
+        from ..reference import guides
+
+        base = self.session.base(ans.result.split)
+        experts_acc = self.session.expert_accuracy(ans.result.split)
+        model = self.pool.architecture.get("model")
+        return (plots.accuracy_bars(ans.result, base, experts_acc, guides=guides(model, ans.spec.method)),
+                plots.loss_bars(ans.result, base),
+                plots.radar({ans.spec.label(): ans.result}))
+
+    @staticmethod
+    def no_result(message: str, why: str):
+        """The plots cleared (never an earlier result shown as the current one) and the message."""
+        empty = plots.empty(why)
+        return empty, empty, empty, message
+
+    def learned(self, experts, method, *values):
+        """What the current settings' data-driven run learned (objective, coefficients, FW), or empty
+        figures saying there is none: an earlier run is never shown as the current one."""
+        from .runs import RunController
+
+        try:
+            spec = self.spec_from_controls(experts, method, *values)
+            run = self.session.cached_run(spec) if methods.get(spec.method).data_driven else None
+        except MergerError:
+            run = None
+        if run is None:
+            empty = plots.empty("no data-driven run for the current settings")
+            return empty, empty, empty
+        return RunController.views(run)
+
+    def summary(self, spec, result, cached: bool) -> str:
+        m = methods.get(spec.method)
+        rounded = spec.rounded()
+        note = m.note(rounded.kwargs, None) if m.note else None
+        timing = "cached" if cached else f"{1000 * result.seconds:.0f} ms"
+        if result.partial:
+            timing += " · ⏳ partial: the first images of each task; the whole live split follows"
+        images = sorted(set(result.counts.values()))
+        avg, norm = 100 * result.average_accuracy, 100 * result.normalized_accuracy
+        lines = [
+            f"### Average accuracy <span id='avg-acc' title='{avg:.4f}'>{avg:.1f}</span> "
+            f"± {100 * result.average_margin():.1f} % · "
+            f"normalised <span id='norm-acc' title='{norm:.4f}'>{norm:.1f}</span> % · "
+            f"loss {result.average_loss:.3f}",
+            f"`{rounded.label()}` over {len(spec.experts)} of {len(self.pool.tasks)} experts · "
+            f"{result.split} split ({'/'.join(map(str, images))} images per task; ± is the 95 % binomial "
+            f"interval) · {timing}",
+        ]
+        if note:
+            lines.append(f"ℹ️ {note}")
+        if self.session.evaluator.notices:
+            lines.append(f"⚠️ {self.session.evaluator.notices[-1]}")
+        return "\n\n".join(lines)
+
+    def reload(self, row_id):
+        """Controls of the Merge tab set from a history row (method, parameters, experts)."""
+        row = self.history.get(int(row_id)) if (self.history is not None and row_id not in (None, "")) else None
+        if row is None:
+            fail(f"history: no row with id {row_id}")
+        experts = [e for e in row["experts"].split(",") if e]
+        m = methods.get(row["method"])
+        values = control_values(m, json.loads(row["params"]), len(experts))
+        updates = [shown(m, name, value=v) for name, v in zip(PARAM_NAMES, values)]
+        return (gr.update(value=experts), gr.update(value=m.name), *updates)
+
+    def pin(self, pins, experts, method, *values):
+        try:
+            spec = self.spec_from_controls(experts, method, *values).rounded()
+        except MergerError as exc:
+            warn(exc)
+            return pins, self.pins_text(pins)
+        pins = list(pins or [])
+        if spec not in pins:
+            pins.append(spec)
+        return pins, self.pins_text(pins)
+
+    @staticmethod
+    def pins_text(pins) -> str:
+        if not pins:
+            return "No pinned merges yet."
+        return "Pinned: " + "; ".join(f"`{s.label()}`" for s in pins)
+
+    def export(self, experts, method, *values):
+        """Merged safetensors + spec YAML (the CLI's files), offered as downloads."""
+        try:
+            spec = self.spec_from_controls(experts, method, *values).rounded()
+            out = EXPORT_ROOT / uuid.uuid4().hex / f"merged-{spec.method}.safetensors"
+            with self.session.batch(), self.session.lock:
+                weights, spec_yaml = export_merge(self.pool, spec, out)
+        except (MergerError, OSError) as exc:
+            return None, notice(f"export failed: {exc}")
+        return [str(weights), str(spec_yaml)], f"Exported `{spec.label()}`."
+
+
+def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str, batch) -> dict:
+    """The Merge tab's components; the listeners that need other tabs' outputs are wired by the app."""
+    pool = ctl.pool
+    first = methods.get(default_method)
+    with gr.Tab("Merge", id="merge"):
+        with gr.Row():
+            with gr.Column(scale=1, min_width=300):
+                experts = gr.CheckboxGroup(pool.tasks, value=list(pool.tasks), label="experts to merge",
+                                           elem_id="ctl-experts")
+                method = gr.Dropdown([(m.display_name, m.name) for m in methods.all_methods()],
+                                     value=default_method, label="method", elem_id="ctl-method")
+                about = gr.Markdown()
+                controls = [param_control(n, len(pool.tasks), first) for n in PARAM_NAMES]
+                with gr.Row():
+                    pin_btn = gr.Button("Pin", elem_id="pin")
+                    export_btn = gr.Button("Export", elem_id="export")
+                with gr.Accordion("Data-driven methods (AdaMerging, FW-Merging)", open=False):
+                    with gr.Row():
+                        run_btn = gr.Button("Run", variant="primary", elem_id="run")
+                        cancel_btn = gr.Button("Cancel", elem_id="cancel")
+                    run_status = gr.Markdown("Pick a data-driven method, set its parameters, press Run.")
+                pins = gr.State([])
+                pins_md = gr.Markdown(Controller.pins_text([]))
+                files = gr.File(label="exported files", file_count="multiple", interactive=False)
+                export_msg = gr.Markdown()
+            with gr.Column(scale=3):
+                summary = gr.Markdown(elem_id="summary")
+                acc_plot = gr.Plot(label="accuracy per task", elem_id="acc-plot")
+                with gr.Row():
+                    loss_plot = gr.Plot(label="loss per task")
+                    radar_plot = gr.Plot(label="normalised accuracy")
+                with gr.Accordion("What a data-driven run learned", open=False):
+                    objective_plot = gr.Plot(label="objective")
+                    with gr.Row():
+                        coef_plot = gr.Plot(label="coefficients")
+                        fw_plot = gr.Plot(label="Frank–Wolfe")
+        inputs = [experts, method, *controls]
+        outputs = [acc_plot, loss_plot, radar_plot, summary]
+        learned = [objective_plot, coef_plot, fw_plot]
+        method.change(events.method_controls, [method, experts, *controls], [*controls, about], queue=False)
+        experts.change(ctl.refresh_limits, inputs, controls, queue=False, api_visibility="private")
+        runs = RunController(ctl)
+        run_btn.click(runs.run, inputs, [run_status, *learned, *outputs], **BATCH_EVENT, api_visibility="private")
+        cancel_btn.click(runs.cancel, None, run_status, concurrency_id="cancel", concurrency_limit=None,
+                         api_visibility="private")
+        pin_btn.click(ctl.pin, [pins, *inputs], [pins, pins_md], api_visibility="private")
+        export_btn.click(batch(ctl.export), inputs, [files, export_msg], **BATCH_EVENT, api_visibility="private")
+    return {"experts": experts, "method": method, "controls": controls, "about": about, "pins": pins,
+            "inputs": inputs, "outputs": outputs, "learned": learned}
