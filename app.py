@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     import torch
 
     import merger
-    from merger.store import History
+    from merger.io.history import History
     from merger.ui import build_app
 
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -17,14 +17,16 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 __version__ = "0.1.0"
 
-from . import methods  # noqa: E402
-from .errors import CheckpointError, DataError, MergerError, MethodError, PoolError  # noqa: E402
-from .evaluation import Evaluator, Result, evaluate  # noqa: E402
-from .session import PoolSession, session_for  # noqa: E402
-from .merging import Spec, merge, merge_state_dicts  # noqa: E402
-from .pool import Pool, open_pool  # noqa: E402
+from merger import methods  # noqa: E402
+from merger.errors import CheckpointError, DataError, MergerError, MethodError, PoolError  # noqa: E402
+from merger.api import evaluate, merge, merge_state_dicts  # noqa: E402
+from merger.evaluation.evaluator import Evaluator, Result  # noqa: E402
+from merger.evaluation.session import PoolSession, session_for  # noqa: E402
+from merger.spec import Spec  # noqa: E402
+from merger.pool.pool import Pool, open_pool  # noqa: E402
 
 __all__ = [
     "CheckpointError", "DataError", "MergerError", "MethodError", "PoolError",
-    "Evaluator", "Pool", "PoolSession", "Result", "Spec", "evaluate", "merge", "merge_state_dicts", "methods", "open_pool", "__version__",
+    "Evaluator", "Pool", "PoolSession", "Result", "Spec", "evaluate", "merge", "merge_state_dicts", "methods", "open_pool",
+    "session_for", "__version__",
 ]

@@ -5,9 +5,9 @@ import argparse
 import contextlib
 import sys
 
-from . import methods
-from .errors import MergerError
-from .methods import PARAM_NAMES
+from merger import methods
+from merger.errors import MergerError
+from merger.methods import PARAM_NAMES
 
 
 @contextlib.contextmanager
@@ -37,7 +37,7 @@ def progress_bar(desc: str):
 
 def _run_data_driven(pool, spec) -> None:
     """A data-driven merge learns first, with a progress bar (the run is cached for what follows)."""
-    from .session import session_for
+    from merger.evaluation.session import session_for
 
     if methods.get(spec.method).data_driven:
         with progress_bar(spec.method) as update:
@@ -81,8 +81,8 @@ def cmd_methods(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from .export import check_hashes, export_merge, read_spec_file
-    from .pool import open_pool
+    from merger.io.export import check_hashes, export_merge, read_spec_file
+    from merger.pool.pool import open_pool
 
     if args.spec:
         record = read_spec_file(args.spec)
@@ -105,8 +105,8 @@ def cmd_merge(args) -> int:
 def cmd_eval(args) -> int:
     import json
 
-    from .pool import open_pool
-    from .session import PoolSession
+    from merger.pool.pool import open_pool
+    from merger.evaluation.session import PoolSession
 
     if not args.method:
         raise MergerError(f"eval: give --method (one of {', '.join(methods.names())})")
@@ -130,14 +130,14 @@ def cmd_eval(args) -> int:
 
 def cmd_demo(args) -> int:
     if args.action == "build":
-        from .demo.build import DemoConfig, build
-        from .pool import DEMO_DIR
+        from merger.demo.build import DemoConfig, build
+        from merger.pool.pool import DEMO_DIR
 
         out = build(args.out or DEMO_DIR, DemoConfig.small() if args.small else DemoConfig())
         print(f"built the demo pool in {out}")
         return 0
-    from .pool import open_pool
-    from .reports import demo_numbers, format_demo_report
+    from merger.pool.pool import open_pool
+    from merger.tools.reports import demo_numbers, format_demo_report
 
     with progress_bar("demo report") as update:
         numbers = demo_numbers(open_pool(args.pool), split=args.split, progress=update)
@@ -148,9 +148,9 @@ def cmd_demo(args) -> int:
 def cmd_landscape(args) -> int:
     import time
 
-    from .landscape_report import write_landscape
-    from .pool import open_pool
-    from .session import PoolSession
+    from merger.landscape.figure import write_landscape
+    from merger.pool.pool import open_pool
+    from merger.evaluation.session import PoolSession
 
     t0 = time.perf_counter()
     land = PoolSession(open_pool(args.pool, device=args.device)).landscape
@@ -164,22 +164,29 @@ def cmd_landscape(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .pool import open_pool
-    from .reports import adaptive_numbers, format_adaptive
+    if args.what == "layout":
+        from merger.tools.layout import format_layout, read_layout
+
+        layout = read_layout()
+        print(format_layout(layout))
+        clean = not (layout.cycles() or layout.engine_imports_of_front_ends() or layout.method_name_literals())
+        return 0 if clean else 1
+    from merger.pool.pool import open_pool
+    from merger.tools.reports import adaptive_numbers, format_adaptive
 
     pool = open_pool(args.pool)
     if args.what == "adaptive":
         print("data-driven merges on the test split (coefficients learned on the validation split)")
         print(format_adaptive(adaptive_numbers(pool)))
         return 0
-    from .phenomena import format_phenomena, phenomena
+    from merger.tools.phenomena import format_phenomena, phenomena
 
     print(format_phenomena(phenomena(pool)))
     return 0
 
 
 def cmd_screenshot(args) -> int:
-    from .ui.browser import browser_missing, screenshot
+    from merger.tools.browser import browser_missing, screenshot
 
     missing = browser_missing()
     if missing:
@@ -191,7 +198,7 @@ def cmd_screenshot(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from . import bench
+    from merger.tools import bench
 
     args.moves_given = args.moves is not None
     args.moves = args.moves if args.moves is not None else 30
@@ -245,8 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_landscape)
 
-    p = sub.add_parser("report", help="measured reports: adaptive (data-driven merges), phenomena (the papers')")
-    p.add_argument("what", choices=["adaptive", "phenomena"])
+    p = sub.add_parser("report", help="measured reports: adaptive (data-driven merges), phenomena (the papers'), "
+                                      "layout (import cycles, method-name literals, module sizes of this code)")
+    p.add_argument("what", choices=["adaptive", "phenomena", "layout"])
     p.add_argument("--pool", default="demo")
     p.set_defaults(func=cmd_report)
 

@@ -1,6 +1,6 @@
 """The tests' small random pools: they live in the package (merger.testing), shared with the
 benchmarks and the bad-input catalogue."""
-from merger.testing import TINY_CONFIG, base_and_experts, demo_config, tiny_model, write_pool  # noqa: F401
+from merger.tools.testing import TINY_CONFIG, base_and_experts, demo_config, tiny_model, write_pool  # noqa: F401
 
 
 def controls(ctl, method="task_arithmetic", experts=None, **values):
@@ -16,7 +16,7 @@ def controls(ctl, method="task_arithmetic", experts=None, **values):
 def ui_controller(root):
     """A Controller over a small demo-data pool with a history, as the app builds it."""
     import merger
-    from merger.store import History
+    from merger.io.history import History
     from merger.ui.merge_tab import Controller
 
     pool = merger.open_pool(write_pool(root, n_experts=3, scale=0.2, demo_data=True))

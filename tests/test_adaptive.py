@@ -10,6 +10,7 @@ import yaml
 
 import merger
 from merger.errors import DataError, MethodError
+from merger.io.checkpoints import save_safetensors
 from merger.methods.adaptive import (Cancelled, Combination, Context, calibration_set, cross_entropy_objective,
                                      entropy_objective)
 from helpers import write_pool
@@ -22,7 +23,7 @@ def finetune_one(pool, task, steps=40):
     model.requires_grad_(False)
     model.visual.requires_grad_(True)
     d = ev.data.split(task, "train")
-    from merger.data import preprocess
+    from merger.data.tasks import preprocess
 
     x, y = preprocess(d.images, pool.preprocess_cfg), d.labels
     opt = torch.optim.Adam(model.visual.parameters(), lr=3e-3)
@@ -44,7 +45,7 @@ def pool(tmp_path_factory):
     p = merger.open_pool(path)
     # replace the random experts by quickly fine-tuned ones, so the objectives mean something
     for t in p.tasks:
-        merger.checkpoints.save_safetensors(finetune_one(p, t), root / "experts" / f"{t}.safetensors")
+        save_safetensors(finetune_one(p, t), root / "experts" / f"{t}.safetensors")
     return merger.open_pool(path)
 
 

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import merger
-from merger import analysis
-from merger.task_vectors import TaskVectors
+from merger.analysis import diagnostics as analysis
+from merger.pool.task_vectors import TaskVectors
 from helpers import base_and_experts, write_pool
 
 
@@ -127,13 +127,13 @@ def test_epoch_dynamics():
 
 def test_one_epoch_of_full_batch_gd_in_the_lab_is_minus_eta_gradient(tmp_path):
     """Through the lab's own code path (its gradient-descent preset): τ(1) = −η ∇L(θ0)."""
-    from merger import lab
+    from merger.analysis import lab
 
     pool = merger.open_pool(write_pool(tmp_path, n_experts=2, scale=0.1, demo_data=True))
     ev = merger.Evaluator(pool)
     t = pool.tasks[0]
     settings = lab.check_settings(**{**lab.GRADIENT_DESCENT, "data_fraction": 1.0, "seed": 0})
-    sd, traj, hp = lab.finetune(merger.session.session_for(pool), t, settings)
+    sd, traj, hp = lab.finetune(merger.session_for(pool), t, settings)
     assert len(traj) == 1 and hp["batch_size"] == 0 and hp["optimizer"] == "sgd"
     keys = pool.task_vectors.keys
     tau1 = torch.cat([(sd[k] - pool.task_vectors.base[k]).reshape(-1) for k in keys])
@@ -142,7 +142,7 @@ def test_one_epoch_of_full_batch_gd_in_the_lab_is_minus_eta_gradient(tmp_path):
     assert analysis.gradient_alignment(tau1, g) == pytest.approx(1.0, abs=1e-4)
     assert torch.allclose(tau1, -settings["lr"] * g, atol=1e-5)
     # the AdamW default with its schedule does not give the identity
-    adam, _, _ = lab.finetune(merger.session.session_for(pool), t, lab.check_settings(1e-3, 1, 64, 1.0, 0))
+    adam, _, _ = lab.finetune(merger.session_for(pool), t, lab.check_settings(1e-3, 1, 64, 1.0, 0))
     tau_adam = torch.cat([(adam[k] - pool.task_vectors.base[k]).reshape(-1) for k in keys])
     assert analysis.gradient_alignment(tau_adam, g) < 0.99
 

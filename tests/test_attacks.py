@@ -2,7 +2,7 @@
 file, key and reason, or answered correctly; no raw exception, no hang."""
 import pytest
 
-from merger import attacks
+from merger.tools import attacks
 
 
 @pytest.mark.parametrize("case", attacks.CASES, ids=[c.name for c in attacks.CASES])
@@ -13,7 +13,7 @@ def test_catalogue(case, tmp_path):
 
 
 def test_unreadable_images_are_skipped_and_counted(tmp_path):
-    from merger import folders
+    from merger.data import folders
 
     folders.SKIPPED.clear()
     case = next(c for c in attacks.CASES if c.name.startswith("a 20000"))

@@ -7,7 +7,7 @@ import torch
 import yaml
 
 import merger
-from merger import checkpoints
+from merger.io import checkpoints
 from merger.errors import CheckpointError, MergerError, MethodError, PoolError
 from helpers import base_and_experts, write_pool
 

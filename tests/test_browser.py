@@ -4,7 +4,7 @@ import os
 import pytest
 
 import merger
-from merger.ui import browser
+from merger.tools import browser
 from helpers import write_pool
 
 REQUIRED = os.environ.get("MERGER_REQUIRE_BROWSER") == "1"  # set by .ci/run: no skipping in CI

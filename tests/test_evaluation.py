@@ -7,10 +7,10 @@ import torch.nn.functional as F
 import yaml
 
 import merger
-from merger import splits as split_rules
-from merger.data import preprocess
+from merger.data import splits as split_rules
+from merger.data.tasks import preprocess
 from merger.errors import DataError, PoolError
-from merger.evaluation import tokenizer_for
+from merger.evaluation.evaluator import tokenizer_for
 from helpers import write_pool
 
 
@@ -162,7 +162,7 @@ def _with_domain(spec, task, domain):
 
 
 def test_task_domain_draws_its_own_images(tmp_path):
-    from merger.data import TaskDataStore
+    from merger.data.tasks import TaskDataStore
     from merger.demo import world
 
     path = write_pool(tmp_path, n_experts=2, demo_data=True)
@@ -214,7 +214,7 @@ def test_task_without_expert_is_refused(tmp_path):
 def test_corrupt_zoo_is_refused(tmp_path):
     import json
 
-    from merger.checkpoints import content_hash
+    from merger.io.checkpoints import content_hash
 
     path = write_pool(tmp_path, n_experts=2, demo_data=True)
     files = {str(p.relative_to(tmp_path)): content_hash(p) for p in tmp_path.rglob("*.safetensors")}

@@ -86,7 +86,7 @@ def test_3d_landscape_draws_the_trajectories_at_their_values(ctl):
 
 
 def test_lab_experts_belong_to_their_session(ctl):
-    from merger import lab
+    from merger.analysis import lab
     from merger.ui.lab_tab import LabController
 
     lc = LabController(ctl)
@@ -160,7 +160,7 @@ def test_a_reload_in_steps_restores_the_row_and_writes_nothing(ctl):
 def test_results_are_plain_json_even_with_infinite_losses():
     import json
 
-    from merger.evaluation import Result
+    from merger.evaluation.evaluator import Result
 
     res = Result("live", {"a": 0.0, "b": 0.5}, {"a": float("inf"), "b": 0.7}, {"a": 0.0, "b": 1.0}, {"a": 10, "b": 10})
     out = json.loads(json.dumps(res.to_dict(), allow_nan=False))  # what the endpoint's encoder demands

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import merger
-from merger import lab
+from merger.analysis import lab
 from merger.errors import MergerError
 from helpers import write_pool
 
@@ -37,10 +37,10 @@ def test_lab_runs_are_deterministic_and_join_the_pool(ex):
     pool = ex.pool
     t = pool.tasks[0]
     s = lab.check_settings(lr=1e-3, epochs=1, batch_size=64, data_fraction=0.5, seed=3)
-    a, traj_a, hp = lab.finetune(merger.session.session_for(pool), t, s)
-    b, _, _ = lab.finetune(merger.session.session_for(pool), t, s)
+    a, traj_a, hp = lab.finetune(merger.session_for(pool), t, s)
+    b, _, _ = lab.finetune(merger.session_for(pool), t, s)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    c, _, _ = lab.finetune(merger.session.session_for(pool), t, {**s, "seed": 4})
+    c, _, _ = lab.finetune(merger.session_for(pool), t, {**s, "seed": 4})
     assert not all(torch.equal(a[k], c[k]) for k in a)
     assert len(traj_a) == 1 and hp["data_fraction"] == 0.5
     tasks = list(pool.tasks)
@@ -61,7 +61,7 @@ def test_lab_runs_are_deterministic_and_join_the_pool(ex):
 def test_lab_needs_the_demo_world(tiny_pool):
     pool = merger.open_pool(tiny_pool)
     with pytest.raises(MergerError, match="fine-tunes in the demo world"):
-        lab.finetune(merger.session.session_for(pool), pool.tasks[0], lab.check_settings(1e-3, 1, 8, 1.0, 0))
+        lab.finetune(merger.session_for(pool), pool.tasks[0], lab.check_settings(1e-3, 1, 8, 1.0, 0))
 
 
 def test_trend_fit_is_a_least_squares_line_in_g():
@@ -85,7 +85,8 @@ def test_steps_and_tasks_trends_are_trade_offs_not_lines():
 
 
 def test_lab_expert_has_its_epoch_dynamics(ex):
-    from merger import analysis, trajectories
+    from merger.analysis import diagnostics as analysis
+    from merger.landscape import trajectories
 
     t = ex.pool.tasks[1]
     sd, traj, hp = lab.finetune(ex, t, lab.check_settings(1e-3, 2, 64, 1.0, 0))

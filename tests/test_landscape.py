@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import merger
-from merger import trajectories
-from merger.checkpoints import save_safetensors
+from merger.landscape import trajectories
+from merger.io.checkpoints import save_safetensors
 from merger.errors import CheckpointError, MergerError
-from merger.landscape import pca_plane, task_vector_plane, three_point_plane
+from merger.landscape.surface import pca_plane, task_vector_plane, three_point_plane
 from helpers import base_and_experts, write_pool
 
 
@@ -165,7 +165,7 @@ def test_off_plane_distance_of_a_known_point(land):
 
 
 def test_3d_markers_sit_at_their_own_measured_value(land):
-    from merger.landscape_report import landscape_figure
+    from merger.landscape.figure import landscape_figure
 
     pool = land.pool
     pts = land.named_points(["base", "experts"])

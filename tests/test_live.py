@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 import merger
-from merger.work_queue import Superseded, WorkQueue
+from merger.evaluation.work_queue import Superseded, WorkQueue
 from helpers import controls, ui_controller
 
 
@@ -74,7 +74,7 @@ def test_the_3d_marker_is_measured_without_a_second_forward(ctl, land_state):
 
 def test_a_preview_goes_before_a_running_batch_job(ctl):
     """A preview submitted during a sweep completes before the sweep's next grid point."""
-    from merger.tuning import sweep
+    from merger.evaluation.tuning import sweep
 
     session = ctl.session
     done, seen = threading.Event(), []
@@ -94,7 +94,7 @@ def test_a_preview_goes_before_a_running_batch_job(ctl):
 
 
 def test_a_batch_job_with_previews_between_equals_the_job_alone(tmp_path):
-    from merger.tuning import sweep
+    from merger.evaluation.tuning import sweep
 
     alone = ui_controller(tmp_path / "a").session
     shared = ui_controller(tmp_path / "b").session
@@ -110,7 +110,7 @@ def test_a_batch_job_with_previews_between_equals_the_job_alone(tmp_path):
 def test_after_a_batch_job_raised_the_next_preview_is_intact(ctl):
     """A surface that fails mid-grid leaves a plane point's weights in the model; the next preview
     writes all of its own."""
-    from merger.landscape import pca_plane
+    from merger.landscape.surface import pca_plane
 
     land = ctl.session.landscape
     plane = pca_plane(land.named_points(["base", "experts"]))

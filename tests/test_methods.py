@@ -6,7 +6,7 @@ import torch
 
 import merger
 from merger.methods.lowrank import cart_delta, prepare_cart
-from merger.task_vectors import TaskVectors, is_matrix
+from merger.pool.task_vectors import TaskVectors, is_matrix
 from helpers import base_and_experts
 
 ATOL = 1e-5

@@ -8,9 +8,10 @@ import yaml
 from PIL import Image
 
 import merger
-from merger import checkpoints, folders, hf_clip
+from merger.io import checkpoints, hf_clip
+from merger.data import folders
 from merger._compat import ensure_torchvision, open_clip
-from merger.checkpoints import save_safetensors
+from merger.io.checkpoints import save_safetensors
 from merger.errors import CheckpointError, DataError
 
 ensure_torchvision()  # transformers imports torchvision too
@@ -191,7 +192,7 @@ def test_folder_layout_and_class_mismatches(folder_pool):
 def test_heads_are_cached_on_disk(folder_pool, monkeypatch):
     pool = merger.open_pool(folder_pool / "pool.yaml")
     first = merger.Evaluator(pool).heads
-    from merger import heads
+    from merger.data import heads
 
     def refuse(*a, **k):
         raise AssertionError("heads should come from the disk cache")

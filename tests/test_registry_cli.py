@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 import merger
 from merger.cli import build_parser
 from merger.methods import PARAM_NAMES
+from merger.io.checkpoints import save_safetensors
 
 EXPECTED = ["weight_averaging", "task_arithmetic", "ties", "dare_linear", "dare_ties", "cart", "tsv_m", "iso_c"]
 
@@ -76,7 +77,7 @@ def test_replay_refuses_a_changed_expert(tiny_pool, tmp_path):
     expert = tiny_pool.parent / "experts" / "task1.safetensors"
     sd = load_file(expert)
     sd["visual.proj"] = sd["visual.proj"] * 2
-    merger.checkpoints.save_safetensors(sd, expert)
+    save_safetensors(sd, expert)
     res = run_cli("merge", "--spec", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "x.safetensors"))
     assert res.returncode == 2 and "expert 'task1' file changed" in res.stderr
     assert not (tmp_path / "x.safetensors").exists()
@@ -103,7 +104,7 @@ def test_an_export_that_fails_halfway_leaves_the_old_pair(tiny_pool, tmp_path, m
     earlier pair as it was (not new weights beside an old spec), and no temporary file."""
     import os
 
-    from merger import checkpoints, export
+    from merger.io import checkpoints, export
 
     pool = merger.open_pool(tiny_pool)
     out = tmp_path / "exports" / "m.safetensors"

@@ -15,7 +15,7 @@ from merger import methods
 from merger.cli import build_parser, method_params
 from merger.methods import PARAM_NAMES
 from merger.methods.model_stock import interpolation_ratio
-from merger.tuning import grid_points, sweep_axes, tunable_methods
+from merger.evaluation.tuning import grid_points, sweep_axes, tunable_methods
 from merger.ui.controls import param_control
 from merger.ui.endpoint import endpoint_params, evaluate_endpoint
 

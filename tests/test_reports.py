@@ -2,8 +2,8 @@
 import pytest
 
 import merger
-from merger.phenomena import bell_at_low_rank, full_rank_through_the_arithmetic, rises_then_falls
-from merger.reports import TA_GRID, demo_numbers
+from merger.tools.phenomena import bell_at_low_rank, full_rank_through_the_arithmetic, rises_then_falls
+from merger.tools.reports import TA_GRID, demo_numbers
 from helpers import write_pool
 
 

@@ -238,7 +238,7 @@ def quick_report(pool_dir: str | Path, lams: tuple[float, ...] | None = None) ->
     best = max(ta, key=lambda lam: avg(ta[lam]))
     return {
         "chance": {t: 100.0 / len(pool["tasks"][t]["classes"]) for t in tasks},
-        "base": base_acc, "expert": expert_acc, "ta": ta, "best_lam": best, "ta_best": ta[best],
+        "base": base_acc, "expert": expert_acc, "by_lam": ta, "best_lam": best, "ta_best": ta[best],
         "avg": {"chance": avg({t: 100.0 / len(pool["tasks"][t]["classes"]) for t in tasks}),
                 "base": avg(base_acc), "expert": avg(expert_acc), "ta_best": avg(ta[best])},
     }

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from ..errors import DataError, MergerError
-from .lowrank import prepare_cart
-from .registry import (INIT, LAM, LR, RANK_RATIO, SAMPLES, STEP_SIZE, STEPS, TOP_K, Method, Param, Paper, register,
+from merger.errors import DataError, MergerError
+from merger.methods.lowrank import prepare_cart
+from merger.methods.registry import (ADAMERGING_LOGS, CART_README, INIT, LAM, LR, RANK_RATIO, SAMPLES, STEP_SIZE, STEPS, TOP_K,
+                                     Method, Param, Paper, Published, register,
                        with_default)
 
 VISUAL = "visual."
@@ -142,7 +143,7 @@ def _combination(ctx: Context, granularity: str, rank_ratio: float | None):
     if rank_ratio is None:  # AdaMerging: θ0 + Σ λ τ
         anchor, parts = dict(tv.base), dict(tv.stacked)
     else:  # AdaMerging+CART: θavg + Σ λ SVD_k(θt − θavg) on matrices, θavg elsewhere
-        from .registry import kept_rank
+        from merger.methods.registry import kept_rank
 
         prep = prepare_cart(tv)
         anchor = {k: tv.base[k] + prep["mean"][k] for k in tv.keys}
@@ -318,9 +319,9 @@ def run_fw(ctx: Context, progress=None, cancel=None, *, soft: bool, steps: int, 
 
 # ---- registry -----------------------------------------------------------------------------
 
-ADA = Paper("AdaMerging: adaptive model merging for multi-task learning", "2310.02575")
-CART = Paper("Revisiting weight averaging for model merging (AdaMerging+CART)", "2412.12153")
-FW = Paper("FW-Merging: scaling model merging with Frank-Wolfe optimization", "2503.12649")
+ADA_PAPER = Paper("AdaMerging: adaptive model merging for multi-task learning", "2310.02575")
+ADA_CART_PAPER = Paper("Revisiting weight averaging for model merging (AdaMerging+CART)", "2412.12153")
+FW_PAPER = Paper("FW-Merging: scaling model merging with Frank-Wolfe optimization", "2503.12649")
 SEED = Param("seed", 0, 0, 2**31 - 1, 1, kind="int", help="random seed of the batch / calibration-set draws")
 ADA_PARAMS = (STEPS, LR, INIT, SAMPLES, SEED)
 ADA_NOTE = ("Entropy on the unlabeled validation images (the paper adapts on unlabeled test images; the test split "
@@ -343,23 +344,24 @@ def _unused(*a, **k):
     raise MergerError("a data-driven method runs with its data (Explorer.run), it has no static apply")
 
 
-for name, display, gran, paper in (("adamerging_task", "AdaMerging (task-wise)", "task", ADA),
-                                   ("adamerging_layer", "AdaMerging (layer-wise)", "layer", ADA)):
+for name, display, gran, paper, avg in (("adamerging_task", "AdaMerging (task-wise)", "task", ADA_PAPER, 71.1),
+                                        ("adamerging_layer", "AdaMerging (layer-wise)", "layer", ADA_PAPER, 80.1)):
     register(Method(
         name=name, display_name=display, paper=paper, objective="entropy", iterate="snapshot",
         weights=learned_weights,
         description=f"θ0 + Σt λt{'' if gran == 'task' else ',l'} τt{'' if gran == 'task' else ',l'}, λ learned by "
                     "minimising prediction entropy on unlabeled validation images (Adam, clamp [0, 1]).",
         params=ADA_PARAMS, prepare=_unused, apply=_unused, run=_ada(gran),
-        conventions=ADA_NOTE))
+        conventions=ADA_NOTE, published=(Published("ViT-B-32", avg, ADAMERGING_LOGS),)))
 
 register(Method(
-    name="adamerging_cart", display_name="AdaMerging + CART", paper=CART, objective="entropy", iterate="snapshot",
+    name="adamerging_cart", display_name="AdaMerging + CART", paper=ADA_CART_PAPER, objective="entropy", iterate="snapshot",
     weights=learned_weights,
     description="θavg + Σt λt,l SVD_k(θt − θavg), layer-wise λ learned by entropy minimisation (clamp [0, 3]).",
     params=(RANK_RATIO, with_default(STEPS, 300), LR, with_default(INIT, 1.0), SAMPLES, SEED),
     prepare=_unused, apply=_unused, run=_ada("layer", cart=True),
-    conventions=ADA_NOTE + " Low rank k = ⌈rank_ratio · r⌉ per attention/MLP matrix, as CART."))
+    conventions=ADA_NOTE + " Low rank k = ⌈rank_ratio · r⌉ per attention/MLP matrix, as CART.",
+    published=(Published("ViT-B-32", 85.8, CART_README),)))
 
 
 def _fw(soft: bool) -> Callable:
@@ -371,7 +373,7 @@ def _fw(soft: bool) -> Callable:
 
 
 register(Method(
-    name="fw_hard", display_name="FW-Merging (hard)", paper=FW, objective="calibration loss",
+    name="fw_hard", display_name="FW-Merging (hard)", paper=FW_PAPER, objective="calibration loss",
     iterate="iteration", weights=learned_weights,
     description="Frank–Wolfe over the convex hull of the experts, from the start θ0 + lam Σ τ (TA; 0: the base): "
                 "each iteration moves γi = step_size · 2/(i+2) of the way to the expert the linearised "
@@ -381,8 +383,8 @@ register(Method(
     prepare=_unused, apply=_unused, run=_fw(False),
     conventions="LMO by the inner product ⟨∇ℓ, θt⟩ (the textbook rule; the authors' code scores per-tensor "
                 "cosines against full weights). Cross-entropy on a labelled calibration set from validation."))
-register(Method(
-    name="fw_soft", display_name="FW-Merging (soft)", paper=FW, objective="calibration loss",
+FW_SOFT = register(Method(
+    name="fw_soft", display_name="FW-Merging (soft)", paper=FW_PAPER, objective="calibration loss",
     iterate="iteration", weights=learned_weights,
     description="Frank–Wolfe with the top-k LMO vertices: λ* = argmin over the k-simplex of the calibration loss "
                 "of Σj λj s̃j (projected gradient with backtracking), θ ← θ + Σj λ*j (s̃j − θ); start = TA with "

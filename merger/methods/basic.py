@@ -1,8 +1,8 @@
 """Weight averaging and task arithmetic."""
 from __future__ import annotations
 
-from ..task_vectors import TaskVectors
-from .registry import LAM, Method, Paper, frange, register, sum_weights, with_default
+from merger.pool.task_vectors import TaskVectors
+from merger.methods.registry import CART_README, LAM, Method, Paper, Published, frange, register, sum_weights, with_default
 
 
 def prepare_sum(tv: TaskVectors) -> dict:
@@ -18,7 +18,7 @@ def apply_task_arithmetic(prepared: dict, lam: float) -> dict:
     return {k: s * lam for k, s in prepared["sum"].items()}
 
 
-register(Method(
+WEIGHT_AVERAGING = register(Method(
     name="weight_averaging",
     aliases=("wa",),
     display_name="Weight averaging",
@@ -30,9 +30,10 @@ register(Method(
     apply=apply_average,
     tune_grid={},
     weights=sum_weights("average"),
+    published=(Published("ViT-B-32", 65.9, CART_README),),
 ))
 
-register(Method(
+TASK_ARITHMETIC = register(Method(
     name="task_arithmetic",
     aliases=("ta",),
     featured=True,
@@ -44,4 +45,5 @@ register(Method(
     apply=apply_task_arithmetic,
     tune_grid={"lam": frange(0.05, 1.5, 0.05)},
     weights=sum_weights("sum"),
+    published=(Published("ViT-B-32", 69.1, CART_README), Published("ViT-L-14", 84.5, CART_README)),
 ))

@@ -9,8 +9,9 @@ import math
 
 import torch
 
-from ..task_vectors import TaskVectors
-from .registry import LAM, RANK_RATIO, Method, Paper, frange, kept_rank, register, sum_weights, with_default
+from merger.pool.task_vectors import TaskVectors
+from merger.methods.registry import (CART_README, LAM, RANK_RATIO, RECOLLECTION, Method, Paper, Published, frange, kept_rank,
+                                     register, sum_weights, with_default)
 
 MATRICES_NOTE = ("Matrices = the 2-D attention and MLP weights (in_proj, out_proj, c_fc, c_proj); "
                  "every other tensor (biases, norms, embeddings, conv1, visual projection) is 'other'.")
@@ -64,7 +65,7 @@ def cart_note(params, prepared) -> str | None:
     return None
 
 
-register(Method(
+CART = register(Method(
     name="cart",
     featured=True,
     display_name="CART (centred low-rank)",
@@ -78,6 +79,7 @@ register(Method(
     weights=sum_weights("average"),
     conventions=MATRICES_NOTE + " k = ⌈rank_ratio · r⌉ as the paper's Algorithm 1 (the authors' code rounds "
                 "down: max(1, ⌊γ · min(m, n)⌋), one rank fewer at most ratios).",
+    published=(Published("ViT-B-32", 84.7, CART_README), Published("ViT-L-14", 92.6, CART_README)),
 ))
 
 
@@ -124,7 +126,7 @@ def apply_tsv(direction: dict, lam: float, rank_ratio) -> dict:
     return {k: v * lam for k, v in direction.items()}
 
 
-register(Method(
+TSV_M = register(Method(
     name="tsv_m",
     display_name="TSV-Merge",
     paper=Paper("Task singular vectors: reducing task interference in model merging", "2412.00081"),
@@ -143,6 +145,7 @@ register(Method(
                                                    "exceed the rank r (k ≤ ⌊r/T⌋); use auto for exactly ⌊r/T⌋")},
     conventions=MATRICES_NOTE + " The TSV authors' code also decomposes the positional embedding and the visual "
                 "projection; here those get the mean. The default rank is exactly ⌊r/T⌋ (auto).",
+    published=(Published("ViT-B-32", 85.9, RECOLLECTION, verified=False),),
 ))
 
 
@@ -162,7 +165,7 @@ def apply_iso(prepared: dict, lam: float) -> dict:
     return {k: v * lam for k, v in prepared["direction"].items()}
 
 
-register(Method(
+ISO_C = register(Method(
     name="iso_c",
     display_name="Iso-C",
     paper=Paper("No task left behind: isotropic model merging with common and task-specific "
@@ -176,4 +179,5 @@ register(Method(
     weights=sum_weights("sum"),
     conventions=MATRICES_NOTE + " The Iso authors' code treats every 2-D tensor but the embeddings as a matrix "
                 "(so also the visual projection, which gets the mean here).",
+    published=(Published("ViT-B-32", 86.3, RECOLLECTION, verified=False),),
 ))

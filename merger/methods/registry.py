@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
-from ..errors import MethodError
+from merger.errors import MethodError
 
 
 
@@ -71,6 +71,17 @@ class Paper:
 
 
 @dataclass(frozen=True)
+class Published:
+    """A number the field reports for a method: average absolute accuracy % over the 8-task CLIP
+    suite (SUN397, Cars, RESISC45, EuroSAT, SVHN, GTSRB, MNIST, DTD) on one architecture. Shown
+    as a labelled guide line on real pools of that architecture."""
+    architecture: str
+    accuracy: float
+    source: str
+    verified: bool = True  # False: recalled from a paper, not found in its authors' repository
+
+
+@dataclass(frozen=True)
 class Method:
     name: str
     display_name: str
@@ -111,6 +122,7 @@ class Method:
     # Where the field's tools differ (mergekit, FusionBench, the authors' code): users comparing
     # numbers must be able to tell why they differ.
     conventions: str = ""
+    published: tuple[Published, ...] = ()  # the field's numbers for this method (guide lines)
 
     @property
     def data_driven(self) -> bool:
@@ -157,6 +169,12 @@ class Method:
         limits = self.limits_for(num_experts) if self.limits_for else {}
         return p.min, min(p.max, limits[name][0]) if name in limits else p.max
 
+
+# Where the published numbers come from (anchors-peer-projects.md, section 1.6): the papers' lineage
+# of checkpoints (task_vectors' open_clip experts), not FusionBench's Hugging Face ones.
+CART_README = "CART README, Table 1 (task_vectors checkpoints)"
+ADAMERGING_LOGS = "AdaMerging repository's committed logs"
+RECOLLECTION = "the paper as recalled; not found in its repository"
 
 _REGISTRY: dict[str, Method] = {}
 

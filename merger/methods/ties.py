@@ -12,8 +12,9 @@ import zlib
 import numpy as np
 import torch
 
-from ..task_vectors import TaskVectors
-from .registry import LAM, SEED, SPARSITY, Method, Paper, frange, register, sum_weights, with_default
+from merger.pool.task_vectors import TaskVectors
+from merger.methods.registry import (CART_README, LAM, SEED, SPARSITY, Method, Paper, Published, frange, register, sum_weights,
+                                     with_default)
 
 CHUNK = 1 << 14
 GRID = 100  # sparsity thresholds precomputed at steps of 1/GRID (the slider step)
@@ -147,7 +148,7 @@ MEAN_NOTE = ("The disjoint MEAN of the entries that agree with the elected sign,
              "default merge_func is a sum: the mean times the number of agreeing tasks).")
 TIES_NOTE = TRIM_NOTE + " " + MEAN_NOTE
 
-register(Method(
+TIES = register(Method(
     name="ties",
     featured=True,
     display_name="TIES-merging",
@@ -160,6 +161,7 @@ register(Method(
     weights=sum_weights("mean"),
     mask=lambda tv, sparsity, lam=None: kept_entries(tv, "ties", sparsity),
     conventions=TIES_NOTE,
+    published=(Published("ViT-B-32", 72.4, CART_README),),
 ))
 
 

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import gradio as gr
 
-from .. import analysis, plots, trajectories
-from ..errors import MergerError
+from merger.analysis import diagnostics as analysis
+from merger import plots
+from merger.landscape import trajectories
+from merger.errors import MergerError
 
-from ..methods import PARAM_NAMES
-from .errors import fail
-from .scheduling import BATCH_EVENT, as_batch
-from .lab_tab import build_lab_tab
+from merger.methods import PARAM_NAMES
+from merger.ui.errors import fail
+from merger.ui.scheduling import BATCH_EVENT, as_batch
+from merger.ui.lab_tab import build_lab_tab
 
 KS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 

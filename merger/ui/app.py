@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import gradio as gr
 
-from .. import methods
-from .analysis_tab import build_analysis_tabs
-from .compare_tab import build_compare_tab
-from .endpoint import evaluate_endpoint
-from .history_tab import build_history_tab
-from .landscape_tab import LandscapeController, build_landscape_tabs
-from .merge_events import MergeTabEvents
-from .merge_tab import Controller, build_merge_tab
-from .scheduling import PREVIEW_EVENT, as_batch
+from merger import methods
+from merger.ui.analysis_tab import build_analysis_tabs
+from merger.ui.compare_tab import build_compare_tab
+from merger.ui.endpoint import evaluate_endpoint
+from merger.ui.history_tab import build_history_tab
+from merger.ui.landscape_tab import LandscapeController, build_landscape_tabs
+from merger.ui.merge_events import MergeTabEvents
+from merger.ui.merge_tab import Controller, build_merge_tab
+from merger.ui.scheduling import PREVIEW_EVENT, as_batch
 
 
 def default_method() -> str:

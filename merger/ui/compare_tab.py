@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import gradio as gr
 
-from .. import methods, plots
-from ..errors import MergerError
-from ..tuning import auto_tune, sweep, sweep_axes, sweep_num_tasks, sweep_values, tunable_methods
-from .errors import fail
-from .scheduling import BATCH_EVENT
+from merger import methods, plots
+from merger.errors import MergerError
+from merger.evaluation.tuning import auto_tune, sweep, sweep_axes, sweep_num_tasks, sweep_values, tunable_methods
+from merger.ui.errors import fail
+from merger.ui.scheduling import BATCH_EVENT
 
 SPLITS_SHOWN = ("live", "val", "test")
 

@@ -9,10 +9,10 @@ import math
 
 import gradio as gr
 
-from .. import methods
-from ..errors import MergerError, MethodError
-from ..methods import PARAM_NAMES
-from ..methods.registry import param_record
+from merger import methods
+from merger.errors import MergerError, MethodError
+from merger.methods import PARAM_NAMES
+from merger.methods.registry import param_record
 
 
 def by_name(values) -> dict:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import inspect
 from typing import Optional
 
-from .. import methods
-from ..errors import MergerError
-from ..methods.registry import param_record, with_param
-from .errors import fail
+from merger import methods
+from merger.errors import MergerError
+from merger.methods.registry import param_record, with_param
+from merger.ui.errors import fail
 
 FIXED = ("method", "experts", "split")  # the method, the parameters (PARAM_NAMES order), experts, split
 

@@ -5,9 +5,9 @@ import uuid
 
 import gradio as gr
 
-from .. import methods
-from .errors import fail
-from . import merge_tab
+from merger import methods
+from merger.ui.errors import fail
+from merger.ui import merge_tab
 
 
 class HistoryTab:

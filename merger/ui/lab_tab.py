@@ -6,15 +6,15 @@ import threading
 
 import gradio as gr
 
-from .. import plots
-from ..demo.train import Cancelled
-from ..errors import MergerError
-from ..lab import (GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, TRENDS, add_expert, check_settings, finetune, lab_experts,
+from merger import plots
+from merger.demo.train import Cancelled
+from merger.errors import MergerError
+from merger.analysis.lab import (GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, TRENDS, add_expert, check_settings, finetune, lab_experts,
                    scaling_view)
-from ..trajectories import has_trajectory
-from .errors import fail
-from .merge_events import session_of
-from .scheduling import BATCH_EVENT, as_batch
+from merger.landscape.trajectories import has_trajectory
+from merger.ui.errors import fail
+from merger.ui.merge_events import session_of
+from merger.ui.scheduling import BATCH_EVENT, as_batch
 
 
 class LabController:

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import gradio as gr
 
-from .. import methods, plots, trajectories
-from ..errors import MergerError
-from ..landscape import extent_of
-from ..landscape_report import landscape_figure, landscape_layers, make_plane
-from ..methods.registry import with_param
-from .errors import fail, warn
-from .scheduling import BATCH_EVENT
+from merger import methods, plots
+from merger.landscape import trajectories
+from merger.errors import MergerError
+from merger.landscape.surface import extent_of
+from merger.landscape.figure import landscape_figure, landscape_layers, make_plane
+from merger.methods.registry import with_param
+from merger.ui.errors import fail, warn
+from merger.ui.scheduling import BATCH_EVENT
 
 PLANE_CHOICES = [("PCA of base, experts and pinned merges", "pca"), ("base + two task vectors", "tasks"),
                  ("three points (named below)", "points")]

@@ -20,9 +20,9 @@ import time
 
 import gradio as gr
 
-from .. import methods
-from ..errors import MergerError
-from ..work_queue import Superseded
+from merger import methods
+from merger.errors import MergerError
+from merger.evaluation.work_queue import Superseded
 
 EXPIRY_S = 10.0  # a reload whose target never shows up stops guarding the session after this
 

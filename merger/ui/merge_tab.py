@@ -12,16 +12,16 @@ from typing import NamedTuple
 
 import gradio as gr
 
-from .. import methods, plots
-from ..errors import MergerError
-from ..export import export_merge, pool_reference
-from ..methods import PARAM_NAMES
-from ..work_queue import Superseded
-from .controls import ControlPanel, control_values, param_control, shown
-from .errors import fail, notice, warn
-from .merge_events import MergeTabEvents
-from .runs import RunController
-from .scheduling import BATCH_EVENT
+from merger import methods, plots
+from merger.errors import MergerError
+from merger.io.export import export_merge, pool_reference
+from merger.methods import PARAM_NAMES
+from merger.evaluation.work_queue import Superseded
+from merger.ui.controls import ControlPanel, control_values, param_control, shown
+from merger.ui.errors import fail, notice, warn
+from merger.ui.merge_events import MergeTabEvents
+from merger.ui.runs import RunController
+from merger.ui.scheduling import BATCH_EVENT
 
 EXPORT_ROOT = Path(tempfile.gettempdir()) / "merger-exports"
 
@@ -81,7 +81,7 @@ class Controller(ControlPanel):
 
     def figures(self, ans: "Answer") -> tuple:
         """(accuracy bars, loss bars, radar) of an answer with a result."""
-        from ..reference import guides
+        from merger.reference import guides
 
         base = self.session.base(ans.result.split)
         experts_acc = self.session.expert_accuracy(ans.result.split)
@@ -99,7 +99,7 @@ class Controller(ControlPanel):
     def learned(self, experts, method, *values):
         """What the current settings' data-driven run learned (objective, coefficients, FW), or empty
         figures saying there is none: an earlier run is never shown as the current one."""
-        from .runs import RunController
+        from merger.ui.runs import RunController
 
         try:
             spec = self.spec_from_controls(experts, method, *values)

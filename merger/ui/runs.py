@@ -7,11 +7,11 @@ import time
 
 import gradio as gr
 
-from .. import methods, plots
-from ..errors import MergerError
-from ..methods.adaptive import Cancelled
-from .errors import notice
-from .merge_events import session_of
+from merger import methods, plots
+from merger.errors import MergerError
+from merger.methods.adaptive import Cancelled
+from merger.ui.errors import notice
+from merger.ui.merge_events import session_of
 
 
 class RunController:

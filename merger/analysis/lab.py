@@ -1,0 +1,209 @@
+"""The expert lab (demo world): fine-tune new experts from the demo base with chosen settings,
+add them to the pool under a name, and the scaling view across expert sets."""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import re
+from typing import Sequence
+
+import torch
+
+from merger.errors import MergerError
+from merger.methods.basic import WEIGHT_AVERAGING
+
+LIMITS = {"lr": (0.0, 1.0), "epochs": (1, 100), "batch_size": (0, 100_000), "data_fraction": (0.0, 1.0),
+          "momentum": (0.0, 1.0), "weight_decay": (0.0, 10.0)}
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("cosine", "constant")
+ONE_EPOCH = {"epochs": 1}
+# One step of full-batch gradient descent from the base: τ(1) = −lr ∇L(θ0), so
+# cos(τ(1), −∇L(θ0)) = 1 (seed 003). batch_size 0 = the whole train split.
+GRADIENT_DESCENT = {"optimizer": "sgd", "momentum": 0.0, "weight_decay": 0.0, "schedule": "constant",
+                    "epochs": 1, "batch_size": 0, "lr": 0.1}
+
+
+def check_settings(lr, epochs, batch_size, data_fraction, seed, optimizer="adamw", momentum=0.9,
+                   weight_decay=0.1, schedule="cosine") -> dict:
+    """Refuse out-of-range settings, naming the field."""
+    def num(name, v, kind=float):
+        try:
+            x = kind(v)
+        except (TypeError, ValueError, OverflowError):
+            raise MergerError(f"lab: {name}={v!r} is not a number") from None
+        if kind is int and float(v) != x:
+            raise MergerError(f"lab: {name}={v!r} must be a whole number")
+        return x
+
+    lr, epochs, batch_size = num("lr", lr), num("epochs", epochs, int), num("batch_size", batch_size, int)
+    data_fraction, seed = num("data_fraction", data_fraction), num("seed", seed, int)
+    momentum, weight_decay = num("momentum", momentum), num("weight_decay", weight_decay)
+    if not (lr > 0 and math.isfinite(lr)) or lr > LIMITS["lr"][1]:
+        raise MergerError(f"lab: lr={lr} must be > 0 and ≤ {LIMITS['lr'][1]}")
+    if not LIMITS["epochs"][0] <= epochs <= LIMITS["epochs"][1]:
+        raise MergerError(f"lab: epochs={epochs} must be between 1 and {LIMITS['epochs'][1]}")
+    if not LIMITS["batch_size"][0] <= batch_size <= LIMITS["batch_size"][1]:
+        raise MergerError(f"lab: batch_size={batch_size} must be between 1 and {LIMITS['batch_size'][1]} "
+                          "(or 0: the whole train split, full batch)")
+    if not 0 < data_fraction <= 1:
+        raise MergerError(f"lab: data_fraction={data_fraction} must be in (0, 1]")
+    if not LIMITS["momentum"][0] <= momentum < LIMITS["momentum"][1]:
+        raise MergerError(f"lab: momentum={momentum} must be in [0, 1)")
+    if not (math.isfinite(weight_decay) and LIMITS["weight_decay"][0] <= weight_decay <= LIMITS["weight_decay"][1]):
+        raise MergerError(f"lab: weight_decay={weight_decay} must be in [0, {LIMITS['weight_decay'][1]:g}]")
+    optimizer, schedule = str(optimizer).lower(), str(schedule).lower()
+    if optimizer not in OPTIMIZERS:
+        raise MergerError(f"lab: optimizer={optimizer!r} must be one of {', '.join(OPTIMIZERS)}")
+    if schedule not in SCHEDULES:
+        raise MergerError(f"lab: schedule={schedule!r} must be one of {', '.join(SCHEDULES)}")
+    return {"lr": lr, "epochs": epochs, "batch_size": batch_size, "data_fraction": data_fraction, "seed": seed,
+            "optimizer": optimizer, "momentum": momentum, "weight_decay": weight_decay, "schedule": schedule}
+
+
+SETTING_KEYS = ("lr", "epochs", "batch_size", "data_fraction", "seed", "optimizer", "momentum", "weight_decay",
+                "schedule")
+
+
+def settings_of(pool, task: str, **overrides) -> dict:
+    """The settings an expert of the pool was fine-tuned with (its hparams), with overrides."""
+    hp = dict(pool.expert_info[task].get("hparams") or {})
+    given = {"lr": 1e-3, "epochs": 3, "batch_size": 128, "data_fraction": 1.0, "seed": 0}
+    given.update({k: hp[k] for k in SETTING_KEYS if k in hp})
+    given.update(overrides)
+    return check_settings(**given)
+
+
+def _require_demo(pool, task: str) -> dict:
+    if pool.tokenizer_name != "demo" or "config" not in pool.architecture:
+        raise MergerError("the expert lab fine-tunes in the demo world: open the demo pool (or one built by "
+                          "`python -m merger demo build`)")
+    info = pool.task_info.get(task) or {}
+    data = (info.get("data") or {}).get("demo")
+    if not data:
+        raise MergerError(f"lab: task '{task}' has no demo-world data to fine-tune on")
+    return data
+
+
+def finetune(session, task: str, settings: dict, progress=None, cancel=None):
+    """(final image-tower weights, per-epoch weights, hparams) of a new expert for ``task``: batch
+    work on its own model copy, letting waiting previews go between steps."""
+    from merger.demo import train, world
+
+    pool = session.pool
+    task = pool.task_of(task)
+    data = _require_demo(pool, task)
+    base_task = task
+    if base_task not in world.TASKS:
+        raise MergerError(f"lab: '{base_task}' is not a task of the demo world ({', '.join(world.TASKS)})")
+    from merger.data.tasks import demo_domain
+
+    fixed = dict(demo_domain(data, base_task))
+    images, labels = world.generate(int(data["train"]["n"]), int(data["train"]["seed"]), fixed=fixed)
+    with session.batch_job(cancel) as check:
+        return train.finetune_expert(pool.base, base_task, images=images, labels=labels, progress=progress,
+                                     cancel=check, config=pool.architecture["config"], **settings)
+
+
+def add_expert(session, name: str, like_task: str, weights: dict, hparams: dict | None = None,
+               trajectory: Sequence[dict] | None = None, owner: str | None = None) -> None:
+    """Add an expert under ``name`` for the task ``like_task`` (a lab expert's own task when it is
+    one), made by the session ``owner``. The pool's tasks do not change: results stay per task."""
+    pool = session.pool
+    if not re.fullmatch(r"[A-Za-z0-9_.@=\-]{1,40}", name or ""):
+        raise MergerError(f"lab: name {name!r}: use 1-40 letters, digits, '_', '-', '.', '@', '='")
+    if name in pool.expert_info:
+        raise MergerError(f"lab: an expert named '{name}' already exists (names are shared by every session)")
+    if like_task not in pool.expert_info:
+        raise MergerError(f"lab: unknown task '{like_task}'")
+    session.add_expert(name, pool.task_of(like_task), weights,
+                       {"hparams": dict(hparams or {}), "lab_trajectory": list(trajectory or []), "owner": owner})
+
+
+def lab_experts(pool, owner: str | None = None, everyone: bool = False) -> list[str]:
+    """The experts added in the lab: a session's own (``owner``), or every session's."""
+    return [e for e in pool.experts if e not in pool.tasks
+            and (everyone or pool.expert_info[e].get("owner") == owner)]
+
+
+# ---- scaling view -------------------------------------------------------------------------
+
+# The paper's predicted shape of the merged loss in one variable (seed 000, §V-B), as basis
+# functions g_i of a least-squares fit a + Σ b_i g_i(x): a fitted *trend*, not a prediction.
+TRENDS = {
+    "lr": ("a + b·η² (quadratic stability penalty)", (lambda x: x ** 2,)),
+    "epochs": ("a + b·K + c/K (stability grows with steps, optimisation error falls: a trade-off)",
+               (lambda x: x, lambda x: 1.0 / x)),
+    "batch_size": ("a + b/B", (lambda x: 1.0 / x,)),
+    "data_fraction": ("a + b/α (more data: a free lunch)", (lambda x: 1.0 / x,)),
+    "num_tasks": ("a + b·N + c/√N (heterogeneity accumulates, optimisation benefit O(1/√N))",
+                  (lambda x: x, lambda x: 1.0 / math.sqrt(x))),
+}
+
+
+def fit_trend(param: str, xs: Sequence[float], losses: Sequence[float]) -> dict:
+    """Least-squares a + Σ b_i g_i(x) for the paper's shape; a fitted *trend*, not a prediction."""
+    label, basis = TRENDS[param]
+    if len(xs) < len(basis) + 1:
+        raise MergerError(f"lab: the {param} trend has {len(basis) + 1} constants: give at least "
+                          f"{len(basis) + 1} values")
+    x = [float(v) for v in xs]
+    A = torch.tensor([[1.0] + [g(v) for g in basis] for v in x], dtype=torch.float64)
+    y = torch.tensor(list(losses), dtype=torch.float64)
+    coef = torch.linalg.lstsq(A, y[:, None]).solution[:, 0]
+    grid = torch.linspace(min(x), max(x), 50, dtype=torch.float64).tolist()
+    fitted = [float(coef[0]) + sum(float(c) * g(v) for c, g in zip(coef[1:], basis)) for v in grid]
+    return {"label": f"trend (paper's shape, fitted): {label}", "a": float(coef[0]),
+            "b": [float(c) for c in coef[1:]], "x": grid, "y": fitted}
+
+
+def _merge_set(session, names: Sequence[str]) -> tuple[float, float]:
+    """Weight averaging of an expert set (Σλ = 1, the merge the paper's theory and experiments use):
+    (accuracy, loss) averaged over the tasks of the merged experts, test split."""
+    res = session.preview(session.spec(WEIGHT_AVERAGING.name, experts=list(names)), "test")
+    tasks = [session.pool.task_of(n) for n in names]
+    return sum(res.accuracy[t] for t in tasks) / len(tasks), sum(res.loss[t] for t in tasks) / len(tasks)
+
+
+def scaling_view(session, param: str, values: Sequence[float], base_settings: dict, tasks: Sequence[str],
+                 progress=None, cancel=None, subsets: int = 5, seed: int = 0, owner: str | None = None) -> dict:
+    """Merged accuracy and loss against one variable, with the paper's trend fitted to the loss.
+
+    A fine-tuning hyperparameter: for each value, fine-tune an expert per task and merge the set.
+    num_tasks: merge random subsets of N of ``tasks`` (mean over up to ``subsets`` subsets).
+    Merges are weight averages: the theory's coefficients lie on the simplex (Σλ = 1)."""
+    if param not in TRENDS:
+        raise MergerError(f"lab: scaling over '{param}' is not supported; one of {', '.join(TRENDS)}")
+    if len(values) < 2:
+        raise MergerError("lab: the scaling view needs at least two values")
+    accs, losses = [], []
+    pool = session.pool
+    if param == "num_tasks":
+        rng = random.Random(seed)
+        for v in values:
+            n = int(v)
+            if n != v or not 1 <= n <= len(tasks):
+                raise MergerError(f"lab: num_tasks={v!r} must be a whole number between 1 and {len(tasks)}")
+            combos = list(itertools.combinations(tasks, n))
+            chosen = combos if len(combos) <= subsets else rng.sample(combos, subsets)
+            scores = [_merge_set(session, c) for c in chosen]
+            accs.append(sum(a for a, _ in scores) / len(scores))
+            losses.append(sum(lo for _, lo in scores) / len(scores))
+    else:
+        for vi, v in enumerate(values):
+            settings = check_settings(**{**base_settings, param: v})
+            names = []
+            for ti, t in enumerate(tasks):
+                name = f"{t}@{param}={v:g}"
+                if name not in pool.expert_info:
+                    done = (vi * len(tasks) + ti) / (len(values) * len(tasks))
+                    sd, traj, hp = finetune(session, t, settings, cancel=cancel,
+                                            progress=(lambda f, m, d=done: progress(d + f / (len(values) * len(tasks)), m))
+                                            if progress else None)
+                    add_expert(session, name, t, sd, hp, traj, owner)
+                names.append(name)
+            acc, loss = _merge_set(session, names)
+            accs.append(acc)
+            losses.append(loss)
+    return {"param": param, "values": list(values), "accuracy": accs, "loss": losses,
+            "trend": fit_trend(param, values, losses), "merge": "weight averaging (Σλ = 1)"}

@@ -1,0 +1,64 @@
+"""The public entry points: merge a pool's experts or plain state dicts, evaluate merged weights.
+Both go through the pool's session, so the API shares the app's caches."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from merger import methods
+from merger.errors import MergerError
+from merger.evaluation.evaluator import Result
+from merger.evaluation.session import session_for
+from merger.io import checkpoints
+from merger.pool.task_vectors import TaskVectors
+from merger.spec import Spec, assemble
+
+
+def merge(pool, method: str, *, experts=None, **params) -> dict[str, torch.Tensor]:
+    """Merge a pool's experts; returns the full state dict (image tower merged, rest = base)."""
+    return merge_spec(pool, pool.make_spec(method, params, experts))
+
+
+def merge_spec(pool, spec: Spec) -> dict[str, torch.Tensor]:
+    """Static methods merge the spec exactly as given; data-driven ones learn their coefficients on
+    the pool's validation data (both through the pool's session and its caches)."""
+    m = methods.get(spec.method)
+    session = session_for(pool)
+    if m.data_driven:
+        return assemble(pool.base, pool.task_vectors, session.delta(spec))
+    _, prepared = session.prepared(m, spec.experts, {k: spec.kwargs[k] for k in m.prepare_params})
+    return assemble(pool.base, pool.task_vectors, m.delta(prepared, **spec.kwargs))
+
+
+def merge_state_dicts(
+    base_sd: Mapping[str, torch.Tensor],
+    expert_sds: Sequence[Mapping[str, torch.Tensor]] | Mapping[str, Mapping[str, torch.Tensor]],
+    method: str,
+    *,
+    experts=None,
+    device: str | torch.device = "cpu",
+    **params,
+) -> dict[str, torch.Tensor]:
+    """Merge plain state dicts (experts as a list, or a dict task -> state dict)."""
+    if isinstance(expert_sds, Mapping):
+        named = {str(k): v for k, v in expert_sds.items()}
+    else:
+        named = {f"expert_{i + 1}": sd for i, sd in enumerate(expert_sds)}
+    if not named:
+        raise MergerError("no experts: merging needs at least one expert")
+    m = methods.get(method)
+    if m.data_driven:
+        raise MergerError(f"{m.name} learns from data: open a pool with tasks and use merger.merge(pool, ...)")
+    spec = Spec.make(m.name, params, experts, list(named))
+    base = checkpoints.strip_prefixes(base_sd)
+    checkpoints.validate_base(base, "base")
+    aligned = {t: checkpoints.validate_expert(named[t], base, t) for t in spec.experts}
+    tv = TaskVectors(base, aligned, device=device)
+    prepared = m.prepare(tv, **{k: spec.kwargs[k] for k in m.prepare_params})
+    return assemble(base, tv, m.delta(prepared, **spec.kwargs))
+
+
+def evaluate(pool, merged: Mapping[str, torch.Tensor] | None, split: str = "live") -> Result:
+    """Public entry: evaluate a merged state dict (as returned by ``merger.merge``) on a split."""
+    return session_for(pool).evaluate_weights(merged, split)

@@ -1,0 +1,321 @@
+"""Evaluator: one resident model, device-resident inputs and heads, weights written in place.
+
+Per task: top-1 accuracy and mean cross-entropy of the zero-shot head (METHODS.md protocol).
+Tasks whose images are the same tensor (the demo's tasks label one image set) are forwarded
+once and scored with each head.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from merger.data import heads as heads_mod
+from merger.data.tasks import TaskDataStore, preprocess
+from merger.errors import DataError
+from merger.data.splits import SPLITS
+
+
+@dataclass
+class Result:
+    """Per-task accuracy (in [0, 1]) and mean cross-entropy on one split."""
+
+    split: str
+    accuracy: dict[str, float]
+    loss: dict[str, float]
+    expert_accuracy: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    partial: bool = False  # on the first images of each task only (a progressive answer's first part)
+    # per task: (correct [N] bool, loss [N]) on the CPU, so subsets of the split cost no forward
+    per_image: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(self.accuracy)
+
+    @property
+    def average_accuracy(self) -> float:
+        return sum(self.accuracy.values()) / len(self.accuracy)
+
+    @property
+    def average_loss(self) -> float:
+        return sum(self.loss.values()) / len(self.loss)
+
+    def margins(self, z: float = 1.96) -> dict[str, float]:
+        """Per task, the half-width of the binomial interval (95 % for z = 1.96) of the accuracy
+        measured on ``counts`` images: with 96 images one image is about a point."""
+        return {t: z * math.sqrt(a * (1 - a) / self.counts[t]) if self.counts.get(t) else float("nan")
+                for t, a in self.accuracy.items()}
+
+    def average_margin(self, z: float = 1.96) -> float:
+        """The same for the average accuracy (independent tasks: the variances add)."""
+        var = sum(a * (1 - a) / self.counts[t] for t, a in self.accuracy.items() if self.counts.get(t))
+        return z * math.sqrt(var) / len(self.accuracy)
+
+    @property
+    def normalized(self) -> dict[str, float]:
+        """Merged accuracy ÷ the task's own expert accuracy, per task."""
+        return {t: a / self.expert_accuracy[t] if self.expert_accuracy.get(t) else float("nan")
+                for t, a in self.accuracy.items()}
+
+    @property
+    def normalized_accuracy(self) -> float:
+        vals = list(self.normalized.values())
+        return sum(vals) / len(vals)
+
+    def to_dict(self) -> dict:
+        """Plain JSON values: a non-finite number (an infinite loss, a ratio over an expert with
+        0 % accuracy) becomes None, which every JSON encoder can write."""
+        def finite(v):
+            return v if math.isfinite(v) else None
+
+        return {
+            "split": self.split,
+            "accuracy": self.accuracy,
+            "loss": {t: finite(v) for t, v in self.loss.items()},
+            "normalized": {t: finite(v) for t, v in self.normalized.items()} if self.expert_accuracy else {},
+            "average_accuracy": self.average_accuracy,
+            "average_loss": finite(self.average_loss),
+            "normalized_accuracy": finite(self.normalized_accuracy) if self.expert_accuracy else None,
+            "counts": self.counts,
+        }
+
+
+def heads_cache_dir() -> Path:
+    return Path(os.environ.get("MERGER_CACHE_DIR", Path.home() / ".cache" / "merger")) / "heads"
+
+
+def tokenizer_for(pool):
+    if pool.tokenizer_name == "demo":
+        from merger.demo.tokenizer import DemoTokenizer
+
+        return DemoTokenizer()
+    from merger._compat import open_clip
+
+    return open_clip().get_tokenizer(pool.architecture.get("model", "ViT-B-32"))
+
+
+class Evaluator:
+    """Built once per pool; ``evaluate(weights, split)`` copies weights in place and forwards."""
+
+    def __init__(self, pool, device: str | torch.device | None = None, batch_size: int = 1024):
+        self.pool = pool
+        self.device = torch.device(device) if device else pool.device
+        self.batch_size = batch_size
+        self.data = TaskDataStore(pool)
+        missing = [t for t in pool.tasks if not (pool.task_info.get(t) or {}).get("data")]
+        if missing:
+            raise DataError(
+                f"task(s) {', '.join(missing)} have an expert but no data (tasks.<name>.data in {pool.source})"
+            )
+        self.model = pool.build_model().to(self.device)
+        self.model.requires_grad_(False)
+        state = self.model.state_dict()
+        self._targets = {k: state[k] for k in pool.task_vectors.keys}  # storage shared with the model
+        self.logit_scale = float(self.model.logit_scale.exp())
+        self.heads = self._build_heads()
+        self._inputs: dict[str, list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]] = {}
+        self._whole: dict[str, tuple[list, torch.Tensor]] = {}  # split -> (its groups, their inputs concatenated)
+        self._probe_positions: dict[str, torch.Tensor] | None = None
+        self.notices: list[str] = []  # out-of-memory fallbacks, shown to the user
+        self.forwards = 0  # forwards of the resident model (counted: tests and benches)
+
+    def _build_heads(self) -> dict[str, torch.Tensor]:
+        """Zero-shot heads, cached on disk keyed by the text tower's hash, classes and templates."""
+        from merger.io.checkpoints import save_safetensors, tensors_hash
+
+        text = {k: v for k, v in self.pool.base.items() if not k.startswith("visual.")}
+        tower = tensors_hash(text)
+        tok = None
+        out = {}
+        for t in self.pool.tasks:
+            classes, templates = self.data.classes(t), self.data.templates(t)
+            key = hashlib.sha256(json.dumps([tower, classes, templates]).encode()).hexdigest()[:32]
+            path = heads_cache_dir() / f"{key}.safetensors"
+            head = None
+            if path.exists():
+                try:
+                    from safetensors.torch import load_file
+
+                    head = load_file(str(path))["head"]
+                except Exception:  # a corrupt cache entry is recomputed, never trusted
+                    head = None
+            if head is None or head.shape[0] != len(classes):
+                tok = tok or tokenizer_for(self.pool)
+                head = heads_mod.zero_shot_head(self.model, tok, classes, templates).cpu()
+                try:
+                    save_safetensors({"head": head}, path)
+                except OSError:
+                    pass  # a read-only cache only costs time
+            out[t] = head.to(self.device)
+        return out
+
+    def inputs(self, split: str):
+        """Preprocessed inputs on the device, grouped by shared image source (built once)."""
+        if split not in SPLITS:
+            raise DataError(f"unknown split '{split}'; known: {', '.join(SPLITS)}")
+        if split not in self._inputs:
+            groups: dict[tuple, tuple[torch.Tensor, list]] = {}
+            for t in self.pool.tasks:
+                d = self.data.split(t, split)
+                if d.source not in groups:
+                    x = preprocess(d.images, self.pool.preprocess_cfg).to(self.device)
+                    groups[d.source] = (x, [])
+                groups[d.source][1].append((t, d.labels.to(self.device)))
+            self._inputs[split] = list(groups.values())
+        return self._inputs[split]
+
+    @torch.no_grad()
+    def load(self, weights: Mapping[str, torch.Tensor] | None) -> None:
+        """Write merged-key weights into the resident model in place (None: the base)."""
+        tv = self.pool.task_vectors
+        for k, target in self._targets.items():
+            target.copy_(tv.base[k] if weights is None else weights[k])
+
+    @torch.no_grad()
+    def load_delta(self, delta: Mapping[str, torch.Tensor]) -> None:
+        """θ0 + Δ written straight into the model's tensors (no intermediate copy)."""
+        base = self.pool.task_vectors.base
+        for k, target in self._targets.items():
+            if delta[k].device == target.device:
+                torch.add(base[k], delta[k], out=target)
+            else:  # task vectors kept in host memory
+                target.copy_(base[k] + delta[k])
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Image features in batches; on out-of-memory: free caches, halve the batch, and at
+        batch 1 fall back to the CPU (with a notice the app shows)."""
+        while True:
+            try:
+                with self._autocast():
+                    return torch.cat([self.model.encode_image(x[i: i + self.batch_size]).float()
+                                      for i in range(0, x.shape[0], self.batch_size)])
+            except (torch.OutOfMemoryError, RuntimeError) as exc:
+                if not _is_oom(exc):
+                    raise
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                if self.batch_size > 1:
+                    self.batch_size = max(1, self.batch_size // 2)
+                    self.notices.append(f"out of memory: evaluating in batches of {self.batch_size}")
+                elif self.device.type != "cpu":
+                    self._move_to("cpu")
+                    x = x.cpu()
+                    self.notices.append("out of memory on the GPU even at batch 1: evaluating on the CPU")
+                else:
+                    raise
+
+    def _autocast(self):
+        import contextlib
+
+        if self.device.type == "cuda":  # bf16 forward passes; merge arithmetic stays fp32
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _move_to(self, device: str) -> None:
+        self.device = torch.device(device)
+        self.model.to(self.device)
+        state = self.model.state_dict()
+        self._targets = {k: state[k] for k in self._targets}
+        self.heads = {t: h.to(self.device) for t, h in self.heads.items()}
+        self._inputs = {s: [(x.to(self.device), [(t, y.to(self.device)) for t, y in m]) for x, m in groups]
+                        for s, groups in self._inputs.items()}
+        self._whole.clear()
+
+    # Tasks with their own images (the demo's domains, folder pools) are forwarded as one batch
+    # when all of them are evaluated: one pass through the tower instead of one per task. Only
+    # for splits this small, since the concatenation is a second copy of the inputs.
+    _CONCAT_MAX_ELEMENTS = 1 << 25
+
+    def _all_groups_features(self, split: str, groups: list) -> list[torch.Tensor] | None:
+        if len(groups) < 2 or len({tuple(x.shape[1:]) for x, _ in groups}) != 1:
+            return None
+        if sum(x.numel() for x, _ in groups) > self._CONCAT_MAX_ELEMENTS:
+            return None
+        cached = self._whole.get(split)
+        if cached is None or cached[0] is not groups:  # inputs rebuilt or moved since
+            cached = (groups, torch.cat([x for x, _ in groups]))
+            self._whole[split] = cached
+        return list(self._encode(cached[1]).split([x.shape[0] for x, _ in groups]))
+
+    @torch.inference_mode()
+    def forward(self, split: str, tasks: Sequence[str] | None = None, limit: int | None = None,
+                per_image: dict | None = None) -> tuple[dict, dict, dict]:
+        """(accuracy, loss, image count) per task with the weights now in the model; ``limit``: the
+        first images of each task only; ``per_image`` (a dict) receives (correct, loss) per image."""
+        acc, loss, counts = {}, {}, {}
+        groups = self.inputs(split)
+        if limit is not None:
+            groups = [(x[:limit], [(t, y[:limit]) for t, y in m]) for x, m in groups]
+        self.forwards += 1
+        together = self._all_groups_features(split, groups) if tasks is None and limit is None else None
+        for i, (x, members) in enumerate(groups):
+            members = [(t, y) for t, y in members if tasks is None or t in tasks]
+            if not members:
+                continue
+            feats = F.normalize(together[i] if together is not None else self._encode(x), dim=-1)
+            for t, y in members:
+                y = y.to(feats.device)
+                logits = self.logit_scale * feats @ self.heads[t].T
+                correct = logits.argmax(-1) == y
+                losses = F.cross_entropy(logits, y, reduction="none")
+                acc[t] = float(correct.float().mean())
+                loss[t] = float(losses.mean())
+                counts[t] = int(y.numel())
+                if per_image is not None:
+                    per_image[t] = (correct.cpu(), losses.float().cpu())
+        order = [t for t in self.pool.tasks if t in acc]
+        return {t: acc[t] for t in order}, {t: loss[t] for t in order}, {t: counts[t] for t in order}
+
+    def evaluate(self, weights: Mapping[str, torch.Tensor] | None = None, split: str = "live",
+                 *, delta: Mapping[str, torch.Tensor] | None = None, limit: int | None = None) -> Result:
+        """Evaluate merged weights (full or merged-key dict), a Δ, or the base (neither). Every
+        merged tensor of the model is written first, whatever was there before. The caller holds
+        the session's queue; expert references are the session's to add."""
+        t0 = time.perf_counter()
+        self.inputs(split)  # unknown split fails before any weight is touched
+        if delta is not None:
+            self.load_delta(delta)
+        else:
+            self.load(None if weights is None else {k: weights[k] for k in self._targets})
+        per_image: dict = {}
+        acc, loss, counts = self.forward(split, limit=limit, per_image=per_image)
+        return Result(split, acc, loss, {}, counts, time.perf_counter() - t0, partial=limit is not None,
+                      per_image=per_image)
+
+    def probe_positions(self) -> dict[str, torch.Tensor]:
+        """Per task, where the probe split's images sit in the live split (both are fixed subsets
+        of the test split, the probe's inside the live one)."""
+        if self._probe_positions is None:
+            from merger.data.splits import PROBE_SIZE, live_indices
+
+            out = {}
+            for t in self.pool.tasks:
+                n = self.data.split(t, "live").n_source
+                out[t] = torch.searchsorted(live_indices(n), live_indices(n, PROBE_SIZE))
+            self._probe_positions = out
+        return self._probe_positions
+
+
+def result_subset(result: Result, positions: Mapping[str, torch.Tensor]) -> Result | None:
+    """The result restricted to some images of each task (from its per-image values)."""
+    if not all(t in result.per_image for t in result.accuracy):
+        return None
+    acc, loss, counts = {}, {}, {}
+    for t, (correct, losses) in result.per_image.items():
+        idx = positions[t]
+        acc[t], loss[t], counts[t] = float(correct[idx].float().mean()), float(losses[idx].mean()), int(idx.numel())
+    return Result(result.split, acc, loss, result.expert_accuracy, counts)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc) or "can't allocate memory" in str(exc)

@@ -1,0 +1,340 @@
+"""PoolSession: a session of a pool, the one owner of everything computed from it.
+
+The pool holds data (base, task vectors, tasks). The session owns the resident model (through
+its ``Evaluator``), the queue in front of it (``WorkQueue``: previews first) and every cache:
+
+- prepared methods per expert subset (LRU), and what is derived from them per rank (LRU);
+- Δ per rounded spec (a small LRU: a slider move and its landscape marker share one merge);
+- results per (rounded spec, split); base results and expert accuracies per split (once);
+- data-driven runs; landscape values per plane point and per point.
+
+``preview(spec)`` is one slider move: a cache hit costs nothing; a miss is at most one method
+apply and one forward. Each forward writes every merged tensor of the model first, so no weights
+a batch job left behind are ever seen by a preview.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import time
+import weakref
+from collections import Counter, OrderedDict
+from contextlib import contextmanager
+
+import torch
+
+from merger import methods
+from merger.errors import MergerError
+from merger.evaluation.evaluator import Evaluator, Result, result_subset
+from merger.spec import Spec
+from merger.evaluation.work_queue import WorkQueue
+
+PARTIAL_BUDGET_S = 0.3  # a full live forward slower than this makes previews progressive
+
+_SESSIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def session_for(pool) -> "PoolSession":
+    """The pool's shared session (API calls, the CLI and the app reuse its caches and runs)."""
+    s = _SESSIONS.get(pool)
+    return s if s is not None else PoolSession(pool)
+
+
+def _lru_put(cache: OrderedDict, key, value, size: int):
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > size:
+        cache.popitem(last=False)
+    return value
+
+
+class PoolSession:
+    def __init__(self, pool, cache_size: int = 1024, deltas: int = 2):
+        self.pool = pool
+        self._evaluator: Evaluator | None = None
+        self.queue = WorkQueue()
+        self.cache_size = cache_size
+        self.delta_size = deltas
+        self._prepared: OrderedDict = OrderedDict()
+        self._derived: OrderedDict = OrderedDict()
+        self._deltas: OrderedDict = OrderedDict()
+        self._results: OrderedDict[tuple, Result] = OrderedDict()
+        self._base: dict[str, Result] = {}
+        self._expert_acc: dict[tuple[str, str], float] = {}
+        self._runs: dict = {}
+        self._run_model = None
+        self._plane_values: dict[tuple, tuple[dict, dict]] = {}
+        self._point_values: dict[tuple, tuple[dict, dict]] = {}
+        self._coords: OrderedDict = OrderedDict()  # (plane, spec) -> where its merge sits on the plane
+        self._landscape = None
+        self._point_buf: torch.Tensor | None = None
+        self.counts: Counter = Counter()  # method applies and prepares (forwards: evaluator.forwards)
+        self.partial_images: int | None = None  # set by measure_live(): images per task of a partial answer
+        _SESSIONS[pool] = self
+
+    @property
+    def evaluator(self) -> Evaluator:
+        """The resident model and its inputs (built on first use: merging alone needs no data)."""
+        if self._evaluator is None:
+            with self.queue:
+                if self._evaluator is None:
+                    self._evaluator = Evaluator(self.pool)
+        return self._evaluator
+
+    @property
+    def tasks(self) -> list[str]:
+        return self.pool.tasks
+
+    @property
+    def lock(self) -> WorkQueue:
+        """``with session.lock:`` holds the resident model (as a preview, or a chunk of batch work)."""
+        return self.queue
+
+    def batch(self, chunks: int | None = None):
+        """``with session.batch():`` marks the thread's work as batch work of ``chunks`` chunks, when
+        known (see WorkQueue)."""
+        return self.queue.batch(chunks)
+
+    @contextmanager
+    def batch_job(self, cancel=None):
+        """Batch work that holds the model across many steps (a run, a fine-tune): gives a check to
+        call between steps, which lets waiting previews go first and says whether to stop."""
+        def check() -> bool:
+            self.queue.yield_point()
+            return bool(cancel and cancel())
+
+        with self.queue.batch(), self.queue:
+            yield check
+
+    def spec(self, method: str, experts=None, **params) -> Spec:
+        return self.pool.make_spec(method, params, experts)
+
+    # ---- merging ----------------------------------------------------------------------------
+    def prepared(self, method, experts: tuple[str, ...], prepare_args: dict):
+        """A method's preparation for an expert subset (immutable; LRU of 3: they are large)."""
+        key = (method.name, experts, tuple(sorted(prepare_args.items())))
+        if key in self._prepared:
+            self._prepared.move_to_end(key)
+            return key, self._prepared[key]
+        self.counts["prepares"] += 1
+        return key, _lru_put(self._prepared, key, method.prepare(self.pool.task_vectors.subset(experts),
+                                                                 **prepare_args), 3)
+
+    def delta(self, spec: Spec) -> dict:
+        """Δ of the spec as given (previews pass it rounded): from the small Δ cache, else one
+        method apply."""
+        m = methods.get(spec.method)
+        if m.data_driven:
+            return self.run(spec).delta
+        key = spec
+        if key in self._deltas:
+            self._deltas.move_to_end(key)
+            return self._deltas[key]
+        kw = key.kwargs
+        with self.queue:
+            pkey, state = self.prepared(m, key.experts, {k: kw[k] for k in m.prepare_params})
+            if m.derive is not None:
+                dargs = tuple((k, kw[k]) for k in m.derive_params)
+                dkey = (pkey, dargs)
+                if dkey in self._derived:
+                    self._derived.move_to_end(dkey)
+                    state = self._derived[dkey]
+                else:
+                    state = _lru_put(self._derived, dkey, m.derive(state, **dict(dargs)), 4)
+            self.counts["applies"] += 1
+            delta = m.apply(state, **kw)
+        return _lru_put(self._deltas, key, delta, self.delta_size)
+
+    def effective_weights(self, spec: Spec) -> tuple[list[float], str]:
+        """How the spec's merge weights each expert (the method's own reading, see the registry)."""
+        m = methods.get(spec.method)
+        kw = spec.rounded().kwargs
+        if m.data_driven:
+            state = self.cached_run(spec)
+            if state is None:
+                raise MergerError(f"{m.name}: press Run in the Merge tab first")
+        else:
+            with self.queue:
+                state = self.prepared(m, spec.experts, {k: kw[k] for k in m.prepare_params})[1]
+        return m.weights(kw, len(spec.experts), state)
+
+    # ---- data-driven runs -------------------------------------------------------------------
+    def run(self, spec: Spec, progress=None, cancel=None):
+        """A data-driven method's run (batch work; cached by spec; deterministic for its seed). It
+        trains on its own copy of the image tower and lets waiting previews go between steps."""
+        from merger.methods.adaptive import Context
+
+        m = methods.get(spec.method)
+        if not m.data_driven:
+            raise MergerError(f"{m.name} is a static method: it has no run")
+        key = spec.rounded()
+        if key in self._runs:
+            return self._runs[key]
+
+        with self.batch_job(cancel) as checkpoint:
+            if key in self._runs:
+                return self._runs[key]
+            if self._run_model is None:
+                self._run_model = copy.deepcopy(self.evaluator.model.visual)
+            ctx = Context(self.pool, self.evaluator, spec.experts)
+            ctx.model = self._run_model
+            run = m.run(ctx, progress, checkpoint, **key.kwargs)
+            run.method = m.name
+            self._runs[key] = run
+        return run
+
+    def cached_run(self, spec: Spec):
+        return self._runs.get(spec.rounded())
+
+    # ---- results ----------------------------------------------------------------------------
+    def cached(self, spec: Spec, split: str = "live") -> Result | None:
+        key = (spec.rounded(), split)
+        hit = self._results.get(key)
+        if hit is not None:
+            self._results.move_to_end(key)
+        return hit
+
+    def preview(self, spec: Spec, split: str = "live", *, session: str | None = None,
+                ticket: int | None = None) -> Result:
+        """The result of the spec snapped to slider steps (cached by that). With a ``ticket`` of a
+        browser session, a preview superseded before it starts raises ``Superseded``."""
+        hit = self.cached(spec, split)
+        if hit is not None:
+            return hit
+        rounded = spec.rounded()
+        if methods.get(rounded.method).data_driven:
+            self.run(rounded)  # batch work of its own, before this evaluation takes the model
+        with self.queue:
+            self.queue.drop_if_superseded(session, ticket)
+            hit = self.cached(spec, split)  # computed by someone else while this one waited
+            if hit is not None:
+                return hit
+            result = self._with_references(self.evaluator.evaluate(delta=self.delta(rounded), split=split))
+            _lru_put(self._results, (rounded, split), result, self.cache_size)
+        return result
+
+    def partial(self, spec: Spec, images: int, split: str = "live") -> Result:
+        """The spec's result on the first ``images`` images per task (a progressive answer's first
+        part; never cached as a result, never recorded)."""
+        with self.queue:
+            return self._with_references(self.evaluator.evaluate(delta=self.delta(spec), split=split, limit=images))
+
+    def _with_references(self, result: Result) -> Result:
+        result.expert_accuracy = self.expert_accuracy(result.split)
+        return result
+
+    def evaluate_exact(self, spec: Spec, split: str = "live") -> Result:
+        """The spec with its parameters exactly as given (not snapped to slider steps; not cached)."""
+        delta = self.delta(spec)
+        with self.queue:
+            return self._with_references(self.evaluator.evaluate(delta=delta, split=split))
+
+    def evaluate_weights(self, weights, split: str = "live") -> Result:
+        """Merged weights from elsewhere (a full or merged-key state dict; None: the base)."""
+        with self.queue:
+            return self._with_references(self.evaluator.evaluate(weights, split))
+
+    def base(self, split: str = "live") -> Result:
+        """The base model's result on a split (computed once)."""
+        if split not in self._base:
+            with self.queue:
+                if split not in self._base:
+                    self._base[split] = self._with_references(self.evaluator.evaluate(None, split))
+        return self._base[split]
+
+    def expert_accuracy(self, split: str = "live") -> dict[str, float]:
+        """Each task's accuracy under the pool's own expert for it (the reference of a result)."""
+        return {t: self.expert_task_accuracy(t, split) for t in self.pool.tasks}
+
+    def expert_task_accuracy(self, expert: str, split: str) -> float:
+        """An expert's accuracy on the task it was fine-tuned for (once per expert and split)."""
+        key = (expert, split)
+        if key not in self._expert_acc:
+            with self.queue:
+                tv = self.pool.task_vectors
+                i = tv.tasks.index(expert)
+                task = self.pool.task_of(expert)
+                self.evaluator.load_delta({k: tv.stacked[k][i] for k in tv.keys})
+                self._expert_acc[key] = self.evaluator.forward(split, tasks=[task])[0][task]
+        return self._expert_acc[key]
+
+    def probe_from_live(self, spec: Spec) -> tuple[dict, dict] | None:
+        """(accuracy, loss) on the probe split from the cached live result (the probe images are a
+        subset of the live ones): the landscape's 3-D marker without another forward."""
+        live = self.cached(spec, "live")
+        if live is None or not live.per_image:
+            return None
+        sub = result_subset(live, self.evaluator.probe_positions())
+        return (sub.accuracy, sub.loss) if sub is not None else None
+
+    # ---- progressive answers ----------------------------------------------------------------
+    def measure_live(self, budget_s: float = PARTIAL_BUDGET_S) -> float:
+        """Time one full live forward (after the inputs are built and the base is evaluated once,
+        which the app shows anyway); when it is slower than the budget, moves answer first on
+        ``partial_images`` images per task."""
+        base = self.base("live")
+        with self.queue:
+            self.evaluator.load(None)
+            t0 = time.perf_counter()
+            self.evaluator.forward("live")
+            seconds = time.perf_counter() - t0
+        per_task = max(base.counts.values())
+        if seconds > budget_s:
+            self.partial_images = max(2, min(per_task - 1, math.floor(per_task * budget_s / seconds)))
+        else:
+            self.partial_images = None
+        return seconds
+
+    # ---- landscape values -------------------------------------------------------------------
+    @property
+    def landscape(self):
+        """The session's landscape (planes and surfaces over this pool; values cached here)."""
+        if self._landscape is None:
+            from merger.landscape.surface import Landscape
+
+            self._landscape = Landscape(self)
+        return self._landscape
+
+    def values_on_plane(self, plane, x: float, y: float, split: str) -> tuple[dict, dict]:
+        """(accuracy, loss) per task at a grid point of a plane (cached per plane point)."""
+        key = (plane.key, round(x, 9), round(y, 9), split)
+        if key not in self._plane_values:
+            with self.queue:
+                if key not in self._plane_values:
+                    self._point_buf = plane.point(x, y, out=self._point_buf)
+                    self._plane_values[key] = self._forward_point(self._point_buf, split)
+        return self._plane_values[key]
+
+    def values_at_point(self, vec: torch.Tensor, split: str = "probe") -> tuple[dict, dict]:
+        """(accuracy, loss) per task at a flattened point (one forward; cached by its bytes)."""
+        key = (hashlib.sha1(vec.detach().cpu().numpy().tobytes()).hexdigest(), split)
+        if key not in self._point_values:
+            with self.queue:
+                self._point_values[key] = self._forward_point(vec, split)
+        return self._point_values[key]
+
+    def _forward_point(self, vec: torch.Tensor, split: str) -> tuple[dict, dict]:
+        self.evaluator.load(self.landscape.space.unflatten(vec))
+        acc, loss, _ = self.evaluator.forward(split)
+        return acc, loss
+
+    def coords_on_plane(self, plane, spec: Spec) -> tuple[float, float, float]:
+        """(x, y, off-plane distance) of a spec's merge on a plane (cached: a move back to a value
+        seen before costs no merge)."""
+        key = (plane.key, spec)
+        if key in self._coords:
+            self._coords.move_to_end(key)
+            return self._coords[key]
+        return _lru_put(self._coords, key, plane.coords(self.landscape.spec_point(spec)), 4096)
+
+    def cached_plane_points(self) -> int:
+        return len(self._plane_values)
+
+    # ---- experts added later ----------------------------------------------------------------
+    def add_expert(self, name: str, task: str, weights, info) -> None:
+        """Another expert for one of the pool's tasks. Every cache is keyed by the experts it
+        merged, by name, and names are never reused: nothing cached depends on the new one, so
+        nothing is invalidated."""
+        with self.queue:
+            self.pool.add_expert(name, task, weights, info)

@@ -1,0 +1,144 @@
+"""Auto-tuning (grid search on validation, report on test) and sweeps. Engine code: no UI."""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from typing import Callable, Sequence
+
+from merger import methods
+from merger.errors import MergerError
+
+Progress = Callable[[float, str], None] | None
+
+
+def tunable_methods() -> list[str]:
+    """The methods auto-tune can search (those with a grid in the registry)."""
+    return [m.name for m in methods.all_methods() if m.tune_grid is not None]
+
+
+MAX_GRID_POINTS = 400  # a sweep or grid larger than this is refused (it would hold the queue)
+
+
+def grid_points(method: str) -> list[dict]:
+    m = methods.get(method)
+    if m.tune_grid is None:
+        raise MergerError(f"{m.name} learns its coefficients from data: it has no grid to search "
+                          f"(auto-tune takes {', '.join(tunable_methods())})")
+    grid = m.tune_grid
+    names = list(grid)
+    return [dict(zip(names, values)) for values in itertools.product(*grid.values())] or [{}]
+
+
+def auto_tune(session, method_names: Sequence[str], experts=None, progress: Progress = None) -> list[dict]:
+    """For each method: best parameters on the validation split, then that setting on test. Batch
+    work: each grid point is a chunk, and waiting previews go first."""
+    with session.batch(chunks=sum(len(grid_points(m)) + 1 for m in method_names)):
+        return _auto_tune(session, method_names, experts, progress)
+
+
+def _auto_tune(session, method_names, experts, progress) -> list[dict]:
+    plans = [(m, grid_points(m)) for m in method_names]
+    total = sum(len(p) for _, p in plans) + len(plans)
+    done, rows = 0, []
+    for m, points in plans:
+        best, best_spec = None, None
+        for params in points:
+            spec = session.spec(m, experts=experts, **params)
+            res = session.preview(spec, split="val")
+            if best is None or res.average_accuracy > best.average_accuracy:
+                best, best_spec = res, spec
+            done += 1
+            if progress:
+                progress(done / total, f"{m}: {spec.label()}")
+        test = session.preview(best_spec, split="test")
+        done += 1
+        rows.append({"method": m, "spec": best_spec, "params": best_spec.kwargs, "grid_points": len(points),
+                     "val_accuracy": best.average_accuracy, "test_accuracy": test.average_accuracy,
+                     "test_normalized": test.normalized_accuracy, "test": test})
+    return rows
+
+
+def sweep_axes() -> dict[str, tuple[str, list[str]]]:
+    """{parameter: (label, the slider methods that take it)} for every parameter with sweep values."""
+    out = {}
+    for name in methods.PARAM_NAMES:
+        users = [m for m in methods.registry.with_param(name) if m.param(name).sweep]
+        if users:
+            out[name] = (users[0].param(name).label or name, [m.name for m in users])
+    return out
+
+
+def sweep_values(axis: str, method: str) -> list[float]:
+    """The values a sweep of ``method`` along ``axis`` visits (the parameter's own, in its range)."""
+    p = methods.get(method).param(axis)
+    return [v for v in p.sweep if p.min <= v <= p.max and not (p.min_open and v == p.min)
+            and not (p.max_open and v == p.max)]
+
+
+def sweep(session, method_names: Sequence[str], axis: str, values: Sequence[float], split: str = "live",
+          experts=None, fixed: dict | None = None, progress: Progress = None) -> dict:
+    """Accuracy against one parameter: {method: {"x": [...], "average": [...], "per_task": {task: [...]}}}.
+    Batch work (a chunk per point)."""
+    with session.batch(chunks=len(values) * len(method_names)):
+        return _sweep(session, method_names, axis, values, split, experts, fixed, progress)
+
+
+def _sweep(session, method_names, axis, values, split, experts, fixed, progress) -> dict:
+    axes = sweep_axes()
+    if axis not in axes:
+        raise MergerError(f"sweep axis '{axis}' unknown; one of {', '.join(axes)}")
+    if len(values) * len(method_names) > MAX_GRID_POINTS:
+        raise MergerError(f"sweep of {len(values) * len(method_names)} points is too large (at most {MAX_GRID_POINTS})")
+    out, total, done = {}, len(values) * len(method_names), 0
+    n_experts = len(experts) if experts else len(session.tasks)
+    for m in method_names:
+        rec = methods.get(m)
+        if axis not in rec.param_names:
+            raise MergerError(f"{m} has no parameter {axis}: it cannot be swept along {axes[axis][0]}")
+        lo, hi = rec.bounds(axis, n_experts)  # e.g. TSV-M's rank ratio stops at 1/T
+        xs, avg, per = [], [], {t: [] for t in session.tasks}
+        for v in values:
+            if not lo <= v <= hi + 1e-12:
+                done += 1
+                continue
+            params = {k: val for k, val in (fixed or {}).get(m, {}).items() if k != axis}
+            params[axis] = v
+            res = session.preview(session.spec(m, experts=experts, **params), split=split)
+            xs.append(v)
+            avg.append(res.average_accuracy)
+            for t in res.tasks:
+                per[t].append(res.accuracy[t])
+            done += 1
+            if progress:
+                progress(done / total, f"{m} {axis}={v:g}")
+        out[m] = {"x": xs, "average": avg, "per_task": per}
+    return out
+
+
+def sweep_num_tasks(session, method: str, params: dict | None = None, subsets: int = 5, split: str = "live",
+                    seed: int = 0, progress: Progress = None) -> dict:
+    """Average accuracy over the merged tasks against how many are merged (random subsets). Batch work."""
+    with session.batch():
+        return _sweep_num_tasks(session, method, params, subsets, split, seed, progress)
+
+
+def _sweep_num_tasks(session, method, params, subsets, split, seed, progress) -> dict:
+    tasks = list(session.tasks)
+    rng = random.Random(seed)
+    xs, means, ses = [], [], []
+    for n in range(1, len(tasks) + 1):
+        combos = list(itertools.combinations(tasks, n))
+        chosen = combos if len(combos) <= subsets else rng.sample(combos, subsets)
+        scores = []
+        for subset in chosen:
+            res = session.preview(session.spec(method, experts=list(subset), **(params or {})), split=split)
+            scores.append(sum(res.accuracy[t] for t in subset) / n)
+        mean = sum(scores) / len(scores)
+        var = sum((s - mean) ** 2 for s in scores) / (len(scores) - 1) if len(scores) > 1 else 0.0
+        xs.append(n)
+        means.append(mean)
+        ses.append(math.sqrt(var / len(scores)))
+        if progress:
+            progress(n / len(tasks), f"{n} tasks")
+    return {"x": xs, "mean": means, "se": ses}

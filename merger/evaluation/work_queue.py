@@ -1,0 +1,162 @@
+"""The queue in front of the one resident model: previews first, batch work in chunks.
+
+Two classes of work share the model and the CPU/GPU. A *preview* (a slider move, the
+``evaluate`` endpoint) is one merge and one forward. *Batch* work (sweeps, auto-tune, compare,
+landscape surfaces, data-driven runs, lab fine-tunes, exports) is many of those. Batch work runs
+in chunks (a grid point, a step): each chunk takes the queue, after the previews waiting. A long
+holder (a data-driven run) calls ``yield_point`` between steps.
+
+While batch work waits, previews run at most ``PREVIEW_BURST`` in a row, so a room of people
+dragging cannot starve a batch job; among batch jobs, the one with the fewest chunks left goes
+first. A preview carries a ticket of its browser session; one superseded by a newer move of the same
+session is dropped before it starts (``Superseded``).
+
+The class of work belongs to the thread: code inside ``with queue.batch():`` is batch work,
+everything else is a preview. The queue is re-entrant for the thread that holds it.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter, deque
+from contextlib import contextmanager
+
+from merger.errors import MergerError
+
+
+class Superseded(MergerError):
+    """A newer move of the same session arrived before this preview started."""
+
+
+class WorkQueue:
+    # While batch work waits, at most this many previews run in a row: previews go first, yet a
+    # room of people dragging cannot starve a sweep (a batch job keeps at least about a third of
+    # the model's time; with no batch work waiting, previews run back to back).
+    PREVIEW_BURST = 2
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._owner: int | None = None
+        self._depth = 0
+        self._previews: deque[int] = deque()
+        self._chunks: dict[int, tuple[float, int]] = {}  # waiting batch thread -> (chunks left, arrival)
+        self._arrivals = 0
+        self._previews_in_a_row = 0
+        self._latest: dict[str, int] = {}
+        self._local = threading.local()
+        self.counts: Counter = Counter()  # previews, chunks, yields, dropped: for tests and benches
+
+    # ---- the class of work ------------------------------------------------------------------
+    @contextmanager
+    def batch(self, chunks: int | None = None):
+        """Everything the thread does inside is batch work (chunked, after waiting previews). A job
+        that says how many chunks it has goes before longer ones (shortest remaining first: the
+        mean wait is least); jobs that do not say take turns after them."""
+        outer = getattr(self._local, "batch", 0)
+        if outer == 0 or chunks is not None:
+            self._local.remaining = float(chunks) if chunks is not None else math.inf
+        self._local.batch = outer + 1
+        try:
+            yield
+        finally:
+            self._local.batch -= 1
+
+    def in_batch(self) -> bool:
+        return getattr(self._local, "batch", 0) > 0
+
+    # ---- holding the model ------------------------------------------------------------------
+    def __enter__(self):
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return self
+            preview = not self.in_batch()
+            self._wait_turn(me, preview)
+            self._owner, self._depth = me, 1
+            if preview:
+                self._previews_in_a_row += 1
+                self.counts["previews"] += 1
+            else:
+                self._previews_in_a_row = 0
+                self._local.remaining = max(0.0, self._local.remaining - 1)
+                self.counts["chunks"] += 1
+        return self
+
+    def _next_chunk(self) -> int | None:
+        if not self._chunks:
+            return None
+        return min(self._chunks, key=lambda t: self._chunks[t])
+
+    def _my_turn(self, me: int, preview: bool) -> bool:
+        if self._owner is not None:
+            return False
+        batch_due = bool(self._chunks) and self._previews_in_a_row >= self.PREVIEW_BURST
+        if preview:
+            return self._previews[0] == me and not batch_due
+        return self._next_chunk() == me and (not self._previews or batch_due)
+
+    def _wait_turn(self, me: int, preview: bool) -> None:
+        if preview:
+            self._previews.append(me)
+        else:
+            self._arrivals += 1
+            self._chunks[me] = (getattr(self._local, "remaining", math.inf), self._arrivals)
+        try:
+            while not self._my_turn(me, preview):
+                self._cond.wait()
+        finally:
+            if preview:
+                self._previews.remove(me)
+            else:
+                del self._chunks[me]
+            self._cond.notify_all()
+
+    def __exit__(self, *exc):
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cond.notify_all()
+        return False
+
+    def yield_point(self) -> None:
+        """Between two steps of a long batch job: whoever waits (previews first, then other batch
+        jobs' chunks) runs now, then the job goes on."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner != me or not (self._previews or self._chunks):
+                return
+            depth, self._owner, self._depth = self._depth, None, 0
+            self.counts["yields"] += 1
+            self._cond.notify_all()
+            self._wait_turn(me, preview=False)
+            self._owner, self._depth = me, depth
+            self._previews_in_a_row = 0
+
+    def previews_waiting(self) -> int:
+        with self._cond:
+            return len(self._previews)
+
+    def batch_waiting(self) -> int:
+        with self._cond:
+            return len(self._chunks)
+
+    # ---- superseded previews ----------------------------------------------------------------
+    def ticket(self, session: str) -> int:
+        """A new move of a session: every earlier ticket of that session is now superseded."""
+        with self._cond:
+            n = self._latest.get(session, 0) + 1
+            self._latest[session] = n
+            return n
+
+    def superseded(self, session: str | None, ticket: int | None) -> bool:
+        if session is None or ticket is None:
+            return False
+        with self._cond:
+            return self._latest.get(session, 0) > ticket
+
+    def drop_if_superseded(self, session: str | None, ticket: int | None) -> None:
+        if self.superseded(session, ticket):
+            self.counts["dropped"] += 1
+            raise Superseded("a newer move of this session arrived")

@@ -1,0 +1,142 @@
+"""Writing a merge to disk (merged safetensors + spec YAML) and replaying a spec file."""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import uuid
+from pathlib import Path
+
+import yaml
+
+from merger.io import checkpoints, inputs
+from merger.errors import MergerError, PoolError
+from merger.api import merge_spec
+from merger.spec import Spec
+
+SPEC_KEYS = {"merger_version", "method", "params", "experts", "pool", "base", "expert_files", "weights", "created"}
+
+
+def spec_path_for(out: str | Path) -> Path:
+    return Path(out).with_suffix(".yaml")
+
+
+def pool_reference(pool) -> str:
+    from merger.pool.pool import demo_pool_path
+
+    try:
+        if Path(pool.source).resolve() == demo_pool_path().resolve():
+            return "demo"
+    except PoolError:
+        pass
+    return str(Path(pool.source).resolve())
+
+
+def spec_record(pool, spec: Spec, weights: Path) -> dict:
+    from merger import __version__
+
+    hashes = pool.file_hashes()
+    return {
+        "merger_version": __version__,
+        "method": spec.method,
+        "params": spec.kwargs,
+        "experts": list(spec.experts),
+        "pool": pool_reference(pool),
+        "base": {"path": str(pool.base_path.resolve()), "sha256": hashes["base"]},
+        "expert_files": {
+            t: {"path": str(pool.expert_info[t]["path"].resolve()), "sha256": hashes[t]} for t in spec.experts
+        },
+        "weights": weights.name,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def export_merge(pool, spec: Spec, out: str | Path) -> tuple[Path, Path]:
+    """Merge and write ``out`` (.safetensors) and its spec beside it. Both are written to temporary
+    files first and then renamed together: on any failure the pair on disk is the old one (or
+    none), never new weights beside an old spec."""
+    out = Path(inputs.check_path(str(out), "--out", MergerError))
+    if out.suffix != ".safetensors":
+        raise MergerError(f"{out}: the output must end in .safetensors")
+    inputs.check_writable(out.parent, "--out", MergerError)  # before a merge that may take minutes
+    merged = merge_spec(pool, spec)  # fails before anything is written
+    record = spec_record(pool, spec, out)
+    text = yaml.safe_dump(record, sort_keys=False)
+    yaml_path = spec_path_for(out)
+    weights_tmp = checkpoints.save_safetensors(merged, _temporary(out), metadata={"merger_spec": text})
+    try:
+        spec_tmp = checkpoints.write_text_atomic(_temporary(yaml_path), text)
+    except BaseException:
+        weights_tmp.unlink(missing_ok=True)
+        raise
+    _replace_together([(weights_tmp, out), (spec_tmp, yaml_path)])
+    return out, yaml_path
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+
+
+def _replace_together(moves: list[tuple[Path, Path]]) -> None:
+    """Rename every temporary file onto its target; if one rename fails, put back what the
+    earlier ones replaced, so the targets stay a consistent set."""
+    backups: list[tuple[Path, Path | None]] = []
+    try:
+        for tmp, target in moves:
+            backup = None
+            if target.exists():
+                backup = _temporary(target)
+                os.replace(target, backup)
+            backups.append((target, backup))
+            os.replace(tmp, target)
+    except BaseException:
+        for target, backup in reversed(backups):
+            if backup is not None:
+                os.replace(backup, target)
+            else:
+                target.unlink(missing_ok=True)
+        for tmp, _ in moves:
+            tmp.unlink(missing_ok=True)
+        raise
+    for _, backup in backups:
+        if backup is not None:
+            backup.unlink(missing_ok=True)
+
+
+SPEC_TYPES = {"merger_version": str, "method": str, "params": dict, "experts": list, "pool": str, "base": dict,
+              "expert_files": dict, "weights": str, "created": str}
+
+
+def read_spec_file(path: str | Path) -> dict:
+    """A spec YAML written by an export, every key of the expected type."""
+    path = Path(path)
+    record = inputs.load_yaml(path, MergerError, "spec file")
+    inputs.mapping(record, f"{path}: the top level", MergerError)
+    inputs.known_keys(record, SPEC_KEYS, "the spec", str(path), MergerError)
+    for key in ("method", "pool"):
+        if key not in record:
+            raise MergerError(f"{path}: missing '{key}'")
+    for key, kind in SPEC_TYPES.items():
+        value = record.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise MergerError(f"{path}: {key}: expected a {kind.__name__}, got {type(value).__name__} {value!r}"[:300])
+    for name, value in (record.get("params") or {}).items():
+        if isinstance(value, (dict, list)):
+            raise MergerError(f"{path}: params.{name}: expected a number (or auto), got {type(value).__name__}")
+    for name, value in (record.get("expert_files") or {}).items():
+        if not isinstance(value, dict) or not isinstance(value.get("sha256", ""), str):
+            raise MergerError(f"{path}: expert_files.{name}: expected {{path: ..., sha256: ...}}")
+    base = record.get("base") or {}
+    if not isinstance(base.get("sha256", ""), str):
+        raise MergerError(f"{path}: base.sha256: expected a string")
+    return record
+
+
+def check_hashes(pool, record: dict, source: str) -> None:
+    """Refuse to replay when the base or an expert file changed since the spec was written."""
+    hashes = pool.file_hashes()
+    expected = {"base": (record.get("base") or {}).get("sha256")}
+    expected.update({t: v.get("sha256") for t, v in (record.get("expert_files") or {}).items()})
+    for name, sha in expected.items():
+        if sha and hashes.get(name) != sha:
+            what = "base" if name == "base" else f"expert '{name}'"
+            raise MergerError(f"{source}: the {what} file changed since this spec was written (sha256 differs)")

@@ -1,0 +1,95 @@
+"""SQLite history of evaluated specs (WAL journal: a killed server loses nothing committed)."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+from merger.io.checkpoints import write_text_atomic
+
+COLUMNS = ("id", "time", "pool", "method", "params", "experts", "split", "average_accuracy",
+           "normalized_accuracy", "average_loss", "accuracy", "loss")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS evaluations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time TEXT NOT NULL,
+    pool TEXT NOT NULL,
+    method TEXT NOT NULL,
+    params TEXT NOT NULL,
+    experts TEXT NOT NULL,
+    split TEXT NOT NULL,
+    average_accuracy REAL,
+    normalized_accuracy REAL,
+    average_loss REAL,
+    accuracy TEXT NOT NULL,
+    loss TEXT NOT NULL,
+    UNIQUE (pool, method, params, experts, split)
+)
+"""
+
+
+class History:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=10)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute(SCHEMA)
+        self._db.commit()
+
+    def record(self, pool: str, spec, result) -> None:
+        """Store (or refresh) one evaluated spec."""
+        row = (
+            time.strftime("%Y-%m-%d %H:%M:%S"), pool, spec.method, json.dumps(spec.kwargs, sort_keys=True),
+            ",".join(spec.experts), result.split, result.average_accuracy,
+            result.normalized_accuracy if result.expert_accuracy else None, result.average_loss,
+            json.dumps(result.accuracy), json.dumps(result.loss),
+        )
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO evaluations (time, pool, method, params, experts, split, average_accuracy, "
+                "normalized_accuracy, average_loss, accuracy, loss) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
+                "ON CONFLICT (pool, method, params, experts, split) DO UPDATE SET time = excluded.time",
+                row,
+            )
+            self._db.commit()
+
+    def rows(self, method: str | None = None, pool: str | None = None, split: str | None = None,
+             text: str | None = None, limit: int = 500) -> list[dict]:
+        where, args = [], []
+        for col, value in (("method", method), ("pool", pool), ("split", split)):
+            if value:
+                where.append(f"{col} = ?")
+                args.append(value)
+        if text:
+            where.append("(method LIKE ? OR params LIKE ? OR experts LIKE ?)")
+            args += [f"%{text}%"] * 3
+        sql = "SELECT * FROM evaluations" + (" WHERE " + " AND ".join(where) if where else "")
+        sql += " ORDER BY time DESC, id DESC LIMIT ?"
+        with self._lock:
+            cur = self._db.execute(sql, (*args, int(limit)))
+            return [dict(zip(COLUMNS, r)) for r in cur.fetchall()]
+
+    def get(self, row_id: int) -> dict | None:
+        with self._lock:
+            r = self._db.execute("SELECT * FROM evaluations WHERE id = ?", (int(row_id),)).fetchone()
+        return dict(zip(COLUMNS, r)) if r else None
+
+    def export_csv(self, path: str | Path, **filters) -> Path:
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in self.rows(limit=1_000_000, **filters):
+            w.writerow(r)
+        return write_text_atomic(path, buf.getvalue())
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

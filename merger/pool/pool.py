@@ -1,0 +1,319 @@
+"""Pool: an architecture, a base θ0, experts θ1..θT (one per task) and the tasks.
+
+A pool is described by a YAML file (paths relative to it)::
+
+    name: my-pool
+    architecture: ViT-B-32            # an open_clip model name, or {config: {...inline open_clip config...}}
+    base: base.safetensors
+    experts:
+      cars: experts/cars.safetensors  # short form, or {path: ..., trajectory: folder, hparams: {...}}
+    tasks:                            # optional until you evaluate
+      cars: {classes: [...], templates: [...], data: {...}}
+
+``open_pool("demo")`` opens the built-in demo pool.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from merger.io import checkpoints, inputs
+from merger.pool import schema as pool_schema
+from merger.errors import CheckpointError, PoolError
+from merger.pool.task_vectors import TaskVectors
+
+DEMO_DIR = Path(__file__).resolve().parents[2] / "assets" / "demo"
+MAX_PARAMETERS = 3_000_000_000  # a full CLIP ViT-bigG-14 has 2.5 billion
+
+
+class Pool:
+    """An opened pool. Experts are validated against the base when the pool opens."""
+
+    def __init__(self, spec: Mapping[str, Any], root: Path, source: str, device: str | torch.device = "cpu",
+                 tv_device: str | torch.device | None = None, preloaded: Mapping[str, Any] | None = None,
+                 roots: list | None = None):
+        self.source = source
+        self.root = root
+        # When set (the app sets it), every file the pool names must lie under one of these folders.
+        self.roots = [Path(r).expanduser().resolve() for r in roots] if roots is not None else None
+        self.device = resolve_device(device)
+        # Task vectors may stay in host memory when the GPU cannot hold them (slower merges).
+        self.tv_device = resolve_device(tv_device) if tv_device else self.device
+        spec = pool_schema.check(spec, source, in_memory=preloaded is not None)
+        self.name = str(spec.get("name") or Path(source).stem)
+        self.architecture = spec["architecture"]
+        self.tokenizer_name = spec.get("tokenizer")
+        self.preprocess_cfg = dict(spec.get("preprocess") or {})
+        self.preprocess_cfg.setdefault("image_size", self._image_size())
+        self._reference = self._meta_state_dict()  # the architecture, checked before any file is read
+        self.base_path = self._path(spec["base"], "base")
+        self.expert_info = self._experts(spec["experts"])
+        if preloaded is not None:  # an in-memory pool (benchmarks): same checks, no files
+            self.base_path = None
+        self.tasks: list[str] = list(self.expert_info)
+        self.task_info = self._tasks(spec.get("tasks") or {})
+        if preloaded is not None:
+            self.base, self.base_format = dict(preloaded["base"]), "open_clip"
+        else:
+            self.base, self.base_format = self._load(self.base_path, "base")
+        self.base = checkpoints.strip_prefixes(self.base)
+        checkpoints.validate_base(self.base, str(self.base_path))
+        self._check_architecture()
+        check_memory(self.base, len(self.expert_info), self.tv_device, self.source)
+        experts = {}
+        for t, info in self.expert_info.items():
+            if preloaded is not None:
+                sd, info["format"] = preloaded["experts"][t], "open_clip"
+            else:
+                sd, info["format"] = self._load(info["path"], f"experts.{t}")
+            fill = ("visual.proj",) if info["format"] == "hf_clip_vision" else ()
+            experts[t] = checkpoints.validate_expert(sd, self.base, f"{info['path']} (expert '{t}')", fill)
+        self.task_vectors = TaskVectors(self.base, experts, device=self.tv_device)
+        self._hashes: dict[str, str] = {}
+
+    # ---- parsing ------------------------------------------------------------------------
+    def _load(self, path: Path, field: str):
+        """Weights a key of the pool names; a file that cannot be read is reported with that key."""
+        try:
+            return checkpoints.load_weights(path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{self.source}: {field}: {exc}") from None
+
+    def _path(self, value: Any, field: str) -> Path:
+        return self.resolve(value, field)
+
+    def resolve(self, value, field: str) -> Path:
+        """A path named by the pool (relative to its YAML), checked against the allowed roots."""
+        p = inputs.check_path(value, f"{self.source}: {field}", PoolError).expanduser()
+        p = p if p.is_absolute() else (self.root / p)
+        if self.roots is not None:
+            real = p.resolve()
+            if not any(real == r or r in real.parents for r in self.roots):
+                raise PoolError(f"{self.source}: {field} = {value}: outside the allowed roots "
+                                f"({', '.join(map(str, self.roots))}); add its folder with --roots")
+        return p
+
+    def _experts(self, experts: Mapping) -> dict[str, dict]:
+        out = {}
+        for task, info in experts.items():
+            info = dict(info)
+            info["path"] = self._path(info["path"], f"experts.{task}")
+            if info.get("trajectory"):
+                info["trajectory"] = self._path(info["trajectory"], f"experts.{task}.trajectory")
+            out[task] = info
+        return out
+
+    def _tasks(self, tasks: Mapping) -> dict[str, dict]:
+        unknown = [t for t in tasks if t not in self.expert_info]
+        if unknown:
+            raise PoolError(f"{self.source}: tasks.{unknown[0]} has no expert (experts: {', '.join(self.expert_info)})")
+        return {t: dict(v) for t, v in tasks.items()}
+
+    def _meta_state_dict(self) -> dict:
+        """The architecture's own state dict on the meta device (shapes only): open_clip's refusal of
+        a config is reported under its key, and a model too large to hold is refused here."""
+        try:
+            model = self.build_model(load_base=False, device="meta")
+        except PoolError:
+            raise
+        except Exception as exc:  # open_clip raises TypeError/ValueError/AssertionError/KeyError...
+            where = "architecture.config" if "config" in self.architecture else "architecture"
+            raise PoolError(f"{self.source}: {where}: open_clip cannot build this architecture "
+                            f"({type(exc).__name__}: {str(exc)[:200]})") from None
+        state = model.state_dict()
+        params = sum(v.numel() for v in state.values())
+        if params > MAX_PARAMETERS:
+            raise PoolError(f"{self.source}: architecture: {params / 1e9:.1f} billion parameters (at most "
+                            f"{MAX_PARAMETERS / 1e9:g} billion)")
+        return state
+
+    def _check_architecture(self) -> None:
+        """Compare the base with the architecture's own state dict (built on the meta device)."""
+        ref = self._reference
+        missing = [k for k in ref if k not in self.base]
+        extra = [k for k in self.base if k not in ref]
+        shaped = [k for k in ref if k in self.base and ref[k].shape != self.base[k].shape]
+        if missing or extra or shaped:
+            parts = []
+            for label, keys in (("missing", missing), ("unexpected", extra), ("mis-shaped", shaped)):
+                if keys:
+                    parts.append(f"{label} keys: {checkpoints._names(keys)}")
+            raise CheckpointError(
+                f"{self.base_path}: does not match architecture {self.architecture_name}: " + "; ".join(parts)
+            )
+
+    def _image_size(self) -> int:
+        """The architecture's input size (inline config, or open_clip's config of the model name)."""
+        if "config" in self.architecture:
+            size = self.architecture["config"].get("vision_cfg", {}).get("image_size", 224)
+        else:
+            from merger._compat import open_clip
+
+            cfg = open_clip().get_model_config(self.architecture["model"]) or {}
+            size = cfg.get("vision_cfg", {}).get("image_size", 224)
+        return int(size[0] if isinstance(size, (list, tuple)) else size)
+
+    # ---- models -------------------------------------------------------------------------
+    @property
+    def architecture_name(self) -> str:
+        return self.architecture.get("model") or "inline config"
+
+    def build_model(self, load_base: bool = True, device: str = "cpu") -> torch.nn.Module:
+        """A fresh open_clip model of the pool's architecture, with the base weights
+        (on the meta device: shapes only, for checking checkpoints against the architecture)."""
+        from merger._compat import open_clip
+
+        oc = open_clip()
+        if "config" in self.architecture:
+            with torch.device(device):
+                model = oc.CLIP(**self.architecture["config"])
+        else:
+            try:
+                model = oc.create_model(self.architecture["model"], pretrained=None, device=device)
+            except RuntimeError as exc:
+                raise PoolError(f"{self.source}: architecture {self.architecture['model']!r}: {exc}") from None
+        if load_base:
+            model.load_state_dict(self.base)
+        return model.eval()
+
+    # ---- experts ------------------------------------------------------------------------
+    @property
+    def experts(self) -> list[str]:
+        """Every expert that can be merged: one per task, then experts added later (the lab's).
+        The tasks (what results are reported on) never change."""
+        return list(self.task_vectors.tasks)
+
+    def task_of(self, expert: str) -> str:
+        """The task an expert was fine-tuned for (its own name for the pool's experts)."""
+        if expert in self.expert_info:
+            return self.expert_info[expert].get("lab_task", expert)
+        raise PoolError(f"experts: unknown expert '{expert}'; known: {', '.join(self.experts)}")
+
+    def add_expert(self, name: str, task: str, weights: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> None:
+        """Another expert for one of the pool's tasks (checked against the base). Call it through
+        ``PoolSession.add_expert``, which holds the model while the task vectors grow."""
+        if name in self.expert_info:
+            raise PoolError(f"an expert named '{name}' already exists")
+        if task not in self.tasks:
+            raise PoolError(f"unknown task '{task}'; the pool's tasks: {', '.join(self.tasks)}")
+        sd = checkpoints.validate_expert(weights, self.base, f"expert '{name}'")
+        self.task_vectors = self.task_vectors.extended(name, sd)
+        self.expert_info[name] = {"path": None, **dict(info), "lab_task": task}
+
+    def make_spec(self, method: str, params: Mapping[str, Any], experts=None):
+        """A spec over this pool's experts (None: one per task, the pool's own)."""
+        from merger.spec import Spec
+
+        return Spec.make(method, params, experts, self.experts, default=self.tasks)
+
+    def file_hashes(self) -> dict[str, str]:
+        """Content hashes of the base and every expert file (computed once)."""
+        if not self._hashes:
+            self._hashes["base"] = checkpoints.content_hash(self.base_path)
+            for t, info in self.expert_info.items():
+                self._hashes[t] = checkpoints.content_hash(info["path"])
+        return dict(self._hashes)
+
+    def __repr__(self) -> str:
+        return f"Pool({self.name!r}, {self.architecture_name}, tasks={self.tasks})"
+
+
+def read_pool_yaml(path: str | os.PathLike) -> tuple[dict, Path]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "pool.yaml"
+    return inputs.load_yaml(path, PoolError, "pool file"), path
+
+
+def pool_from_state_dicts(name: str, architecture, base, experts: Mapping[str, Mapping], tasks: Mapping | None = None,
+                          device="cpu", tv_device=None) -> Pool:
+    """A pool held in memory (no files): for benchmarks and scripts. Tasks may use
+    ``data: {memory: {train: (images, labels), test: (images, labels)}}``."""
+    spec = {"name": name, "architecture": architecture, "base": "<memory>",
+            "experts": {t: f"<memory:{t}>" for t in experts}, "tasks": dict(tasks or {})}
+    return Pool(spec, Path("."), f"<memory pool {name}>", device, tv_device, {"base": base, "experts": experts})
+
+
+def resolve_device(device) -> torch.device:
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise PoolError(f"device {device}: CUDA is not available on this machine (use --device cpu)")
+    return d
+
+
+def estimate_bytes(base: Mapping[str, torch.Tensor], n_experts: int) -> int:
+    """Resident bytes of the stacked fp32 task vectors plus the fp32 base of the merged keys."""
+    from merger.io.checkpoints import merge_scope
+
+    merged = sum(base[k].numel() for k in merge_scope(base) if base[k].is_floating_point())
+    return 4 * merged * (n_experts + 1)
+
+
+def check_memory(base, n_experts: int, device: torch.device, source: str) -> None:
+    """Refuse before loading when the task vectors will not fit in the device's free memory."""
+    if device.type != "cuda":
+        return
+    need = estimate_bytes(base, n_experts)
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > 0.85 * free:
+        raise PoolError(
+            f"{source}: {n_experts} experts need about {need / 2**30:.1f} GB of task vectors on {device}, "
+            f"{free / 2**30:.1f} GB is free. Keep them in host memory with --tv-device cpu, or merge fewer experts.")
+
+
+def open_pool(path: str | os.PathLike = "demo", device: str | torch.device = "cpu",
+              tv_device: str | torch.device | None = None, roots: list | None = None) -> Pool:
+    """Open a pool from a YAML file (or a folder holding pool.yaml); "demo" is the built-in pool."""
+    if str(path) == "demo":
+        path = demo_pool_path()
+    spec, yaml_path = read_pool_yaml(path)
+    if roots is not None:
+        roots = list(roots) + [yaml_path.parent]
+    verify_manifest(yaml_path.parent)
+    return Pool(spec, yaml_path.parent, str(yaml_path), device=device, tv_device=tv_device, roots=roots)
+
+
+def verify_manifest(root: Path) -> None:
+    """A built pool (the demo zoo) lists every file's sha256 in manifest.json: check them all,
+    so a corrupt or edited zoo is refused instead of silently used. Only regular files inside
+    the pool's folder are read."""
+    import re
+
+    manifest = root / "manifest.json"
+    if not manifest.exists():
+        return
+    rebuild = "rebuild with `python -m merger demo build`"
+    doc = inputs.load_json(manifest, PoolError, "manifest")
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict):
+        raise PoolError(f"{manifest}: 'files' must map relative paths to sha256 digests, got "
+                        f"{type(files).__name__}; {rebuild}")
+    for rel, sha in files.items():
+        where = f"{manifest}: files.{rel}"
+        rel_path = inputs.check_path(rel, where, PoolError)
+        if rel_path.is_absolute() or ".." in rel_path.parts:
+            raise PoolError(f"{where}: must be a path inside the pool's folder")
+        if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
+            raise PoolError(f"{where}: expected a sha256 digest (64 hex digits), got {sha!r}"[:300])
+        path = root / rel_path
+        if not path.exists():
+            raise PoolError(f"{path}: listed in {manifest.name} but missing; {rebuild}")
+        inputs.regular_file(path, f"file listed in {manifest.name}", PoolError)
+        if checkpoints.content_hash(path) != sha:
+            raise PoolError(
+                f"{path}: sha256 differs from {manifest.name}: the zoo is corrupt or was modified; "
+                f"refusing to use it. Rebuild with `python -m merger demo build --out {root}`"
+            )
+
+
+def demo_pool_path() -> Path:
+    override = os.environ.get("MERGER_DEMO_DIR")
+    root = Path(override) if override else DEMO_DIR
+    if not (root / "pool.yaml").exists():
+        raise PoolError(
+            f"{root}: the demo pool is not there; build it with `python -m merger demo build --out {root}`"
+        )
+    return root / "pool.yaml"

@@ -1,0 +1,98 @@
+"""What every benchmark measures with: resident memory, percentiles, random pools of a real
+architecture, the naive per-move evaluation a tool without caches does, the featured methods."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from merger import methods
+
+
+def merge_settings(method: str, n: int = 5) -> list[dict]:
+    """``n`` settings spread over a method's tune grid (what a user drags through)."""
+    from merger.evaluation.tuning import grid_points
+
+    points = grid_points(method)
+    return [points[(i * len(points)) // n] for i in range(n)]
+
+
+def rss_gb() -> tuple[float, float]:
+    """(current, peak since the last reset) resident set size in GB, from /proc."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("VmRSS", "VmHWM")):
+            name, value = line.split(":")
+            fields[name] = int(value.split()[0]) / 2**20
+    return fields.get("VmRSS", float("nan")), fields.get("VmHWM", float("nan"))
+
+
+def reset_peak_rss() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def random_pool(arch: str, n_experts: int, relative: float = 1e-3, seed: int = 0):
+    """An open_clip model with random weights and experts = base + noise of relative size ``relative``."""
+    from merger._compat import open_clip
+
+    torch.manual_seed(seed)
+    model = open_clip().create_model(arch, pretrained=None)
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    del model
+    g = torch.Generator().manual_seed(seed + 1)
+    experts = {}
+    for t in range(n_experts):
+        sd = {}
+        for k, v in base.items():
+            if k.startswith("visual.") and v.is_floating_point():
+                scale = relative * float(v.float().pow(2).mean().sqrt()) + 1e-12
+                sd[k] = v + scale * torch.randn(v.shape, generator=g)
+        experts[f"task{t + 1}"] = sd
+    return base, experts
+
+
+LIVE_METHODS = tuple(m.name for m in methods.all_methods() if m.featured)
+
+
+def percentile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def naive_evaluation(pool_path, method: str, params: dict, split: str = "live"):
+    """What a tool without our caches does per slider move: open the pool, deepcopy a model,
+    merge from scratch, re-read and preprocess the inputs, build the heads, forward."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from merger.data import tasks as data_mod
+    from merger.evaluation.evaluator import tokenizer_for
+    from merger.data.heads import zero_shot_head
+    from merger.api import merge
+    from merger.pool.pool import open_pool
+
+    data_mod._GENERATED.clear()
+    pool = open_pool(pool_path)
+    model = copy.deepcopy(pool.build_model())
+    model.load_state_dict(merge(pool, method, **params))
+    store = data_mod.TaskDataStore(pool)
+    tok = tokenizer_for(pool)
+    acc = {}
+    with torch.inference_mode():
+        for t in pool.tasks:
+            d = store.split(t, split)
+            x = data_mod.preprocess(d.images, pool.preprocess_cfg)
+            head = zero_shot_head(model, tok, store.classes(t), store.templates(t))
+            feats = F.normalize(model.encode_image(x).float(), dim=-1)
+            logits = model.logit_scale.exp() * feats @ head.T
+            acc[t] = float((logits.argmax(-1) == d.labels).float().mean())
+    return acc
+
+
+def close_dicts(a: dict, b: dict, rel: float = 1e-9) -> bool:
+    """Equal dicts of floats up to rounding through JSON."""
+    return set(a) == set(b) and all(abs(a[k] - b[k]) <= rel * max(1.0, abs(b[k])) for k in b)
