@@ -19,3 +19,8 @@ class MethodError(MergerError):
 
 class DataError(MergerError):
     """Task data is missing, empty, or does not match the task's classes."""
+
+
+class Cancelled(MergerError):
+    """The user cancelled a long operation (a run, a preparation, a fine-tune); nothing was cached
+    or written."""

@@ -16,17 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from merger.errors import DataError, MergerError
+from merger.errors import Cancelled, DataError, MergerError
 from merger.methods.lowrank import prepare_cart
 from merger.methods.registry import (ADAMERGING_LOGS, CART_README, INIT, LAM, LR, RANK_RATIO, SAMPLES, STEP_SIZE, STEPS, TOP_K,
                                      Method, Param, Paper, Published, register,
                        with_default)
 
 VISUAL = "visual."
-
-
-class Cancelled(MergerError):
-    """The user cancelled a run; nothing was cached or written."""
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 
 from merger.pool.task_vectors import TaskVectors
 from merger.methods.registry import (CART_README, LAM, RANK_RATIO, RECOLLECTION, Method, Paper, Published, frange, kept_rank,
-                                     register, sum_weights, with_default)
+                                     each, register, sum_weights, with_default)
 
 MATRICES_NOTE = ("Matrices = the 2-D attention and MLP weights (in_proj, out_proj, c_fc, c_proj); "
                  "every other tensor (biases, norms, embeddings, conv1, visual projection) is 'other'.")
@@ -23,11 +23,11 @@ def _svd(x: torch.Tensor):
 
 # ---- CART ---------------------------------------------------------------------------------
 
-def prepare_cart(tv: TaskVectors) -> dict:
+def prepare_cart(tv: TaskVectors, progress=None, cancel=None) -> dict:
     """Mean task vector τ̄, and per matrix the SVD of every centred θt − θavg = τt − τ̄."""
     mean = {k: v.mean(0) for k, v in tv.stacked.items()}
     factors = {}
-    for k in tv.matrices:
+    for k in each(tv.matrices, progress, cancel, "SVD of matrix"):
         u, s, vh = _svd(tv.stacked[k] - mean[k])  # batched over tasks: [T,m,r], [T,r], [T,r,n]
         factors[k] = (u * s[:, None, :], vh)
     return {"mean": mean, "factors": factors, "T": tv.num_tasks}
@@ -67,6 +67,7 @@ def cart_note(params, prepared) -> str | None:
 
 CART = register(Method(
     name="cart",
+    slow_prepare=True,
     featured=True,
     display_name="CART (centred low-rank)",
     paper=Paper("Revisiting weight averaging for model merging", "2412.12153"),
@@ -91,9 +92,10 @@ def _orthogonal_factor(x: torch.Tensor) -> torch.Tensor:
     return p @ qh
 
 
-def prepare_tsv(tv: TaskVectors) -> dict:
+def prepare_tsv(tv: TaskVectors, progress=None, cancel=None) -> dict:
     mean = {k: v.mean(0) for k, v in tv.stacked.items()}
-    factors = {k: _svd(tv.stacked[k]) for k in tv.matrices}  # u [T,m,r], s [T,r], vh [T,r,n]
+    # u [T,m,r], s [T,r], vh [T,r,n]
+    factors = {k: _svd(tv.stacked[k]) for k in each(tv.matrices, progress, cancel, "SVD of matrix")}
     return {"mean": mean, "factors": factors, "T": tv.num_tasks}
 
 
@@ -128,6 +130,7 @@ def apply_tsv(direction: dict, lam: float, rank_ratio) -> dict:
 
 TSV_M = register(Method(
     name="tsv_m",
+    slow_prepare=True,
     display_name="TSV-Merge",
     paper=Paper("Task singular vectors: reducing task interference in model merging", "2412.00081"),
     description="Per matrix, top-k singular vectors of each τt, concatenated and orthogonalised, "
@@ -151,11 +154,11 @@ TSV_M = register(Method(
 
 # ---- Iso-C --------------------------------------------------------------------------------
 
-def prepare_iso(tv: TaskVectors) -> dict:
+def prepare_iso(tv: TaskVectors, progress=None, cancel=None) -> dict:
     # The mean task vector off the matrices, as the authors' code and FusionBench do: with a λ
     # near 1.3 a sum would move biases, norms and embeddings T times too far.
     direction = {k: v.mean(0) for k, v in tv.stacked.items()}
-    for k in tv.matrices:
+    for k in each(tv.matrices, progress, cancel, "SVD of matrix"):
         u, s, vh = _svd(tv.stacked[k].sum(0))
         direction[k] = (u @ vh) * s.mean()  # flatten the spectrum of Σ τt: Σ → σ̄ I
     return {"direction": direction}
@@ -167,6 +170,7 @@ def apply_iso(prepared: dict, lam: float) -> dict:
 
 ISO_C = register(Method(
     name="iso_c",
+    slow_prepare=True,
     display_name="Iso-C",
     paper=Paper("No task left behind: isotropic model merging with common and task-specific "
                 "subspaces", "2502.04959"),

@@ -6,11 +6,12 @@ are θ0 + Δ on the merged keys.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from merger.errors import MethodError
+from merger.errors import Cancelled, MethodError
 
 
 
@@ -117,7 +118,10 @@ class Method:
     iterate: str = "step"  # data-driven: what one recorded iterate is called ("snapshot", "iteration")
     aliases: tuple[str, ...] = ()  # short names accepted wherever a method is named ("ta")
     featured: bool = False  # ticked by default where the app offers a choice (auto-tune, sweeps, benches)
-    slow_prepare: bool = False  # prepare takes seconds or more: run it with progress and cancel
+    # prepare takes seconds or more on a real pool (SVDs, sorts of every entry): it then takes
+    # ``progress(fraction, message)`` and ``cancel() -> bool`` keywords (see ``each``), and the app
+    # runs it like a data-driven run (progress bar, Cancel) where a move would otherwise stall.
+    slow_prepare: bool = False
     extra: dict = field(default_factory=dict)
     # Where the field's tools differ (mergekit, FusionBench, the authors' code): users comparing
     # numbers must be able to tell why they differ.
@@ -127,6 +131,12 @@ class Method:
     @property
     def data_driven(self) -> bool:
         return self.run is not None
+
+    def prepare_with(self, task_vectors, progress=None, cancel=None, **prepare_params):
+        """``prepare``, with progress and cancel where the method reports them (slow_prepare)."""
+        if self.slow_prepare:
+            return self.prepare(task_vectors, progress=progress, cancel=cancel, **prepare_params)
+        return self.prepare(task_vectors, **prepare_params)
 
     def delta(self, prepared, **params) -> Mapping[str, Any]:
         """Δ for these parameters without any cache (derive, if any, then apply)."""
@@ -187,6 +197,8 @@ def register(method: Method) -> Method:
     problems = []
     if method.weights is None:
         problems.append("weights (how Δ weights the experts)")
+    if method.slow_prepare and not {"progress", "cancel"} <= set(inspect.signature(method.prepare).parameters):
+        problems.append("prepare(..., progress=None, cancel=None) (slow_prepare reports progress and stops on cancel)")
     if method.data_driven:
         if not method.objective:
             problems.append("objective (the name of what the run minimises)")
@@ -277,6 +289,18 @@ TOP_K = Param("k", 2, 1, 64, 1, kind="int", help="FW-soft: how many LMO vertices
 STEP_SIZE = Param("step_size", 1.0, 0.0, 1.0, 0.01, min_open=True,
                   help="FW step factor s: iteration i moves γi = s · 2/(i + 2) of the way to the chosen vertex",
                   label="FW step factor")
+
+
+def each(items: Iterable, progress=None, cancel=None, what: str = "tensor") -> Iterator:
+    """The items of a slow preparation one by one: ``cancel()`` is asked before each (raising
+    Cancelled: nothing is cached), ``progress(fraction, message)`` told after each."""
+    items = list(items)
+    for i, item in enumerate(items):
+        if cancel is not None and cancel():
+            raise Cancelled(f"cancelled at {what} {i + 1} of {len(items)}: nothing was cached")
+        yield item
+        if progress is not None:
+            progress((i + 1) / len(items), f"{what} {i + 1}/{len(items)}")
 
 
 def with_default(p: Param, default, **changes) -> Param:

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from merger.pool.task_vectors import TaskVectors
-from merger.methods.registry import (CART_README, LAM, SEED, SPARSITY, Method, Paper, Published, frange, register, sum_weights,
-                                     with_default)
+from merger.methods.registry import (CART_README, LAM, SEED, SPARSITY, Method, Paper, Published, each, frange, register,
+                                     sum_weights, with_default)
 
 CHUNK = 1 << 14
 GRID = 100  # sparsity thresholds precomputed at steps of 1/GRID (the slider step)
@@ -33,7 +33,7 @@ def _thresholds_on_grid(magnitudes: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(part[kth].copy())
 
 
-def prepare_ties(tv: TaskVectors) -> dict:
+def prepare_ties(tv: TaskVectors, progress=None, cancel=None) -> dict:
     """Thresholds at every slider step of sparsity, and a per-entry segment table.
 
     An entry's merged value depends on which tasks survive trimming. Task t survives at grid
@@ -41,18 +41,21 @@ def prepare_ties(tv: TaskVectors) -> dict:
     of each entry by level makes "the survivors at step j" a suffix of that order. The table
     holds the disjoint mean of every suffix; a sparsity change is then a count and a gather.
     """
-    thresholds = []
-    for i in range(tv.num_tasks):
-        mags = torch.cat([v[i].reshape(-1).abs().cpu() for v in tv.stacked.values()])
-        thresholds.append(_thresholds_on_grid(mags))
-    grid = torch.stack(thresholds, 1).to(tv.device)  # [GRID, T]
-    tables = {}
-    for k, v in tv.stacked.items():
-        flat = v.reshape(tv.num_tasks, -1)
+    # Progress counts the magnitude order of each task (a sort of every entry), then each tensor's table.
+    steps = [("task", i) for i in range(tv.num_tasks)] + [("tensor", k) for k in tv.stacked]
+    thresholds, grid, tables = [], None, {}
+    for kind, item in each(steps, progress, cancel, "step (a sort per task, then a table per tensor)"):
+        if kind == "task":
+            mags = torch.cat([v[item].reshape(-1).abs().cpu() for v in tv.stacked.values()])
+            thresholds.append(_thresholds_on_grid(mags))
+            continue
+        if grid is None:
+            grid = torch.stack(thresholds, 1).to(tv.device)  # [GRID, T]
+        flat = tv.stacked[item].reshape(tv.num_tasks, -1)
         levels = torch.empty(flat.shape, dtype=torch.uint8, device=tv.device)
         for i in range(tv.num_tasks):
             levels[i] = torch.bucketize(flat[i].abs(), grid[1:, i].contiguous(), right=True)
-        tables[k] = _segment_table(flat, levels)
+        tables[item] = _segment_table(flat, levels)
     return {"tv": tv, "grid": grid.cpu(), "tables": tables}
 
 
@@ -150,6 +153,7 @@ TIES_NOTE = TRIM_NOTE + " " + MEAN_NOTE
 
 TIES = register(Method(
     name="ties",
+    slow_prepare=True,
     featured=True,
     display_name="TIES-merging",
     paper=Paper("TIES-Merging: Resolving interference when merging models", "2306.01708"),

@@ -7,7 +7,7 @@ import threading
 import gradio as gr
 
 from merger import plots
-from merger.demo.train import Cancelled
+from merger.errors import Cancelled
 from merger.errors import MergerError
 from merger.analysis.lab import (GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, TRENDS, add_expert, check_settings, finetune, lab_experts,
                    scaling_view)

@@ -150,4 +150,4 @@ class MergeTabEvents:
         spec = self._spec(experts, method, values)
         if spec is None or methods.get(spec.method).data_driven or self.ctl.session.cached(spec) is not None:
             return None
-        return images
+        return None if self.ctl.session.prepare_is_slow(spec) else images

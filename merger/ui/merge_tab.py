@@ -20,7 +20,7 @@ from merger.evaluation.work_queue import Superseded
 from merger.ui.controls import ControlPanel, control_values, param_control, shown
 from merger.ui.errors import fail, notice, warn
 from merger.ui.merge_events import MergeTabEvents
-from merger.ui.runs import RunController
+from merger.ui.runs import RUNS_LABEL, RunController
 from merger.ui.scheduling import BATCH_EVENT
 
 EXPORT_ROOT = Path(tempfile.gettempdir()) / "merger-exports"
@@ -61,11 +61,18 @@ class Controller(ControlPanel):
         split = "live"
         try:
             spec = self.spec_from_controls(experts, method, *values)
-            if methods.get(spec.method).data_driven and self.session.cached_run(spec) is None:
+            m = methods.get(spec.method)
+            if m.data_driven and self.session.cached_run(spec) is None:
                 return Answer(spec, None, False,
-                              f"**{methods.get(spec.method).display_name}** learns its coefficients from validation "
-                              "data: set its parameters, open **Data-driven methods** below the controls and press "
-                              "**Run**.", "no run yet for these settings")
+                              f"**{m.display_name}** learns its coefficients from validation data: set its "
+                              f"parameters, open **{RUNS_LABEL}** below the controls and press **Run**.",
+                              "no run yet for these settings")
+            if self.session.prepare_is_slow(spec):
+                return Answer(spec, None, False,
+                              f"**{m.display_name}** prepares once per expert subset, and on this pool that takes "
+                              f"a while: open **{RUNS_LABEL}** below the controls and press **Run** to prepare "
+                              "it with a progress bar (Cancel stops it). Every move after that is live.",
+                              "not prepared yet for these experts")
             cached = self.session.cached(spec, split) is not None
             if images is not None:
                 result = self.session.partial(spec.rounded(), images, split)
@@ -191,11 +198,12 @@ def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str
                 with gr.Row():
                     pin_btn = gr.Button("Pin", elem_id="pin")
                     export_btn = gr.Button("Export", elem_id="export")
-                with gr.Accordion("Data-driven methods (AdaMerging, FW-Merging)", open=False):
+                with gr.Accordion(RUNS_LABEL, open=False):
                     with gr.Row():
                         run_btn = gr.Button("Run", variant="primary", elem_id="run")
                         cancel_btn = gr.Button("Cancel", elem_id="cancel")
-                    run_status = gr.Markdown("Pick a data-driven method, set its parameters, press Run.")
+                    run_status = gr.Markdown("A data-driven method learns its coefficients when you press Run; a "
+                                             "slow preparation (SVDs, sorts on a large pool) also runs here.")
                 pins = gr.State([])
                 pins_md = gr.Markdown(Controller.pins_text([]))
                 files = gr.File(label="exported files", file_count="multiple", interactive=False)

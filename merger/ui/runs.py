@@ -1,5 +1,6 @@
-"""Data-driven runs in the Merge tab: Run (progress bar, objective falling live), Cancel, and
-what was learned (coefficient heatmap; for FW the chosen vertices, gap and barycentric weights)."""
+"""Runs in the Merge tab: Run (progress bar, objective falling live), Cancel, and what was learned
+(coefficient heatmap; for FW the chosen vertices, gap and barycentric weights). The same button
+prepares a slow_prepare method on a large pool (SVDs, sorts), with progress and Cancel."""
 from __future__ import annotations
 
 import threading
@@ -9,9 +10,12 @@ import gradio as gr
 
 from merger import methods, plots
 from merger.errors import MergerError
-from merger.methods.adaptive import Cancelled
+from merger.errors import Cancelled
 from merger.ui.errors import notice
 from merger.ui.merge_events import session_of
+
+
+RUNS_LABEL = "Runs: data-driven methods and slow preparations"
 
 
 class RunController:
@@ -51,7 +55,7 @@ class RunController:
             yield (notice(exc), *skip7)
             return
         m = methods.get(spec.method)
-        if not m.data_driven:
+        if not m.data_driven and not self.ctl.session.prepare_is_slow(spec):
             yield (f"{m.display_name} needs no run: its sliders evaluate live.", *skip7)
             return
         flag = threading.Event()
@@ -66,7 +70,12 @@ class RunController:
 
         def work():
             try:
-                box["run"] = self.ctl.session.run(spec, progress, flag.is_set)
+                if m.data_driven:
+                    box["run"] = self.ctl.session.run(spec, progress, flag.is_set)
+                else:
+                    t0 = time.perf_counter()
+                    self.ctl.session.prepare(spec, progress, flag.is_set)
+                    box["prepared"] = time.perf_counter() - t0
             except Exception as exc:  # reported to the user below; the server stays up
                 box["error"] = exc
 
@@ -75,16 +84,20 @@ class RunController:
         label = self.objective_label(spec.method)
         while worker.is_alive():
             time.sleep(0.5)
-            yield (f"⏳ {m.display_name}: {live['msg']}", plots.objective_curve(live["values"], f"Objective ({label})", label),
-                   *(gr.skip(),) * 6)
+            curve = plots.objective_curve(live["values"], f"Objective ({label})", label) if m.data_driven else gr.skip()
+            yield (f"⏳ {m.display_name}: {live['msg']}", curve, *(gr.skip(),) * 6)
         self._cancel.pop(session, None)
         if "error" in box:
             err = box["error"]
             msg = "cancelled: nothing was cached; the app is as before" if isinstance(err, Cancelled) else str(err)
             yield (notice(msg), gr.skip(), *(gr.skip(),) * 6)
             return
-        run = box["run"]
         acc, loss, radar, summary = self.ctl.preview(experts, method, *values)
+        if "prepared" in box:
+            yield (f"✅ {m.display_name}: prepared in {box['prepared']:.1f} s; its sliders are live now", *(gr.skip(),) * 3,
+                   acc, loss, radar, summary)
+            return
+        run = box["run"]
         yield (f"✅ {m.display_name}: {len(run.trace['objective'])} steps in {run.seconds:.1f} s", *self.views(run),
                acc, loss, radar, summary)
 
