@@ -135,3 +135,13 @@ def _basis(i):
     e = torch.zeros(6, 5)
     e[i, i] = 1.0
     return e
+
+
+def test_model_stock_says_where_its_merge_lies(ctl):
+    from helpers import controls
+
+    summary = ctl.preview(*controls(ctl, "model_stock"))[3]
+    spec = ctl.session.spec("model_stock")
+    ratio = ctl.session.prepared_state(spec)["ratio"]
+    t = sum(ratio.values()) / len(ratio)
+    assert f"t averages {t:.2f} over tensors" in summary and f"{100 * t:.0f} % of the way" in summary

@@ -134,6 +134,11 @@ class PoolSession:
         kw = spec.rounded().kwargs
         return m, {k: kw[k] for k in m.prepare_params}
 
+    def prepared_state(self, spec: Spec):
+        """The cached preparation of a static spec, or None (never computes: for notes and views)."""
+        m, args = self._prepare_args(spec)
+        return None if m.data_driven else self._prepared.get(self._prepared_key(m, spec.experts, args))
+
     def is_prepared(self, spec: Spec) -> bool:
         """Whether a move of this static spec costs only an apply (its preparation is cached)."""
         m, args = self._prepare_args(spec)

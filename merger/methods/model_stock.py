@@ -38,6 +38,16 @@ def apply_model_stock(prepared: dict) -> dict:
     return dict(prepared["delta"])
 
 
+def ratio_note(params, prepared) -> str | None:
+    """Where the merge lies between the base and the average: with nearly orthogonal task vectors t is
+    small and the merge looks like the base, which a user should not take for a failure."""
+    if prepared is None:
+        return None
+    t = sum(prepared["ratio"].values()) / len(prepared["ratio"])
+    why = " (the experts' task vectors are nearly orthogonal: cos θ is small)" if t < 0.2 else ""
+    return f"t averages {t:.2f} over tensors: the merge lies {100 * t:.0f} % of the way from the base θ0 to θavg{why}."
+
+
 def effective_weights(params, num_experts: int, prepared) -> tuple[list[float], str]:
     t = sum(prepared["ratio"].values()) / len(prepared["ratio"])
     return [t / num_experts] * num_experts, f"t/T per task (t = {t:.3g}, the mean ratio over tensors)"
@@ -54,6 +64,7 @@ register(Method(
     apply=apply_model_stock,
     tune_grid={},
     weights=effective_weights,
+    note=ratio_note,
     conventions="cos θ is the mean pairwise cosine of the k task vectors of each tensor (the paper states θ for two "
                 "models; mergekit averages pairs the same way), clamped to [0, 1] so that t is a ratio (mergekit "
                 "clamps to [−1, 1], where t can leave [0, 1] or divide by zero). Every tensor of the image tower is a "

@@ -121,7 +121,7 @@ class Controller(ControlPanel):
     def summary(self, spec, result, cached: bool) -> str:
         m = methods.get(spec.method)
         rounded = spec.rounded()
-        note = m.note(rounded.kwargs, None) if m.note else None
+        note = m.note(rounded.kwargs, self.session.prepared_state(spec)) if m.note else None
         timing = "cached" if cached else f"{1000 * result.seconds:.0f} ms"
         if result.partial:
             timing += " · ⏳ partial: the first images of each task; the whole live split follows"
