@@ -30,9 +30,11 @@ class Superseded(MergerError):
 
 class WorkQueue:
     # While batch work waits, at most this many previews run in a row: previews go first, yet a
-    # room of people dragging cannot starve a sweep (a batch job keeps at least about a third of
-    # the model's time; with no batch work waiting, previews run back to back).
-    PREVIEW_BURST = 2
+    # room of people dragging cannot starve a sweep (a batch job keeps at least about half of the
+    # model's time; with no batch work waiting, previews run back to back). One, not two: with two,
+    # a Sweep in a room of 10 draggers took 2.25× its time alone (goal 2×); with one, 1.65× while
+    # the sliders' p95 went from 413 to 637 ms (goal 800): `python -m merger bench workshop`.
+    PREVIEW_BURST = 1
 
     def __init__(self):
         self._cond = threading.Condition()
