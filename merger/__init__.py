@@ -18,12 +18,12 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 __version__ = "0.1.0"
 
 from merger import methods  # noqa: E402
-from merger.errors import CheckpointError, DataError, MergerError, MethodError, PoolError  # noqa: E402
 from merger.api import evaluate, merge, merge_state_dicts  # noqa: E402
+from merger.errors import CheckpointError, DataError, MergerError, MethodError, PoolError  # noqa: E402
 from merger.evaluation.evaluator import Evaluator, Result  # noqa: E402
 from merger.evaluation.session import PoolSession, session_for  # noqa: E402
-from merger.spec import Spec  # noqa: E402
 from merger.pool.pool import Pool, open_pool  # noqa: E402
+from merger.spec import Spec  # noqa: E402
 
 __all__ = [
     "CheckpointError", "DataError", "MergerError", "MethodError", "PoolError",

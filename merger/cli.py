@@ -105,8 +105,8 @@ def cmd_merge(args) -> int:
 def cmd_eval(args) -> int:
     import json
 
-    from merger.pool.pool import open_pool
     from merger.evaluation.session import PoolSession
+    from merger.pool.pool import open_pool
 
     if not args.method:
         raise MergerError(f"eval: give --method (one of {', '.join(methods.names())})")
@@ -148,9 +148,9 @@ def cmd_demo(args) -> int:
 def cmd_landscape(args) -> int:
     import time
 
+    from merger.evaluation.session import PoolSession
     from merger.landscape.figure import write_landscape
     from merger.pool.pool import open_pool
-    from merger.evaluation.session import PoolSession
 
     t0 = time.perf_counter()
     land = PoolSession(open_pool(args.pool, device=args.device)).landscape

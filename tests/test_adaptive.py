@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from helpers import write_pool
 
 import merger
 from merger.errors import DataError, MethodError
 from merger.io.checkpoints import save_safetensors
 from merger.methods.adaptive import (Cancelled, Combination, Context, calibration_set, cross_entropy_objective,
                                      entropy_objective)
-from helpers import write_pool
 
 
 def finetune_one(pool, task, steps=40):

@@ -4,11 +4,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import base_and_experts, write_pool
 
 import merger
 from merger.analysis import diagnostics as analysis
 from merger.pool.task_vectors import TaskVectors
-from helpers import base_and_experts, write_pool
 
 
 @pytest.fixture(scope="module")

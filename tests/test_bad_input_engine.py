@@ -5,11 +5,11 @@ import pickle
 import pytest
 import torch
 import yaml
+from helpers import base_and_experts, write_pool
 
 import merger
-from merger.io import checkpoints
 from merger.errors import CheckpointError, MergerError, MethodError, PoolError
-from helpers import base_and_experts, write_pool
+from merger.io import checkpoints
 
 
 def test_missing_file(tmp_path):

@@ -2,10 +2,10 @@
 import os
 
 import pytest
+from helpers import write_pool
 
 import merger
 from merger.tools import browser
-from helpers import write_pool
 
 REQUIRED = os.environ.get("MERGER_REQUIRE_BROWSER") == "1"  # set by .ci/run: no skipping in CI
 

@@ -5,13 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from helpers import write_pool
 
 import merger
 from merger.data import splits as split_rules
 from merger.data.tasks import preprocess
 from merger.errors import DataError, PoolError
 from merger.evaluation.evaluator import tokenizer_for
-from helpers import write_pool
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,15 @@ precision, trajectories, sweeps, 3-D paths, lab experts per session, method chan
 import math
 from types import SimpleNamespace
 
+import helpers
 import pytest
+from helpers import ui_controller
 
 import merger
 from merger.methods import PARAM_NAMES
-import helpers
-from helpers import ui_controller
 from merger.ui.compare_tab import CompareTab
-from merger.ui.history_tab import HistoryTab
 from merger.ui.endpoint import evaluate_endpoint
+from merger.ui.history_tab import HistoryTab
 
 
 @pytest.fixture(scope="module")

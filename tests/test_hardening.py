@@ -11,12 +11,12 @@ import threading
 import pytest
 import torch
 import yaml
+from helpers import TINY_CONFIG, base_and_experts, write_pool
 
 import merger
-from merger.io import checkpoints
 from merger.errors import CheckpointError, DataError, MergerError, PoolError
+from merger.io import checkpoints
 from merger.tools import browser
-from helpers import TINY_CONFIG, base_and_experts, write_pool
 
 gradio_client = pytest.importorskip("gradio_client")
 
@@ -129,8 +129,8 @@ def test_paths_outside_the_allowed_roots(tmp_path):
 
 
 def test_oversized_grid_and_sweep(tmp_path):
-    from merger.landscape.surface import pca_plane
     from merger.evaluation.tuning import sweep
+    from merger.landscape.surface import pca_plane
 
     ex = merger.PoolSession(merger.open_pool(write_pool(tmp_path, n_experts=3, scale=0.1, demo_data=True)))
     land = ex.landscape

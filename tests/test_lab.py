@@ -1,11 +1,11 @@
 """The expert lab: settings checked by field, deterministic fine-tuning, experts added to the pool."""
 import pytest
 import torch
+from helpers import write_pool
 
 import merger
 from merger.analysis import lab
 from merger.errors import MergerError
-from helpers import write_pool
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,13 @@ import sys
 
 import pytest
 import torch
+from helpers import base_and_experts, write_pool
 
 import merger
-from merger.landscape import trajectories
-from merger.io.checkpoints import save_safetensors
 from merger.errors import CheckpointError, MergerError
+from merger.io.checkpoints import save_safetensors
+from merger.landscape import trajectories
 from merger.landscape.surface import pca_plane, task_vector_plane, three_point_plane
-from helpers import base_and_experts, write_pool
 
 
 @pytest.fixture(scope="module")

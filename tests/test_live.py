@@ -6,10 +6,10 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from helpers import controls, ui_controller
 
 import merger
 from merger.evaluation.work_queue import Superseded, WorkQueue
-from helpers import controls, ui_controller
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,11 @@ import math
 
 import pytest
 import torch
+from helpers import base_and_experts
 
 import merger
 from merger.methods.lowrank import cart_delta, prepare_cart
 from merger.pool.task_vectors import TaskVectors, is_matrix
-from helpers import base_and_experts
 
 ATOL = 1e-5
 

@@ -8,11 +8,11 @@ import yaml
 from PIL import Image
 
 import merger
-from merger.io import checkpoints, hf_clip
-from merger.data import folders
 from merger._compat import ensure_torchvision, open_clip
-from merger.io.checkpoints import save_safetensors
+from merger.data import folders
 from merger.errors import CheckpointError, DataError
+from merger.io import checkpoints, hf_clip
+from merger.io.checkpoints import save_safetensors
 
 ensure_torchvision()  # transformers imports torchvision too
 transformers = pytest.importorskip("transformers")

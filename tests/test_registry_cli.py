@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 import merger
 from merger.cli import build_parser
-from merger.methods import PARAM_NAMES
 from merger.io.checkpoints import save_safetensors
+from merger.methods import PARAM_NAMES
 
 EXPECTED = ["weight_averaging", "task_arithmetic", "ties", "dare_linear", "dare_ties", "cart", "tsv_m", "iso_c"]
 

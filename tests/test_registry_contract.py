@@ -9,17 +9,16 @@ import gradio as gr
 import pytest
 import torch
 import yaml
+from helpers import ui_controller
 
 import merger
 from merger import methods
 from merger.cli import build_parser, method_params
+from merger.evaluation.tuning import grid_points, sweep_axes, tunable_methods
 from merger.methods import PARAM_NAMES
 from merger.methods.model_stock import interpolation_ratio
-from merger.evaluation.tuning import grid_points, sweep_axes, tunable_methods
 from merger.ui.controls import param_control
 from merger.ui.endpoint import endpoint_params, evaluate_endpoint
-
-from helpers import ui_controller
 
 ALL = methods.names()
 

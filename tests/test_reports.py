@@ -1,10 +1,10 @@
 """The printed reports' checks on synthetic curves, and what the reports pick and measure."""
 import pytest
+from helpers import write_pool
 
 import merger
 from merger.tools.phenomena import bell_at_low_rank, full_rank_through_the_arithmetic, rises_then_falls
 from merger.tools.reports import TA_GRID, demo_numbers
-from helpers import write_pool
 
 
 @pytest.mark.parametrize("curve, expected", [

@@ -5,13 +5,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import controls, ui_controller
 
 import merger
 from merger import methods
 from merger.errors import Cancelled
 from merger.methods.registry import Method, Paper, register
-
-from helpers import controls, ui_controller
 
 SLOW = [m.name for m in methods.all_methods() if m.slow_prepare]
 

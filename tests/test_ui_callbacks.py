@@ -4,13 +4,13 @@ import re
 
 import gradio as gr
 import pytest
+from helpers import controls, ui_controller
 
 import merger
 from merger import plots
-from helpers import controls, ui_controller
 from merger.ui.compare_tab import CompareTab
-from merger.ui.history_tab import HistoryTab
 from merger.ui.endpoint import evaluate_endpoint
+from merger.ui.history_tab import HistoryTab
 
 
 @pytest.fixture(scope="module")

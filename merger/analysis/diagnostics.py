@@ -8,8 +8,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from merger.errors import MergerError
 from merger import methods
+from merger.errors import MergerError
 from merger.methods.ties import _n_keep
 
 

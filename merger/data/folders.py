@@ -13,8 +13,8 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from merger.errors import DataError, PoolError
 from merger.data.splits import source_split
+from merger.errors import DataError, PoolError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 MAX_SPLIT_BYTES = 8 << 30  # uint8 pixels of one split held in memory

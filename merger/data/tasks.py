@@ -15,9 +15,9 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from merger.io import inputs
 from merger.data import splits as split_rules
 from merger.errors import DataError, PoolError
+from merger.io import inputs
 
 DATA_KINDS = ("demo", "folder", "memory")
 

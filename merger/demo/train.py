@@ -15,13 +15,13 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from merger.data.heads import logits as head_logits
+from merger.data.heads import zero_shot_head
+from merger.data.splits import train_val_indices
 from merger.demo import world
 from merger.demo.model import CLIP_CONFIG, create_model, preprocess
 from merger.demo.tokenizer import CONTEXT_LENGTH, DemoTokenizer
 from merger.errors import Cancelled
-from merger.data.heads import logits as head_logits
-from merger.data.heads import zero_shot_head
-from merger.data.splits import train_val_indices
 
 Progress = Optional[Callable[[float, str], None]]
 Cancel = Optional[Callable[[], bool]]

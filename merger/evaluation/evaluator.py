@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from merger.data import heads as heads_mod
+from merger.data.splits import SPLITS
 from merger.data.tasks import TaskDataStore, preprocess
 from merger.errors import DataError
-from merger.data.splits import SPLITS
 
 
 @dataclass

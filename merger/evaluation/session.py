@@ -27,8 +27,8 @@ import torch
 from merger import methods
 from merger.errors import MergerError
 from merger.evaluation.evaluator import Evaluator, Result, result_subset
-from merger.spec import Spec
 from merger.evaluation.work_queue import WorkQueue
+from merger.spec import Spec
 
 PARTIAL_BUDGET_S = 0.3  # a full live forward slower than this makes previews progressive
 
@@ -125,9 +125,12 @@ class PoolSession:
         if key in self._prepared:
             self._prepared.move_to_end(key)
             return key, self._prepared[key]
+        return key, self._store_prepared(key, method.prepare_with(self.pool.task_vectors.subset(experts),
+                                                                  **prepare_args))
+
+    def _store_prepared(self, key: tuple, state):
         self.counts["prepares"] += 1
-        state = method.prepare_with(self.pool.task_vectors.subset(experts), **prepare_args)
-        return key, _lru_put(self._prepared, key, state, 3)
+        return _lru_put(self._prepared, key, state, 3)
 
     def _prepare_args(self, spec: Spec):
         m = methods.get(spec.method)
@@ -149,9 +152,10 @@ class PoolSession:
         enough that preparing would stall a move (about 2 s: 0.1 µs per task-vector entry, measured
         for TIES on this 2-core CPU; ViT-B/32 × 8 experts is about a minute): the app then prepares
         it through Run, with progress and Cancel."""
-        m = methods.get(spec.method)
+        if not methods.get(spec.method).slow_prepare:
+            return False
         entries = self.pool.task_vectors.numel() * len(spec.experts)
-        return m.slow_prepare and entries > self.PREPARE_INLINE_ENTRIES and not self.is_prepared(spec)
+        return entries > self.PREPARE_INLINE_ENTRIES and not self.is_prepared(spec)
 
     def prepare(self, spec: Spec, progress=None, cancel=None) -> None:
         """Prepare a static spec's method ahead of its moves, with progress and cancel where the
@@ -166,8 +170,7 @@ class PoolSession:
         # previews instead of holding the queue for a minute, and only its result goes in under it.
         state = m.prepare_with(self.pool.task_vectors.subset(spec.experts), progress, cancel, **args)
         with self.queue:
-            self.counts["prepares"] += 1
-            _lru_put(self._prepared, self._prepared_key(m, spec.experts, args), state, 3)
+            self._store_prepared(self._prepared_key(m, spec.experts, args), state)
 
     def delta(self, spec: Spec) -> dict:
         """Δ of the spec as given (previews pass it rounded): from the small Δ cache, else one
@@ -196,16 +199,15 @@ class PoolSession:
 
     def effective_weights(self, spec: Spec) -> tuple[list[float], str]:
         """How the spec's merge weights each expert (the method's own reading, see the registry)."""
-        m = methods.get(spec.method)
-        kw = spec.rounded().kwargs
+        m, args = self._prepare_args(spec)
         if m.data_driven:
             state = self.cached_run(spec)
             if state is None:
                 raise MergerError(f"{m.name}: press Run in the Merge tab first")
         else:
             with self.queue:
-                state = self.prepared(m, spec.experts, {k: kw[k] for k in m.prepare_params})[1]
-        return m.weights(kw, len(spec.experts), state)
+                state = self.prepared(m, spec.experts, args)[1]
+        return m.weights(spec.rounded().kwargs, len(spec.experts), state)
 
     # ---- data-driven runs -------------------------------------------------------------------
     def run(self, spec: Spec, progress=None, cancel=None):

@@ -15,8 +15,8 @@ from typing import Mapping
 
 import torch
 
-from merger.io import hf_clip, inputs
 from merger.errors import CheckpointError
+from merger.io import hf_clip, inputs
 
 STRIP_PREFIXES = ("module.", "model.")
 VISUAL = "visual."

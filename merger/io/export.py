@@ -8,9 +8,9 @@ from pathlib import Path
 
 import yaml
 
-from merger.io import checkpoints, inputs
-from merger.errors import MergerError, PoolError
 from merger.api import merge_spec
+from merger.errors import MergerError, PoolError
+from merger.io import checkpoints, inputs
 from merger.spec import Spec
 
 SPEC_KEYS = {"merger_version", "method", "params", "experts", "pool", "base", "expert_files", "weights", "created"}

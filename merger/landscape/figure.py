@@ -5,11 +5,11 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from merger.io import inputs
 from merger import plots
-from merger.landscape import trajectories
-from merger.io.checkpoints import write_text_atomic
 from merger.errors import MergerError
+from merger.io import inputs
+from merger.io.checkpoints import write_text_atomic
+from merger.landscape import trajectories
 from merger.landscape.surface import Landscape, Surface, extent_of, pca_plane, task_vector_plane, three_point_plane
 
 PLANES = ("pca", "tasks", "points")

@@ -14,8 +14,8 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from merger.io import checkpoints
 from merger.errors import MergerError
+from merger.io import checkpoints
 
 MAX_GRID = 61
 COARSE = 7

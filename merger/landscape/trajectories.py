@@ -9,9 +9,9 @@ from typing import Sequence
 
 import torch
 
-from merger.io import checkpoints
 from merger import methods
 from merger.errors import MergerError
+from merger.io import checkpoints
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 

@@ -9,7 +9,7 @@ _modules = [m.name for m in pkgutil.iter_modules(__path__) if m.name != "registr
 for _name in [*_FIRST, *sorted(set(_modules) - set(_FIRST))]:
     importlib.import_module(f"{__name__}.{_name}")
 
-from merger.methods.registry import Method, Param, Paper, all_methods, get, names, param_names  # noqa: E402
+from merger.methods.registry import Method, Paper, Param, all_methods, get, names, param_names  # noqa: E402
 
 PARAM_NAMES = param_names()  # the shared parameter vocabulary, in order of first use
 

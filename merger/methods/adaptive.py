@@ -18,9 +18,8 @@ from torch.func import functional_call
 
 from merger.errors import Cancelled, DataError, MergerError
 from merger.methods.lowrank import prepare_cart
-from merger.methods.registry import (ADAMERGING_LOGS, CART_README, INIT, LAM, LR, RANK_RATIO, SAMPLES, STEP_SIZE, STEPS, TOP_K,
-                                     Method, Param, Paper, Published, register,
-                       with_default)
+from merger.methods.registry import (ADAMERGING_LOGS, CART_README, INIT, LAM, LR, RANK_RATIO, SAMPLES, STEP_SIZE, STEPS,
+                                     TOP_K, Method, Paper, Param, Published, register, with_default)
 
 VISUAL = "visual."
 

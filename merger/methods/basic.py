@@ -1,8 +1,9 @@
 """Weight averaging and task arithmetic."""
 from __future__ import annotations
 
+from merger.methods.registry import (CART_README, LAM, Method, Paper, Published, frange, register, sum_weights,
+                                     with_default)
 from merger.pool.task_vectors import TaskVectors
-from merger.methods.registry import CART_README, LAM, Method, Paper, Published, frange, register, sum_weights, with_default
 
 
 def prepare_sum(tv: TaskVectors) -> dict:

@@ -4,14 +4,13 @@ Each SVD is taken once in prepare, so a rank change is a slice and a λ change i
 """
 from __future__ import annotations
 
-
 import math
 
 import torch
 
+from merger.methods.registry import (CART_README, LAM, RANK_RATIO, RECOLLECTION, Method, Paper, Published, each, frange,
+                                     kept_rank, register, sum_weights, with_default)
 from merger.pool.task_vectors import TaskVectors
-from merger.methods.registry import (CART_README, LAM, RANK_RATIO, RECOLLECTION, Method, Paper, Published, frange, kept_rank,
-                                     each, register, sum_weights, with_default)
 
 MATRICES_NOTE = ("Matrices = the 2-D attention and MLP weights (in_proj, out_proj, c_fc, c_proj); "
                  "every other tensor (biases, norms, embeddings, conv1, visual projection) is 'other'.")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from merger.pool.task_vectors import TaskVectors
 from merger.methods.registry import Method, Paper, register
+from merger.pool.task_vectors import TaskVectors
 
 
 def _cos_between_experts(stacked: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from merger.errors import Cancelled, MethodError
 
 
-
 @dataclass(frozen=True)
 class Param:
     name: str

@@ -12,9 +12,9 @@ import zlib
 import numpy as np
 import torch
 
-from merger.pool.task_vectors import TaskVectors
 from merger.methods.registry import (CART_README, LAM, SEED, SPARSITY, Method, Paper, Published, each, frange, register,
                                      sum_weights, with_default)
+from merger.pool.task_vectors import TaskVectors
 
 CHUNK = 1 << 14
 GRID = 100  # sparsity thresholds precomputed at steps of 1/GRID (the slider step)

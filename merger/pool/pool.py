@@ -20,9 +20,9 @@ from typing import Any, Mapping
 
 import torch
 
+from merger.errors import CheckpointError, PoolError
 from merger.io import checkpoints, inputs
 from merger.pool import schema as pool_schema
-from merger.errors import CheckpointError, PoolError
 from merger.pool.task_vectors import TaskVectors
 
 DEMO_DIR = Path(__file__).resolve().parents[2] / "assets" / "demo"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from merger.io import inputs
 from merger.errors import PoolError
+from merger.io import inputs
 
 TOP_KEYS = {"name", "description", "architecture", "tokenizer", "preprocess", "base", "experts", "tasks"}
 ARCH_KEYS = {"model", "config"}

@@ -10,8 +10,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from merger.io.checkpoints import merge_scope
 from merger.errors import MergerError
+from merger.io.checkpoints import merge_scope
 
 # The 2-D weights of attention and MLP blocks: what the low-rank methods treat as matrices.
 MATRIX_SUFFIXES = ("attn.in_proj_weight", "attn.out_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

@@ -64,8 +64,8 @@ def bench_load(args) -> int:
     from gradio_client import Client
 
     from merger import evaluate, merge
-    from merger.pool.pool import open_pool
     from merger.evaluation.tuning import grid_points
+    from merger.pool.pool import open_pool
     from merger.tools.browser import free_port, start_server
 
     clients, moves = args.clients or 20, (args.moves if args.moves_given else 50)

@@ -33,11 +33,11 @@ def merge_tab_controls(pool, method, lam):
 # ---- live: the listener in process -----------------------------------------------------------
 
 def bench_live(args) -> int:
-    from merger.pool.pool import open_pool
     from merger.evaluation.session import PoolSession
-    from merger.ui.merge_tab import Controller
+    from merger.pool.pool import open_pool
     from merger.ui.landscape_tab import LandscapeController
     from merger.ui.merge_events import MergeTabEvents
+    from merger.ui.merge_tab import Controller
 
     pool = open_pool(args.pool)
     t0 = time.perf_counter()

@@ -84,8 +84,8 @@ def progressive_moves(session, lams=(0.35, 0.45)) -> bool:
     from types import SimpleNamespace
 
     from merger.tools.bench_live import merge_tab_controls
-    from merger.ui.merge_tab import Controller
     from merger.ui.merge_events import MergeTabEvents
+    from merger.ui.merge_tab import Controller
 
     forward_s = session.measure_live()
     events = MergeTabEvents(Controller(session), LIVE_METHODS[0])

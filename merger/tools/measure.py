@@ -69,10 +69,10 @@ def naive_evaluation(pool_path, method: str, params: dict, split: str = "live"):
 
     import torch.nn.functional as F
 
-    from merger.data import tasks as data_mod
-    from merger.evaluation.evaluator import tokenizer_for
-    from merger.data.heads import zero_shot_head
     from merger.api import merge
+    from merger.data import tasks as data_mod
+    from merger.data.heads import zero_shot_head
+    from merger.evaluation.evaluator import tokenizer_for
     from merger.pool.pool import open_pool
 
     data_mod._GENERATED.clear()

@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from merger.analysis import diagnostics as analysis
-from merger.evaluation.session import PoolSession
 from merger.analysis.lab import add_expert, finetune, settings_of
+from merger.evaluation.session import PoolSession
 from merger.methods.adaptive import FW_SOFT
 from merger.methods.basic import TASK_ARITHMETIC, WEIGHT_AVERAGING
 from merger.methods.lowrank import CART

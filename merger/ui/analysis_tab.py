@@ -3,15 +3,14 @@ from __future__ import annotations
 
 import gradio as gr
 
-from merger.analysis import diagnostics as analysis
 from merger import plots
-from merger.landscape import trajectories
+from merger.analysis import diagnostics as analysis
 from merger.errors import MergerError
-
+from merger.landscape import trajectories
 from merger.methods import PARAM_NAMES
 from merger.ui.errors import fail
-from merger.ui.scheduling import BATCH_EVENT, as_batch
 from merger.ui.lab_tab import build_lab_tab
+from merger.ui.scheduling import BATCH_EVENT, as_batch
 
 KS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 

@@ -6,8 +6,8 @@ import uuid
 import gradio as gr
 
 from merger import methods
-from merger.ui.errors import fail
 from merger.ui import merge_tab
+from merger.ui.errors import fail
 
 
 class HistoryTab:

@@ -7,10 +7,9 @@ import threading
 import gradio as gr
 
 from merger import plots
-from merger.errors import Cancelled
-from merger.errors import MergerError
-from merger.analysis.lab import (GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, TRENDS, add_expert, check_settings, finetune, lab_experts,
-                   scaling_view)
+from merger.analysis.lab import (GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, TRENDS, add_expert, check_settings, finetune,
+                                 lab_experts, scaling_view)
+from merger.errors import Cancelled, MergerError
 from merger.landscape.trajectories import has_trajectory
 from merger.ui.errors import fail
 from merger.ui.merge_events import session_of

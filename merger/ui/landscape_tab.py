@@ -4,10 +4,10 @@ from __future__ import annotations
 import gradio as gr
 
 from merger import methods, plots
-from merger.landscape import trajectories
 from merger.errors import MergerError
-from merger.landscape.surface import extent_of
+from merger.landscape import trajectories
 from merger.landscape.figure import landscape_figure, landscape_layers, make_plane
+from merger.landscape.surface import extent_of
 from merger.methods.registry import with_param
 from merger.ui.errors import fail, warn
 from merger.ui.scheduling import BATCH_EVENT

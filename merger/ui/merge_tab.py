@@ -14,9 +14,9 @@ import gradio as gr
 
 from merger import methods, plots
 from merger.errors import MergerError
+from merger.evaluation.work_queue import Superseded
 from merger.io.export import export_merge, pool_reference
 from merger.methods import PARAM_NAMES
-from merger.evaluation.work_queue import Superseded
 from merger.ui.controls import ControlPanel, control_values, param_control, shown
 from merger.ui.errors import fail, notice, warn
 from merger.ui.merge_events import MergeTabEvents

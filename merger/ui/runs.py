@@ -9,11 +9,9 @@ import time
 import gradio as gr
 
 from merger import methods, plots
-from merger.errors import MergerError
-from merger.errors import Cancelled
+from merger.errors import Cancelled, MergerError
 from merger.ui.errors import notice
 from merger.ui.merge_events import session_of
-
 
 RUNS_LABEL = "Runs: data-driven methods and slow preparations"
 
@@ -26,6 +24,7 @@ class RunController:
     @staticmethod
     def objective_label(method: str) -> str:
         return methods.get(method).objective
+
     @classmethod
     def views(cls, run) -> tuple:
         """(objective curve, coefficient heatmap, FW progress) of a finished run."""
