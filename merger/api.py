@@ -11,13 +11,17 @@ from merger.errors import MergerError
 from merger.evaluation.evaluator import Result
 from merger.evaluation.session import session_for
 from merger.io import checkpoints
+from merger.pool.blocks import block_groups
 from merger.pool.task_vectors import TaskVectors
-from merger.spec import Spec, assemble
+from merger.spec import Spec, assemble, with_block_weights
 
 
-def merge(pool, method: str, *, experts=None, **params) -> dict[str, torch.Tensor]:
-    """Merge a pool's experts; returns the full state dict (image tower merged, rest = base)."""
-    return merge_spec(pool, pool.make_spec(method, params, experts))
+def merge(pool, method: str, *, experts=None, task_weights=None, block_weights=None,
+          **params) -> dict[str, torch.Tensor]:
+    """Merge a pool's experts; returns the full state dict (image tower merged, rest = base).
+    ``task_weights`` {expert: wₜ} multiply each task vector before the method combines them;
+    ``block_weights`` {block group: b_g} multiply the method's Δ per block (``pool.blocks``)."""
+    return merge_spec(pool, pool.make_spec(method, params, experts, task_weights, block_weights))
 
 
 def merge_spec(pool, spec: Spec) -> dict[str, torch.Tensor]:
@@ -27,8 +31,9 @@ def merge_spec(pool, spec: Spec) -> dict[str, torch.Tensor]:
     session = session_for(pool)
     if m.data_driven:
         return assemble(pool.base, pool.task_vectors, session.delta(spec))
-    _, prepared = session.prepared(m, spec.experts, {k: spec.kwargs[k] for k in m.prepare_params})
-    return assemble(pool.base, pool.task_vectors, m.delta(prepared, **spec.kwargs))
+    _, prepared = session.prepared_for(spec, rounded=False)
+    delta = with_block_weights(m.delta(prepared, **spec.kwargs, **m.weights_kwargs(spec)), spec)
+    return assemble(pool.base, pool.task_vectors, delta)
 
 
 def merge_state_dicts(
@@ -38,9 +43,12 @@ def merge_state_dicts(
     *,
     experts=None,
     device: str | torch.device = "cpu",
+    task_weights=None,
+    block_weights=None,
     **params,
 ) -> dict[str, torch.Tensor]:
-    """Merge plain state dicts (experts as a list, or a dict task -> state dict)."""
+    """Merge plain state dicts (experts as a list, or a dict task -> state dict); weights as in
+    ``merge``."""
     if isinstance(expert_sds, Mapping):
         named = {str(k): v for k, v in expert_sds.items()}
     else:
@@ -50,13 +58,15 @@ def merge_state_dicts(
     m = methods.get(method)
     if m.data_driven:
         raise MergerError(f"{m.name} learns from data: open a pool with tasks and use merger.merge(pool, ...)")
-    spec = Spec.make(m.name, params, experts, list(named))
     base = checkpoints.strip_prefixes(base_sd)
     checkpoints.validate_base(base, "base")
+    spec = Spec.make(m.name, params, experts, list(named), task_weights=task_weights, block_weights=block_weights,
+                     blocks=block_groups(checkpoints.merge_scope(base)))
     aligned = {t: checkpoints.validate_expert(named[t], base, t) for t in spec.experts}
     tv = TaskVectors(base, aligned, device=device)
-    prepared = m.prepare(tv, **{k: spec.kwargs[k] for k in m.prepare_params})
-    return assemble(base, tv, m.delta(prepared, **spec.kwargs))
+    scale = () if m.task_weighted else spec.task_weights
+    prepared = m.prepare(tv.scaled(dict(scale)) if scale else tv, **{k: spec.kwargs[k] for k in m.prepare_params})
+    return assemble(base, tv, with_block_weights(m.delta(prepared, **spec.kwargs, **m.weights_kwargs(spec)), spec))
 
 
 def evaluate(pool, merged: Mapping[str, torch.Tensor] | None, split: str = "live") -> Result:

@@ -2,6 +2,7 @@
 key), and how merged weights are assembled from Δ."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -31,21 +32,74 @@ def parse_experts(experts: str | Iterable[str] | None, names: Sequence[str],
     return tuple(t for t in names if t in chosen)
 
 
+WEIGHT_RANGE = (-3.0, 3.0)  # per-task and per-block weights
+WEIGHT_STEP = 0.05  # their sliders' step (a preview's cache key snaps to it, as λ does)
+
+
+def parse_weights(given, field: str, allowed: Sequence[str], why: str) -> tuple[tuple[str, float], ...]:
+    """Weights {name: w} (or "a=1.2,b=0") checked and made canonical: in ``allowed`` order, the
+    ones equal to 1 left out (all-ones is the plain method, the same cache entry and tensors)."""
+    if given is None:
+        return ()
+    if isinstance(given, str):
+        pairs = {}
+        for item in (x.strip() for x in given.split(",") if x.strip()):
+            name, sep, value = item.partition("=")
+            if not sep:
+                raise MergerError(f"{field}: '{item}' is not name=weight")
+            pairs[name.strip()] = value.strip()
+        given = pairs
+    if isinstance(given, (list, tuple)):
+        given = dict(given)
+    if not isinstance(given, Mapping):
+        raise MergerError(f"{field}: expected a mapping of name to weight, got {type(given).__name__}")
+    lo, hi = WEIGHT_RANGE
+    out = {}
+    for name, value in given.items():
+        name = str(name)
+        if name not in allowed:
+            raise MergerError(f"{field}.{name}: {why}; known: {', '.join(allowed) or 'none'}")
+        try:
+            w = float(value)
+        except (TypeError, ValueError):
+            raise MergerError(f"{field}.{name}: '{value}' is not a number") from None
+        if not math.isfinite(w) or not lo <= w <= hi:
+            raise MergerError(f"{field}.{name}: {w:g} is outside [{lo:g}, {hi:g}] (or not finite)")
+        out[name] = w
+    return tuple((n, out[n]) for n in allowed if n in out and out[n] != 1.0)
+
+
 @dataclass(frozen=True)
 class Spec:
-    """A method, its resolved parameter values and the expert subset: canonical and hashable."""
+    """A method, its resolved parameter values and the expert subset: canonical and hashable.
+    ``task_weights`` multiply each expert's task vector before the method combines them;
+    ``block_weights`` multiply the method's Δ per block group (only the weights ≠ 1 are kept)."""
 
     method: str
     params: tuple[tuple[str, Any], ...]
     experts: tuple[str, ...]
+    task_weights: tuple[tuple[str, float], ...] = ()
+    block_weights: tuple[tuple[str, float], ...] = ()
 
     @classmethod
     def make(cls, method: str, params: Mapping[str, Any], experts, names: Sequence[str], strict: bool = True,
-             default: Sequence[str] | None = None) -> "Spec":
+             default: Sequence[str] | None = None, task_weights=None, block_weights=None,
+             blocks: Sequence[str] = ()) -> "Spec":
         m = methods.get(method)
         chosen = parse_experts(experts, names, default)
         resolved = m.resolve(params, len(chosen), strict=strict)
-        return cls(m.name, tuple(sorted(resolved.items())), chosen)
+        tw = parse_weights(task_weights, "task_weights", chosen,
+                           "not a ticked expert (weights apply to the experts merged)")
+        bw = parse_weights(block_weights, "block_weights", list(blocks), "not a block group of this pool")
+        if (tw or bw) and m.data_driven:
+            raise MergerError(f"task_weights/block_weights: {m.name} learns its own coefficients; load them "
+                              "with 'start from learned' and edit them under task arithmetic instead")
+        return cls(m.name, tuple(sorted(resolved.items())), chosen, tw, bw)
+
+    def task_weight_list(self) -> list[float]:
+        """One weight per expert, in the spec's expert order."""
+        given = dict(self.task_weights)
+        return [given.get(e, 1.0) for e in self.experts]
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -64,14 +118,38 @@ class Spec:
             step = m.param(name).step
             snap = isinstance(value, float)
             out.append((name, round(round(value / step) * step, 10) if snap else value))
-        return Spec(self.method, tuple(out), self.experts)
+
+        def snap(weights):
+            snapped = ((n, round(round(w / WEIGHT_STEP) * WEIGHT_STEP, 10)) for n, w in weights)
+            return tuple((n, w) for n, w in snapped if w != 1.0)
+
+        return Spec(self.method, tuple(out), self.experts, snap(self.task_weights), snap(self.block_weights))
 
     def label(self) -> str:
         args = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.params)
-        return f"{self.method}({args})"
+        out = f"{self.method}({args})"
+        for tag, weights in (("w", self.task_weights), ("b", self.block_weights)):
+            if weights:
+                out += f" {tag}[" + ", ".join(f"{n}={w:g}" for n, w in weights) + "]"
+        return out
 
     def as_dict(self) -> dict:
-        return {"method": self.method, "params": self.kwargs, "experts": list(self.experts)}
+        out = {"method": self.method, "params": self.kwargs, "experts": list(self.experts)}
+        if self.task_weights:
+            out["task_weights"] = dict(self.task_weights)
+        if self.block_weights:
+            out["block_weights"] = dict(self.block_weights)
+        return out
+
+
+def with_block_weights(delta: Mapping[str, torch.Tensor], spec: "Spec") -> Mapping[str, torch.Tensor]:
+    """Δ with each block group's tensors multiplied by its weight (a new dict; Δ itself unchanged)."""
+    if not spec.block_weights:
+        return delta
+    from merger.pool.blocks import block_of
+
+    weights = dict(spec.block_weights)
+    return {k: d * weights[block_of(k)] if block_of(k) in weights else d for k, d in delta.items()}
 
 
 def assemble(base: Mapping[str, torch.Tensor], tv: TaskVectors, delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

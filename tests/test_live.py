@@ -290,3 +290,26 @@ def test_superseded_raises_only_for_older_tickets():
     q.drop_if_superseded("other", 1)
     with pytest.raises(Superseded):
         q.drop_if_superseded("s", a)
+
+
+def test_every_forward_runs_on_the_one_model_thread_whoever_calls(ctl, monkeypatch):
+    """Gradio answers each move on any of its threads; the forward must still run on one thread
+    (a CPU forward that alternates threads pays for another OpenMP team: 62 -> 85 ms on the demo)."""
+    from merger.evaluation.evaluator import Evaluator
+
+    seen = []
+    encode = Evaluator._encode
+
+    def recording(self, x):
+        seen.append(threading.get_ident())
+        return encode(self, x)
+
+    monkeypatch.setattr(Evaluator, "_encode", recording)
+    callers = [threading.Thread(target=ctl.session.preview,
+                                args=(ctl.session.spec("task_arithmetic", lam=0.05 * i),)) for i in (27, 29, 31)]
+    for t in callers:
+        t.start()
+        t.join()
+    ctl.session.evaluate_exact(ctl.session.spec("task_arithmetic", lam=0.123))  # and from this thread
+    assert len(seen) >= 4 and len(set(seen)) == 1
+    assert seen[0] not in {t.ident for t in callers} | {threading.get_ident()}

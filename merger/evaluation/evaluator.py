@@ -22,6 +22,7 @@ from merger.data import heads as heads_mod
 from merger.data.splits import SPLITS
 from merger.data.tasks import TaskDataStore, preprocess
 from merger.errors import DataError
+from merger.evaluation.model_thread import on_model_thread
 
 
 @dataclass
@@ -174,6 +175,7 @@ class Evaluator:
             self._inputs[split] = list(groups.values())
         return self._inputs[split]
 
+    @on_model_thread
     @torch.no_grad()
     def load(self, weights: Mapping[str, torch.Tensor] | None) -> None:
         """Write merged-key weights into the resident model in place (None: the base)."""
@@ -181,6 +183,7 @@ class Evaluator:
         for k, target in self._targets.items():
             target.copy_(tv.base[k] if weights is None else weights[k])
 
+    @on_model_thread
     @torch.no_grad()
     def load_delta(self, delta: Mapping[str, torch.Tensor]) -> None:
         """θ0 + Δ written straight into the model's tensors (no intermediate copy)."""
@@ -247,6 +250,7 @@ class Evaluator:
             self._whole[split] = cached
         return list(self._encode(cached[1]).split([x.shape[0] for x, _ in groups]))
 
+    @on_model_thread
     @torch.inference_mode()
     def forward(self, split: str, tasks: Sequence[str] | None = None, limit: int | None = None,
                 per_image: dict | None = None) -> tuple[dict, dict, dict]:
@@ -276,6 +280,7 @@ class Evaluator:
         order = [t for t in self.pool.tasks if t in acc]
         return {t: acc[t] for t in order}, {t: loss[t] for t in order}, {t: counts[t] for t in order}
 
+    @on_model_thread
     def evaluate(self, weights: Mapping[str, torch.Tensor] | None = None, split: str = "live",
                  *, delta: Mapping[str, torch.Tensor] | None = None, limit: int | None = None) -> Result:
         """Evaluate merged weights (full or merged-key dict), a Δ, or the base (neither). Every

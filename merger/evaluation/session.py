@@ -28,7 +28,7 @@ from merger import methods
 from merger.errors import MergerError
 from merger.evaluation.evaluator import Evaluator, Result, result_subset
 from merger.evaluation.work_queue import WorkQueue
-from merger.spec import Spec
+from merger.spec import Spec, with_block_weights
 
 PARTIAL_BUDGET_S = 0.3  # a full live forward slower than this makes previews progressive
 
@@ -111,41 +111,54 @@ class PoolSession:
         with self.queue.batch(), self.queue:
             yield check
 
-    def spec(self, method: str, experts=None, **params) -> Spec:
-        return self.pool.make_spec(method, params, experts)
+    def spec(self, method: str, experts=None, task_weights=None, block_weights=None, **params) -> Spec:
+        return self.pool.make_spec(method, params, experts, task_weights, block_weights)
 
     # ---- merging ----------------------------------------------------------------------------
     @staticmethod
-    def _prepared_key(method, experts: tuple[str, ...], prepare_args: dict) -> tuple:
-        return method.name, experts, tuple(sorted(prepare_args.items()))
+    def _prepared_key(method, experts: tuple[str, ...], prepare_args: dict, scale: tuple = ()) -> tuple:
+        return method.name, experts, tuple(sorted(prepare_args.items())), scale
 
-    def prepared(self, method, experts: tuple[str, ...], prepare_args: dict):
-        """A method's preparation for an expert subset (immutable; LRU of 3: they are large)."""
-        key = self._prepared_key(method, experts, prepare_args)
+    def prepared(self, method, experts: tuple[str, ...], prepare_args: dict, scale: tuple = ()):
+        """A method's preparation for an expert subset (immutable; LRU of 3: they are large).
+        ``scale``: task weights of a method that does not take them in apply, which then prepares
+        on the weighted task vectors wₜτₜ (see ``Method.task_weighted``)."""
+        key = self._prepared_key(method, experts, prepare_args, scale)
         if key in self._prepared:
             self._prepared.move_to_end(key)
             return key, self._prepared[key]
-        return key, self._store_prepared(key, method.prepare_with(self.pool.task_vectors.subset(experts),
-                                                                  **prepare_args))
+        return key, self._store_prepared(key, method.prepare_with(self._task_vectors(experts, scale), **prepare_args))
+
+    def _task_vectors(self, experts: tuple[str, ...], scale: tuple = ()):
+        tv = self.pool.task_vectors.subset(experts)
+        return tv.scaled(dict(scale)) if scale else tv
 
     def _store_prepared(self, key: tuple, state):
         self.counts["prepares"] += 1
         return _lru_put(self._prepared, key, state, 3)
 
-    def _prepare_args(self, spec: Spec):
+    def _prepare_args(self, spec: Spec, rounded: bool = True):
+        """(method, prepare arguments, task weights it prepares with) of a spec (see ``prepared``)."""
         m = methods.get(spec.method)
-        kw = spec.rounded().kwargs
-        return m, {k: kw[k] for k in m.prepare_params}
+        spec = spec.rounded() if rounded else spec
+        kw = spec.kwargs
+        scale = () if m.task_weighted or m.data_driven else spec.task_weights
+        return m, {k: kw[k] for k in m.prepare_params}, scale
+
+    def prepared_for(self, spec: Spec, rounded: bool = True):
+        """(key, state): the preparation of a static spec (computed when not cached)."""
+        m, args, scale = self._prepare_args(spec, rounded)
+        return self.prepared(m, spec.experts, args, scale)
 
     def prepared_state(self, spec: Spec):
         """The cached preparation of a static spec, or None (never computes: for notes and views)."""
-        m, args = self._prepare_args(spec)
-        return None if m.data_driven else self._prepared.get(self._prepared_key(m, spec.experts, args))
+        m, args, scale = self._prepare_args(spec)
+        return None if m.data_driven else self._prepared.get(self._prepared_key(m, spec.experts, args, scale))
 
     def is_prepared(self, spec: Spec) -> bool:
         """Whether a move of this static spec costs only an apply (its preparation is cached)."""
-        m, args = self._prepare_args(spec)
-        return m.data_driven or self._prepared_key(m, spec.experts, args) in self._prepared
+        m, args, scale = self._prepare_args(spec)
+        return m.data_driven or self._prepared_key(m, spec.experts, args, scale) in self._prepared
 
     def prepare_is_slow(self, spec: Spec) -> bool:
         """A static spec whose preparation is not cached, of a slow_prepare method, on a pool large
@@ -161,16 +174,16 @@ class PoolSession:
         """Prepare a static spec's method ahead of its moves, with progress and cancel where the
         method reports them (``Method.slow_prepare``). A cancelled preparation raises Cancelled and
         caches nothing."""
-        m, args = self._prepare_args(spec)
+        m, args, scale = self._prepare_args(spec)
         if m.data_driven:
             raise MergerError(f"{m.name} learns from data: it has a run, not a preparation")
         if self.is_prepared(spec):
             return
         # A preparation reads the task vectors, never the resident model: it runs beside the
         # previews instead of holding the queue for a minute, and only its result goes in under it.
-        state = m.prepare_with(self.pool.task_vectors.subset(spec.experts), progress, cancel, **args)
+        state = m.prepare_with(self._task_vectors(spec.experts, scale), progress, cancel, **args)
         with self.queue:
-            self._store_prepared(self._prepared_key(m, spec.experts, args), state)
+            self._store_prepared(self._prepared_key(m, spec.experts, args, scale), state)
 
     def delta(self, spec: Spec) -> dict:
         """Δ of the spec as given (previews pass it rounded): from the small Δ cache, else one
@@ -184,7 +197,7 @@ class PoolSession:
             return self._deltas[key]
         kw = key.kwargs
         with self.queue:
-            pkey, state = self.prepared(m, key.experts, {k: kw[k] for k in m.prepare_params})
+            pkey, state = self.prepared_for(key, rounded=False)
             if m.derive is not None:
                 dargs = tuple((k, kw[k]) for k in m.derive_params)
                 dkey = (pkey, dargs)
@@ -194,20 +207,24 @@ class PoolSession:
                 else:
                     state = _lru_put(self._derived, dkey, m.derive(state, **dict(dargs)), 4)
             self.counts["applies"] += 1
-            delta = m.apply(state, **kw)
+            delta = with_block_weights(m.apply(state, **kw, **m.weights_kwargs(key)), key)
         return _lru_put(self._deltas, key, delta, self.delta_size)
 
     def effective_weights(self, spec: Spec) -> tuple[list[float], str]:
         """How the spec's merge weights each expert (the method's own reading, see the registry)."""
-        m, args = self._prepare_args(spec)
+        m = methods.get(spec.method)
         if m.data_driven:
             state = self.cached_run(spec)
             if state is None:
                 raise MergerError(f"{m.name}: press Run in the Merge tab first")
         else:
             with self.queue:
-                state = self.prepared(m, spec.experts, args)[1]
-        return m.weights(spec.rounded().kwargs, len(spec.experts), state)
+                state = self.prepared_for(spec)[1]
+        weights, how = m.weights(spec.rounded().kwargs, len(spec.experts), state)
+        if spec.task_weights:  # the method combines the weighted task vectors wₜτₜ
+            weights = [v * w for v, w in zip(weights, spec.task_weight_list())]
+            how += ", times each task's weight wₜ"
+        return weights, how
 
     # ---- data-driven runs -------------------------------------------------------------------
     def run(self, spec: Spec, progress=None, cancel=None):

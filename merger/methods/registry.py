@@ -126,6 +126,10 @@ class Method:
     # numbers must be able to tell why they differ.
     conventions: str = ""
     published: tuple[Published, ...] = ()  # the field's numbers for this method (guide lines)
+    # Per-task weights wₜ (each τt times wₜ before the method combines them): a method that takes
+    # them in apply (``apply(..., task_weights=[w per expert])``: cheap, a move like λ's) says so;
+    # any other static method prepares on the weighted task vectors (a preparation per weighting).
+    task_weighted: bool = False
 
     @property
     def data_driven(self) -> bool:
@@ -141,6 +145,10 @@ class Method:
         """Δ for these parameters without any cache (derive, if any, then apply)."""
         state = self.derive(prepared, **{k: params[k] for k in self.derive_params}) if self.derive else prepared
         return self.apply(state, **params)
+
+    def weights_kwargs(self, spec) -> dict:
+        """What apply takes of a spec's task weights (nothing unless the method takes them)."""
+        return {"task_weights": spec.task_weight_list()} if self.task_weighted and spec.task_weights else {}
 
     def param(self, name: str) -> Param:
         for p in self.params:

@@ -99,21 +99,34 @@ def _thresholds(prepared: dict, sparsity: float) -> torch.Tensor:
     return torch.stack(out)
 
 
-def _disjoint_merge(tau: torch.Tensor, keep=None) -> torch.Tensor:
+def _disjoint_merge(tau: torch.Tensor, keep=None, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Elect s = sign(Σ τ̂t), then average the τ̂t whose sign is s (zeros excluded).
 
-    ``tau`` is [T, n]; ``keep(chunk, start, stop)`` returns the trimmed/dropped chunk.
+    ``tau`` is [T, n]; ``keep(chunk, start, stop)`` returns the trimmed/dropped chunk. With task
+    ``weights`` [T], as mergekit: the weighted τ̂ elect the sign and the merge is
+    Σ wₜτ̂ₜ·agree / Σ wₜ·agree (a zero divisor read as 1).
     """
     T, n = tau.shape
     out = torch.empty(n, dtype=tau.dtype, device=tau.device)
+    w = None if weights is None else weights.to(tau.device, tau.dtype)[:, None]
     for s in range(0, n, CHUNK):
         e = min(n, s + CHUNK)
         t = tau[:, s:e] if keep is None else keep(tau[:, s:e], s, e)
+        if w is not None:
+            t = t * w
         elected = t.sum(0).sign_()
         agree = (t * elected) > 0
         total = torch.where(agree, t, 0.0).sum(0)
-        out[s:e] = total.div_(agree.sum(0).clamp_(min=1))
+        if w is None:
+            out[s:e] = total.div_(agree.sum(0).clamp_(min=1))
+        else:
+            divisor = torch.where(agree, w, 0.0).sum(0)
+            out[s:e] = total.div_(torch.where(divisor == 0, 1.0, divisor))
     return out
+
+
+def _weights(task_weights) -> torch.Tensor | None:
+    return None if task_weights is None else torch.tensor(task_weights, dtype=torch.float32)
 
 
 def _lookup(sorted_levels: torch.Tensor, table: torch.Tensor, j: int) -> torch.Tensor:
@@ -129,18 +142,18 @@ def _lookup(sorted_levels: torch.Tensor, table: torch.Tensor, j: int) -> torch.T
     return out
 
 
-def apply_ties(prepared: dict, lam: float, sparsity: float) -> dict:
+def apply_ties(prepared: dict, lam: float, sparsity: float, task_weights=None) -> dict:
     tv = prepared["tv"]
     j = _grid_step(sparsity)
     delta = {}
-    if j is not None:  # on the slider grid: a lookup in the segment table
+    if j is not None and task_weights is None:  # on the slider grid: a lookup in the segment table
         for k, v in tv.stacked.items():
             delta[k] = _lookup(*prepared["tables"][k], j).mul_(lam).reshape(v.shape[1:])
         return delta
     thr = _thresholds(prepared, sparsity).to(tv.device)[:, None]
     for k, v in tv.stacked.items():
         flat = v.reshape(tv.num_tasks, -1)
-        merged = _disjoint_merge(flat, lambda c, s, e: torch.where(c.abs() >= thr, c, 0.0))
+        merged = _disjoint_merge(flat, lambda c, s, e: torch.where(c.abs() >= thr, c, 0.0), _weights(task_weights))
         delta[k] = merged.mul_(lam).reshape(v.shape[1:])
     return delta
 
@@ -149,7 +162,10 @@ TRIM_NOTE = ("Top-k over the whole flattened task vector (global, as the paper a
              "each tensor on its own).")
 MEAN_NOTE = ("The disjoint MEAN of the entries that agree with the elected sign, as the paper (FusionBench's "
              "default merge_func is a sum: the mean times the number of agreeing tasks).")
-TIES_NOTE = TRIM_NOTE + " " + MEAN_NOTE
+WEIGHTS_NOTE = ("Task weights as mergekit: they multiply the trimmed (or dropped and rescaled) τ̂t, the weighted "
+                "vectors elect the sign, and the merge divides by the sum of the agreeing tasks' weights "
+                "(Σ wₜτ̂ₜ / Σ wₜ over agreeing tasks): scaling every weight alike changes nothing.")
+TIES_NOTE = TRIM_NOTE + " " + MEAN_NOTE + " " + WEIGHTS_NOTE
 
 TIES = register(Method(
     name="ties",
@@ -161,6 +177,7 @@ TIES = register(Method(
     params=(LAM, SPARSITY),
     prepare=prepare_ties,
     apply=apply_ties,
+    task_weighted=True,
     tune_grid={"lam": frange(0.4, 1.5, 0.1), "sparsity": (0.5, 0.7, 0.8, 0.9)},
     weights=sum_weights("mean"),
     mask=lambda tv, sparsity, lam=None: kept_entries(tv, "ties", sparsity),
@@ -199,8 +216,10 @@ def _dare_keep(prepared: dict, key: str, p: float):
     return keep
 
 
-def apply_dare_linear(prepared: dict, lam: float, sparsity: float, seed: int) -> dict:
+def apply_dare_linear(prepared: dict, lam: float, sparsity: float, seed: int, task_weights=None) -> dict:
     tv = prepared["tv"]
+    w = torch.ones(tv.num_tasks) if task_weights is None else _weights(task_weights)
+    w = w.to(tv.device)[:, None]
     delta = {}
     for k, v in tv.stacked.items():
         flat = v.reshape(tv.num_tasks, -1)
@@ -208,16 +227,17 @@ def apply_dare_linear(prepared: dict, lam: float, sparsity: float, seed: int) ->
         out = torch.empty(flat.shape[1], device=tv.device)
         for s in range(0, flat.shape[1], CHUNK):
             e = min(flat.shape[1], s + CHUNK)
-            out[s:e] = keep(flat[:, s:e], s, e).sum(0)
+            kept = keep(flat[:, s:e], s, e)
+            out[s:e] = (kept if task_weights is None else kept * w).sum(0)
         delta[k] = out.mul_(lam).reshape(v.shape[1:])
     return delta
 
 
-def apply_dare_ties(prepared: dict, lam: float, sparsity: float, seed: int) -> dict:
+def apply_dare_ties(prepared: dict, lam: float, sparsity: float, seed: int, task_weights=None) -> dict:
     tv = prepared["tv"]
     delta = {}
     for k, v in tv.stacked.items():
-        merged = _disjoint_merge(v.reshape(tv.num_tasks, -1), _dare_keep(prepared, k, sparsity))
+        merged = _disjoint_merge(v.reshape(tv.num_tasks, -1), _dare_keep(prepared, k, sparsity), _weights(task_weights))
         delta[k] = merged.mul_(lam).reshape(v.shape[1:])
     return delta
 
@@ -234,6 +254,7 @@ register(Method(
     params=(with_default(LAM, 0.3), DARE_P, SEED),
     prepare=prepare_dare,
     apply=apply_dare_linear,
+    task_weighted=True,
     prepare_params=("seed",),
     tune_grid={"lam": frange(0.1, 1.0, 0.1), "sparsity": (0.5, 0.7, 0.9)},
     weights=sum_weights("sum"),
@@ -249,12 +270,13 @@ register(Method(
     params=(LAM, DARE_P, SEED),
     prepare=prepare_dare,
     apply=apply_dare_ties,
+    task_weighted=True,
     prepare_params=("seed",),
     tune_grid={"lam": frange(0.4, 1.5, 0.1), "sparsity": (0.5, 0.7, 0.9)},
     weights=sum_weights("mean"),
     mask=lambda tv, sparsity, seed, lam=None: kept_entries(tv, "dare_ties", sparsity, seed),
     conventions="Masks are seeded per task name, so a task's mask does not change with the expert subset. "
-                "After dropping, as TIES. " + MEAN_NOTE,
+                "After dropping, as TIES. " + MEAN_NOTE + " " + WEIGHTS_NOTE,
 ))
 
 

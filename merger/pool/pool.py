@@ -203,11 +203,21 @@ class Pool:
         self.task_vectors = self.task_vectors.extended(name, sd)
         self.expert_info[name] = {"path": None, **dict(info), "lab_task": task}
 
-    def make_spec(self, method: str, params: Mapping[str, Any], experts=None):
-        """A spec over this pool's experts (None: one per task, the pool's own)."""
+    def make_spec(self, method: str, params: Mapping[str, Any], experts=None, task_weights=None, block_weights=None):
+        """A spec over this pool's experts (None: one per task, the pool's own), with per-task and
+        per-block weights where given."""
         from merger.spec import Spec
 
-        return Spec.make(method, params, experts, self.experts, default=self.tasks)
+        blocks = self.blocks if block_weights else ()
+        return Spec.make(method, params, experts, self.experts, default=self.tasks, task_weights=task_weights,
+                         block_weights=block_weights, blocks=blocks)
+
+    @property
+    def blocks(self) -> list[str]:
+        """The image tower's block groups, shallow to deep (what block weights name)."""
+        from merger.pool.blocks import block_groups
+
+        return block_groups(self.task_vectors.keys)
 
     def file_hashes(self) -> dict[str, str]:
         """Content hashes of the base and every expert file (computed once)."""

@@ -70,6 +70,12 @@ class TaskVectors:
         stacked = {k: v.index_select(0, idx) for k, v in self.stacked.items()}
         return TaskVectors._from_parts(tasks, self.device, self.keys, self.frozen, self.base, stacked)
 
+    def scaled(self, weights: Mapping[str, float]) -> "TaskVectors":
+        """Each named task's vector times its weight (a new object; the others as they are)."""
+        w = torch.tensor([float(weights.get(t, 1.0)) for t in self.tasks], device=self.device)
+        stacked = {k: v * w.view(-1, *([1] * (v.dim() - 1))) for k, v in self.stacked.items()}
+        return TaskVectors._from_parts(self.tasks, self.device, self.keys, self.frozen, self.base, stacked)
+
     def extended(self, name: str, weights: Mapping[str, torch.Tensor]) -> "TaskVectors":
         """These task vectors and one more expert's (a new object; this one is unchanged)."""
         stacked = {k: torch.cat([v, (weights[k].to(self.device, torch.float32) - self.base[k])[None]])

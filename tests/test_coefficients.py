@@ -1,0 +1,129 @@
+"""Per-task and per-block weights (issue 5/8): formulas against independent computations, the
+plain method bit for bit at all-ones, mergekit's weighted TIES, round trips and bad input."""
+import pytest
+import torch
+from helpers import write_pool
+
+import merger
+from merger.errors import MergerError
+from merger.pool.blocks import block_of
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    return merger.open_pool(write_pool(tmp_path_factory.mktemp("coef"), n_experts=3, scale=0.2))
+
+
+def test_task_arithmetic_with_task_weights_is_the_weighted_sum(pool):
+    w = {"task0": 1.4, "task2": -0.5}
+    merged = merger.merge(pool, "task_arithmetic", lam=0.7, task_weights=w)
+    tv = pool.task_vectors
+    for k in tv.keys:
+        want = pool.base[k].float() + 0.7 * sum(w.get(t, 1.0) * tv.stacked[k][i] for i, t in enumerate(tv.tasks))
+        torch.testing.assert_close(merged[k].float(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method,params", [("task_arithmetic", {"lam": 0.4}), ("ties", {"lam": 1.0, "sparsity": 0.8}),
+                                           ("dare_ties", {"lam": 0.9, "sparsity": 0.5, "seed": 3}),
+                                           ("tsv_m", {"lam": 1.0}), ("cart", {"lam": 1.2, "rank_ratio": 0.2}),
+                                           ("weight_averaging", {})])
+def test_all_ones_weights_are_the_plain_method_bit_for_bit(pool, method, params):
+    plain = merger.merge(pool, method, **params)
+    ones = merger.merge(pool, method, task_weights={t: 1.0 for t in pool.tasks},
+                        block_weights={b: 1.0 for b in pool.blocks}, **params)
+    assert pool.make_spec(method, params, task_weights={"task0": 1}) == pool.make_spec(method, params)
+    for k in plain:
+        assert torch.equal(plain[k], ones[k]), k
+
+
+@pytest.mark.parametrize("method,params", [("task_arithmetic", {"lam": 0.4}), ("ties", {"lam": 1.0, "sparsity": 0.8}),
+                                           ("iso_c", {"lam": 1.0})])
+def test_a_zero_block_weight_leaves_that_block_at_the_base(pool, method, params):
+    merged = merger.merge(pool, method, block_weights={"block0": 0.0, "projection": 0.5}, **params)
+    plain = merger.merge(pool, method, **params)
+    keys = pool.task_vectors.keys
+    assert {block_of(k) for k in keys} >= {"block0", "embeddings", "projection"}
+    for k in keys:
+        if block_of(k) == "block0":
+            assert torch.equal(merged[k], pool.base[k]), k
+        elif block_of(k) == "projection":
+            torch.testing.assert_close(merged[k] - pool.base[k], 0.5 * (plain[k] - pool.base[k]))
+        else:
+            assert torch.equal(merged[k], plain[k]), k
+
+
+def mergekit_ties(deltas: torch.Tensor, weights: torch.Tensor, density: float, lam: float) -> torch.Tensor:
+    """mergekit's generalized task arithmetic, TIES (sum consensus, normalize=True), transcribed:
+    per-model magnitude sparsification, weighted deltas elect the sign, Σ wτ·mask / Σ w·mask."""
+    kept = []
+    for d in deltas:
+        k = int(density * d.numel())
+        top = d.abs().flatten().topk(k).indices
+        mask = torch.zeros(d.numel(), dtype=torch.bool)
+        mask[top] = True
+        kept.append(d * mask.view_as(d))
+    weighted = torch.stack(kept) * weights.view(-1, *[1] * deltas[0].dim())
+    sign = weighted.sign()
+    majority = (weighted.sum(0) >= 0) * 2 - 1
+    mask = sign == majority
+    mixed = (weighted * mask).sum(0)
+    divisor = (weights.view(-1, *[1] * deltas[0].dim()) * mask).sum(0)
+    divisor[divisor == 0] = 1
+    return lam * mixed / divisor
+
+
+def test_ties_with_weights_is_mergekits_weighted_disjoint_merge():
+    g = torch.Generator().manual_seed(0)
+    base = {"visual.proj": torch.zeros(6, 5)}
+    deltas = torch.randn(3, 6, 5, generator=g)
+    experts = {f"e{i}": {"visual.proj": deltas[i]} for i in range(3)}
+    weights = {"e0": 1.5, "e1": 0.25, "e2": -0.75}
+    got = merger.merge_state_dicts(base, experts, "ties", lam=0.9, sparsity=0.4, task_weights=weights)
+    want = mergekit_ties(deltas, torch.tensor(list(weights.values())), density=0.6, lam=0.9)
+    torch.testing.assert_close(got["visual.proj"], want)
+
+
+def test_low_rank_methods_merge_the_weighted_task_vectors(pool):
+    """A method without its own weighting prepares on wₜτₜ: the same as experts whose task
+    vectors were scaled by hand."""
+    w = {"task1": 0.5, "task2": 1.5}
+    got = merger.merge(pool, "tsv_m", lam=1.0, task_weights=w)
+    tv = pool.task_vectors
+    scaled = {t: {k: pool.base[k].float() + w.get(t, 1.0) * tv.stacked[k][i] for k in tv.keys}
+              for i, t in enumerate(tv.tasks)}
+    want = merger.merge_state_dicts({k: pool.base[k] for k in tv.keys}, scaled, "tsv_m", lam=1.0)
+    for k in tv.keys:
+        torch.testing.assert_close(got[k].float(), want[k].float(), rtol=1e-4, atol=1e-6)
+
+
+def test_spec_yaml_round_trip_with_weights_replays_identical_tensors(pool, tmp_path):
+    import yaml
+
+    spec = pool.make_spec("ties", {"lam": 1.1, "sparsity": 0.7}, task_weights="task0=1.4,task1=0.5",
+                          block_weights={"block0": 0.0})
+    text = yaml.safe_dump(spec.as_dict())
+    back = yaml.safe_load(text)
+    again = pool.make_spec(back["method"], back["params"], back["experts"], back.get("task_weights"),
+                           back.get("block_weights"))
+    assert again == spec and "w[task0=1.4, task1=0.5] b[block0=0]" in spec.label()
+    a, b = merger.api.merge_spec(pool, spec), merger.api.merge_spec(pool, again)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"task_weights": {"nope": 1.0}}, "task_weights.nope: not a ticked expert"),
+    ({"task_weights": {"task2": 1.0}, "experts": ["task0", "task1"]}, "task_weights.task2: not a ticked expert"),
+    ({"block_weights": {"block9": 1.0}}, "block_weights.block9: not a block group"),
+    ({"task_weights": {"task0": float("nan")}}, "task_weights.task0: nan is outside [-3, 3]"),
+    ({"block_weights": {"block0": 3.5}}, "block_weights.block0: 3.5 is outside [-3, 3]"),
+    ({"task_weights": "task0"}, "task_weights: 'task0' is not name=weight"),
+    ({"task_weights": {"task0": "x"}}, "task_weights.task0: 'x' is not a number"),
+])
+def test_bad_weights_get_a_message_naming_the_key(pool, kwargs, message):
+    with pytest.raises(MergerError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        merger.merge(pool, "task_arithmetic", lam=0.3, **kwargs)
+
+
+def test_data_driven_methods_refuse_weights(pool):
+    with pytest.raises(MergerError, match="adamerging_task learns its own coefficients"):
+        pool.make_spec("adamerging_task", {}, task_weights={"task0": 2.0})
