@@ -60,10 +60,23 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(_flag(name), dest=name, default=None,
                        help=f"{rec.help}; range {rec.range_text()}; used by {', '.join(m.name for m in users)}")
     p.add_argument("--experts", default=None, help="comma-separated task names (default: all)")
+    p.add_argument("--task-weights", dest="task_weights", default=None,
+                   help="per-task weights, e.g. shape=1.4,dots=0.5: each task vector times its weight before "
+                        "the method combines them (range [-3, 3]; default 1; static methods)")
+    p.add_argument("--block-weights", dest="block_weights", default=None,
+                   help="per-block weights of the method's Δ, e.g. block0=0,projection=0.5 (groups: embeddings, "
+                        "block0..block{L-1}, projection; range [-3, 3]; default 1)")
 
 
 def method_params(args) -> dict:
     return {n: getattr(args, n) for n in PARAM_NAMES if getattr(args, n, None) is not None}
+
+
+def weights_args(args, record: dict | None = None) -> dict:
+    """task_weights / block_weights from the flags, else from a replayed spec record."""
+    record = record or {}
+    return {f: getattr(args, f, None) if getattr(args, f, None) is not None else record.get(f)
+            for f in ("task_weights", "block_weights")}
 
 
 def cmd_methods(args) -> int:
@@ -90,12 +103,13 @@ def cmd_merge(args) -> int:
         check_hashes(pool, record, args.spec)
         params = dict(record.get("params") or {})
         params.update(method_params(args))
-        spec = pool.make_spec(args.method or record["method"], params, args.experts or record.get("experts"))
+        spec = pool.make_spec(args.method or record["method"], params, args.experts or record.get("experts"),
+                              **weights_args(args, record))
     else:
         if not args.pool or not args.method:
             raise MergerError("merge: give --pool and --method, or --spec FILE")
         pool = open_pool(args.pool, device=args.device)
-        spec = pool.make_spec(args.method, method_params(args), args.experts)
+        spec = pool.make_spec(args.method, method_params(args), args.experts, **weights_args(args))
     _run_data_driven(pool, spec)
     weights, yaml_path = export_merge(pool, spec, args.out)
     print(f"wrote {weights} and {yaml_path}: {spec.label()} over {', '.join(spec.experts)}")
@@ -112,7 +126,7 @@ def cmd_eval(args) -> int:
         raise MergerError(f"eval: give --method (one of {', '.join(methods.names())})")
     pool = open_pool(args.pool, device=args.device)
     ex = PoolSession(pool)
-    spec = ex.spec(args.method, experts=args.experts, **method_params(args))
+    spec = ex.spec(args.method, experts=args.experts, **weights_args(args), **method_params(args))
     _run_data_driven(pool, spec)
     # Exact parameters (not snapped to slider steps): merge, then evaluate.
     result = ex.evaluate_exact(spec, args.split)

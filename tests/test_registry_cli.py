@@ -51,7 +51,9 @@ def test_methods_command_lists_every_method():
 
 @pytest.mark.parametrize("method, flags", [("ties", ["--lam", "0.9", "--sparsity", "0.7"]),
                                            ("cart", ["--lam", "1.5", "--rank-ratio", "0.25"]),
-                                           ("dare_ties", ["--seed", "7", "--experts", "task0,task2"])])
+                                           ("dare_ties", ["--seed", "7", "--experts", "task0,task2"]),
+                                           ("ties", ["--task-weights", "task0=1.4,task1=0.5", "--block-weights",
+                                                     "block0=0"])])
 def test_merge_spec_replay_round_trip(tiny_pool, tmp_path, method, flags):
     out = tmp_path / "merged.safetensors"
     res = run_cli("merge", "--pool", str(tiny_pool), "--method", method, *flags, "--out", str(out))
@@ -67,8 +69,13 @@ def test_merge_spec_replay_round_trip(tiny_pool, tmp_path, method, flags):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # the written weights are what the API returns
     pool = merger.open_pool(tiny_pool)
-    api = merger.merge(pool, method, experts=spec["experts"], **spec["params"])
+    api = merger.merge(pool, method, experts=spec["experts"], task_weights=spec.get("task_weights"),
+                       block_weights=spec.get("block_weights"), **spec["params"])
     assert all(torch.equal(api[k], a[k]) for k in a)
+    if "--task-weights" in flags:
+        assert spec["task_weights"] == {"task0": 1.4, "task1": 0.5} and spec["block_weights"] == {"block0": 0.0}
+        plain = merger.merge(pool, method, experts=spec["experts"], **spec["params"])
+        assert not all(torch.equal(plain[k], a[k]) for k in a)
 
 
 def test_replay_refuses_a_changed_expert(tiny_pool, tmp_path):

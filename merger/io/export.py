@@ -13,7 +13,9 @@ from merger.errors import MergerError, PoolError
 from merger.io import checkpoints, inputs
 from merger.spec import Spec
 
-SPEC_KEYS = {"merger_version", "method", "params", "experts", "pool", "base", "expert_files", "weights", "created"}
+WEIGHT_KEYS = ("task_weights", "block_weights")  # present only when a weight differs from 1
+SPEC_KEYS = {"merger_version", "method", "params", "experts", "pool", "base", "expert_files", "weights", "created",
+             *WEIGHT_KEYS}
 
 
 def spec_path_for(out: str | Path) -> Path:
@@ -40,6 +42,7 @@ def spec_record(pool, spec: Spec, weights: Path) -> dict:
         "method": spec.method,
         "params": spec.kwargs,
         "experts": list(spec.experts),
+        **{k: v for k, v in spec.as_dict().items() if k in WEIGHT_KEYS},
         "pool": pool_reference(pool),
         "base": {"path": str(pool.base_path.resolve()), "sha256": hashes["base"]},
         "expert_files": {
@@ -103,7 +106,7 @@ def _replace_together(moves: list[tuple[Path, Path]]) -> None:
 
 
 SPEC_TYPES = {"merger_version": str, "method": str, "params": dict, "experts": list, "pool": str, "base": dict,
-              "expert_files": dict, "weights": str, "created": str}
+              "expert_files": dict, "weights": str, "created": str, "task_weights": dict, "block_weights": dict}
 
 
 def read_spec_file(path: str | Path) -> dict:

@@ -33,6 +33,14 @@ CREATE TABLE IF NOT EXISTS evaluations (
 """
 
 
+def params_of(spec) -> dict:
+    """A row's params: the method's parameters, and its task/block weights (when any differ from 1)
+    under those two names."""
+    out = dict(spec.kwargs)
+    out.update({k: v for k, v in spec.as_dict().items() if k in ("task_weights", "block_weights")})
+    return out
+
+
 class History:
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -47,7 +55,7 @@ class History:
     def record(self, pool: str, spec, result) -> None:
         """Store (or refresh) one evaluated spec."""
         row = (
-            time.strftime("%Y-%m-%d %H:%M:%S"), pool, spec.method, json.dumps(spec.kwargs, sort_keys=True),
+            time.strftime("%Y-%m-%d %H:%M:%S"), pool, spec.method, json.dumps(params_of(spec), sort_keys=True),
             ",".join(spec.experts), result.split, result.average_accuracy,
             result.normalized_accuracy if result.expert_accuracy else None, result.average_loss,
             json.dumps(result.accuracy), json.dumps(result.loss),

@@ -10,7 +10,7 @@ from merger.errors import MergerError
 from merger.methods.registry import param_record, with_param
 from merger.ui.errors import fail
 
-FIXED = ("method", "experts", "split")  # the method, the parameters (PARAM_NAMES order), experts, split
+FIXED = ("method", "experts", "split", "task_weights", "block_weights")  # all but the method's parameters
 
 
 def endpoint_params() -> list[str]:
@@ -30,6 +30,9 @@ def _signature() -> tuple[inspect.Signature, dict]:
     # sparsity, seed, experts, split) keep working
     params += [P("experts", P.POSITIONAL_OR_KEYWORD, default=None, annotation=hints["experts"]),
                P("split", P.POSITIONAL_OR_KEYWORD, default="live", annotation=str)]
+    for name in ("task_weights", "block_weights"):  # {name: weight} or "a=1.2,b=0" (static methods)
+        hints[name] = Optional[dict[str, float] | str]
+        params.append(P(name, P.POSITIONAL_OR_KEYWORD, default=None, annotation=hints[name]))
     return inspect.Signature(params, return_annotation=dict), hints
 
 
@@ -42,7 +45,7 @@ def evaluate_endpoint(ctl):
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         given = dict(bound.arguments)
-        method, experts, split = (given.pop(k) for k in FIXED)
+        method, experts, split, task_weights, block_weights = (given.pop(k) for k in FIXED)
         try:
             if methods.get(method).data_driven:
                 raise MergerError(f"{method} learns from data: run it in the Merge tab or with `python -m merger merge`")
@@ -56,7 +59,8 @@ def evaluate_endpoint(ctl):
             if private:
                 raise MergerError(f"experts: {', '.join(private)} belong(s) to a browser session's expert lab; the "
                                   f"endpoint merges the pool's experts ({', '.join(pool.tasks)})")
-            spec = ctl.session.spec(method, experts=experts, **params)
+            spec = ctl.session.spec(method, experts=experts, task_weights=task_weights or None,
+                                    block_weights=block_weights or None, **params)
             cached = ctl.session.cached(spec, split) is not None
             result = ctl.session.preview(spec, split)
         except MergerError as exc:
