@@ -33,7 +33,7 @@ def parse_experts(experts: str | Iterable[str] | None, names: Sequence[str],
 
 
 WEIGHT_RANGE = (-3.0, 3.0)  # per-task and per-block weights
-WEIGHT_STEP = 0.05  # their sliders' step (a preview's cache key snaps to it, as λ does)
+WEIGHT_STEP = 0.01  # their sliders' step (a preview's cache key snaps to it, as λ does)
 
 
 def parse_weights(given, field: str, allowed: Sequence[str], why: str) -> tuple[tuple[str, float], ...]:

@@ -148,3 +148,80 @@ def test_endpoint_and_history_take_the_weights(tmp_path):
 
     with pytest.raises(gr.Error, match="block_weights.block7: not a block group"):
         endpoint("task_arithmetic", lam=0.5, block_weights={"block7": 0.0})
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    pool = merger.open_pool(write_pool(tmp_path_factory.mktemp("coef-data"), n_experts=3, scale=0.2, demo_data=True))
+    return merger.PoolSession(pool)
+
+
+@pytest.mark.parametrize("method,params", [("adamerging_task", {"steps": 3, "samples": 8, "lr": 0.05}),
+                                           ("fw_hard", {"steps": 3, "samples": 8})])
+def test_start_from_learned_reproduces_the_run(session, method, params):
+    from merger.analysis.coefficients import learned
+
+    spec = session.spec(method, **params)
+    run = session.run(spec)
+    got = learned(run, session.pool)
+    assert got.block_weights == {} and got.fit_error == 0.0
+    assert list(got.task_weights.values()) == pytest.approx(run.coefficients[:, 0].tolist(), abs=1e-4)
+    mine = session.evaluate_exact(got.spec(session, spec.experts), "test")
+    theirs = session.evaluate_exact(spec, "test")
+    assert mine.accuracy == pytest.approx(theirs.accuracy, abs=1e-9)
+    assert mine.loss == pytest.approx(theirs.loss, rel=1e-3)
+
+
+def test_layer_wise_runs_load_as_a_rank_one_block_by_task_reading(session):
+    from merger.analysis.coefficients import learned
+    from merger.methods.adaptive import Combination
+
+    tv = session.pool.task_vectors
+    keys = list(tv.keys)
+    w, b = torch.tensor([0.5, 1.0, 1.5]), {g: 0.5 + 0.25 * i for i, g in enumerate(session.pool.blocks)}
+    coef = torch.stack([w * b[block_of(k)] for k in keys], 1)  # [T, tensors]: rank one per block
+    run = type("R", (), {"combination": Combination(tv.base, tv.stacked, [[k] for k in keys]),
+                         "coefficients": coef, "tasks": tv.tasks, "groups": [k[len("visual."):] for k in keys]})()
+    got = learned(run, session.pool)
+    assert got.fit_error < 1e-6 and got.blocks == session.pool.blocks
+    scale = sum(b.values()) / len(b)
+    assert list(got.task_weights.values()) == pytest.approx((w * scale).tolist(), abs=1e-4)
+    assert list(got.block_weights.values()) == pytest.approx([v / scale for v in b.values()], abs=1e-4)
+    delta = {k: d for k, d in merger.api.merge_spec(session.pool, got.spec(session, tv.tasks)).items() if k in keys}
+    for i, k in enumerate(keys):
+        want = tv.base[k] + torch.tensordot(coef[:, i], tv.stacked[k], dims=1)
+        torch.testing.assert_close(delta[k].float(), want, rtol=1e-3, atol=1e-4)
+
+
+def test_two_task_map_turn_one_up_and_pareto(session):
+    from merger.analysis import coefficients as co
+
+    a, b = session.pool.tasks[:2]
+    spec = session.spec("task_arithmetic", lam=0.5)
+    values = (0.0, 1.0, 2.0)
+    session.preview(spec)  # the experts' references: once per split, before
+    before = session.evaluator.forwards
+    out = co.two_task_map(session, spec, a, b, values=values)
+    assert session.evaluator.forwards - before == 8  # 9 points, one of them (1, 1) the spec itself
+    corner = session.preview(session.spec("task_arithmetic", lam=0.5, task_weights={a: 2.0, b: 0.0}))
+    assert out["accuracy_a"][0][2] == corner.accuracy[a] and out["accuracy_b"][0][2] == corner.accuracy[b]
+    up = co.turn_one_up(session, spec, b, values=values)
+    assert up["accuracy"][a][1] == session.preview(spec).accuracy[a]
+    points = co.evaluated_points(session, a, b)
+    assert len(points) >= 9
+    front = co.pareto_front(points)
+    for i in front:
+        assert not any(q["a"] > points[i]["a"] and q["b"] > points[i]["b"] for q in points)
+    with pytest.raises(MergerError, match="pick two different tasks"):
+        co.two_task_map(session, spec, a, a)
+
+
+def test_weight_search_is_deterministic_for_a_seed(session):
+    from merger.evaluation.tuning import tune_weights
+
+    runs = [tune_weights(session, "task_arithmetic", {"lam": 0.5}, budget=6, seed=s) for s in (3, 3, 4)]
+    assert runs[0]["history"] == runs[1]["history"] and runs[0]["task_weights"] == runs[1]["task_weights"]
+    assert runs[0]["task_weights"] != runs[2]["task_weights"]
+    assert runs[0]["val_accuracy"] == max(runs[0]["history"]) and runs[0]["trials"] == 6
+    best = session.preview(runs[0]["spec"], "test")
+    assert runs[0]["test_accuracy"] == best.average_accuracy

@@ -255,6 +255,10 @@ class PoolSession:
         return self._runs.get(spec.rounded())
 
     # ---- results ----------------------------------------------------------------------------
+    def results(self, split: str = "live") -> list[tuple[Spec, Result]]:
+        """(spec, result) of every complete result cached for a split, oldest first."""
+        return [(spec, r) for (spec, s), r in list(self._results.items()) if s == split]
+
     def cached(self, spec: Spec, split: str = "live") -> Result | None:
         key = (spec.rounded(), split)
         hit = self._results.get(key)

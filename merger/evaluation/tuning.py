@@ -142,3 +142,57 @@ def _sweep_num_tasks(session, method, params, subsets, split, seed, progress) ->
         if progress:
             progress(n / len(tasks), f"{n} tasks")
     return {"x": xs, "mean": means, "se": ses}
+
+
+# ---- per-task weights: a seeded TPE search (Optuna) -----------------------------------------
+
+WEIGHT_SEARCH = (0.0, 2.0, 0.05)  # each wₜ searched in [0, 2] on the weight sliders' step
+
+
+def tune_weights(session, method: str, params: dict | None = None, experts=None, budget: int = 100, seed: int = 0,
+                 with_lam: bool = False, progress: Progress = None, cancel=None) -> dict:
+    """Per-task weights (and λ, when ``with_lam``) that maximise the average validation accuracy:
+    Optuna's TPE sampler, seeded (the same seed gives the same trials), ``budget`` evaluations;
+    the best on the test split. Batch work: a chunk per trial, waiting moves go first."""
+    import optuna
+
+    from merger.errors import Cancelled
+
+    m = methods.get(method)
+    if m.data_driven:
+        raise MergerError(f"{m.name} learns its own coefficients: tune the weights of a static method")
+    if with_lam and "lam" not in m.param_names:
+        raise MergerError(f"{m.name} has no λ to tune with the weights")
+    if not 1 <= int(budget) <= MAX_GRID_POINTS:
+        raise MergerError(f"budget: {budget} evaluations; give 1 to {MAX_GRID_POINTS}")
+    chosen = session.spec(m.name, experts=experts, **(params or {}))
+    lo, hi, step = WEIGHT_SEARCH
+    lam_lo, lam_hi = (min(m.tune_grid["lam"]), max(m.tune_grid["lam"])) if with_lam else (None, None)
+    history = []
+
+    def objective(trial):
+        if cancel is not None and cancel():
+            raise Cancelled(f"weight search cancelled after {len(history)} of {budget} trials")
+        weights = {e: trial.suggest_float(e, lo, hi, step=step) for e in chosen.experts}
+        kw = dict(chosen.kwargs)
+        if with_lam:
+            kw["lam"] = trial.suggest_float("lam", lam_lo, lam_hi, step=0.05)
+        spec = session.spec(m.name, experts=list(chosen.experts), task_weights=weights, **kw)
+        acc = session.preview(spec, split="val").average_accuracy
+        history.append(acc)
+        if progress:
+            progress(len(history) / budget, f"trial {len(history)}/{budget}: val {100 * acc:.1f} % "
+                                             f"(best {100 * max(history):.1f} %)")
+        return acc
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=int(seed)))
+    with session.batch(chunks=int(budget) + 1):
+        study.optimize(objective, n_trials=int(budget), catch=())
+        best = dict(study.best_params)
+        lam = best.pop("lam", None)
+        kw = {**chosen.kwargs, **({"lam": lam} if lam is not None else {})}
+        spec = session.spec(m.name, experts=list(chosen.experts), task_weights=best, **kw)
+        test = session.preview(spec, split="test")
+    return {"spec": spec, "task_weights": best, "val_accuracy": study.best_value, "test_accuracy": test.average_accuracy,
+            "test": test, "trials": len(study.trials), "history": history, "seed": int(seed)}

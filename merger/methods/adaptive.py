@@ -109,7 +109,9 @@ def _subset(groups, idx_fn):
 class Combination:
     """θ(c) = anchor + Σt c[t, g(key)] · parts[key][t] over the merged keys (visual.* names)."""
 
-    def __init__(self, anchor: dict, parts: dict, groups: list[list[str]], dtype=torch.float32):
+    def __init__(self, anchor: dict, parts: dict, groups: list[list[str]], dtype=torch.float32,
+                 around_base: bool = True):
+        self.around_base = around_base  # θ0 + Σ c·τ: the coefficients are task weights (start from learned)
         self.anchor = {k: v.to(dtype) for k, v in anchor.items()}
         self.parts = {k: v.to(dtype) for k, v in parts.items()}
         self.group_of = {k: gi for gi, keys in enumerate(groups) for k in keys}
@@ -149,7 +151,7 @@ def _combination(ctx: Context, granularity: str, rank_ratio: float | None):
     keys = [k for k in tv.keys if k in parts]
     groups = [keys] if granularity == "task" else [[k] for k in keys]
     names = ["all layers"] if granularity == "task" else [k[len(VISUAL):] for k in keys]
-    return Combination(anchor, parts, groups), names
+    return Combination(anchor, parts, groups, around_base=rank_ratio is None), names
 
 
 def run_adamerging(ctx: Context, progress=None, cancel=None, *, granularity: str, steps: int, lr: float,

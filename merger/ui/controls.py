@@ -93,12 +93,28 @@ class ControlPanel:
     def __init__(self, session):
         self.session = session
         self.pool = session.pool
+        # The coefficient sliders after the parameter controls: one per expert the pool had when
+        # the app was built (a lab expert added later merges with weight 1), one per block group.
+        self.weight_experts: list[str] = list(self.pool.experts)
+        self.weight_blocks: list[str] = list(self.pool.blocks)
+
+    def weights_from_controls(self, experts, values) -> tuple[dict, dict]:
+        """(task weights of the ticked experts, block weights) from the values after the parameter
+        controls (absent: every weight 1)."""
+        rest = list(values[len(PARAM_NAMES):])
+        tw = dict(zip(self.weight_experts, rest[:len(self.weight_experts)]))
+        bw = dict(zip(self.weight_blocks, rest[len(self.weight_experts):]))
+        ticked = set(experts or [])
+        return ({e: w for e, w in tw.items() if e in ticked and w is not None},
+                {b: w for b, w in bw.items() if w is not None})
 
     def spec_from_controls(self, experts, method, *values):
-        """The spec the controls describe (values in PARAM_NAMES order); only the parameters the
-        method uses are read. A parameter with an "auto" rule reads "auto" where the slider sits at
-        its auto position (see ``_at_auto``), so snapping to the slider step cannot change it."""
+        """The spec the controls describe (values in PARAM_NAMES order, then the coefficient
+        sliders); only the parameters the method uses are read, and the weights of the ticked
+        experts. A parameter with an "auto" rule reads "auto" where the slider sits at its auto
+        position (see ``_at_auto``), so snapping to the slider step cannot change it."""
         m = methods.get(method)
+        tw, bw = self.weights_from_controls(experts, values)
         values = by_name(values)
         params = {k: values[k] for k in m.param_names if values.get(k) is not None}
         if not experts:
@@ -106,7 +122,10 @@ class ControlPanel:
         for k, v in params.items():
             if m.param(k).auto and _at_auto(m, k, v, len(experts)):
                 params[k] = "auto"
-        return self.session.spec(m.name, experts=list(experts), **params)
+        if m.data_driven:  # it learns its own coefficients: the sliders are for static methods (panel says so)
+            tw, bw = {}, {}
+        return self.session.spec(m.name, experts=list(experts), task_weights=tw or None, block_weights=bw or None,
+                                 **params)
 
     def method_controls(self, method, experts, *values, previous: str | None = None):
         """Control updates for a method: its parameters shown with their ranges, the others hidden.

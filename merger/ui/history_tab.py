@@ -47,7 +47,6 @@ def build_history_tab(ctl, events, merge: dict) -> HistoryTab:
         hist_file = gr.File(label="history CSV", interactive=False)
         for trig in (hist_refresh.click, hist_method.change, hist_text.submit):
             trig(tab.history_rows, [hist_method, hist_text], hist_table, api_visibility="private")
-        hist_reload.click(events.reload, [hist_id, *merge["inputs"]], [merge["experts"], merge["method"], *merge["controls"]],
-                          api_visibility="private")
+        hist_reload.click(events.reload, [hist_id, *merge["inputs"]], merge["inputs"], api_visibility="private")
         hist_csv_btn.click(tab.history_csv, [hist_method, hist_text], hist_file, api_visibility="private")
     return tab

@@ -17,6 +17,7 @@ from merger.errors import MergerError
 from merger.evaluation.work_queue import Superseded
 from merger.io.export import export_merge, pool_reference
 from merger.methods import PARAM_NAMES
+from merger.ui.coefficients_panel import build_coefficients_panel, wire_coefficients_panel
 from merger.ui.controls import ControlPanel, control_values, param_control, shown
 from merger.ui.errors import fail, notice, warn
 from merger.ui.merge_events import MergeTabEvents
@@ -143,15 +144,43 @@ class Controller(ControlPanel):
         return "\n\n".join(lines)
 
     def reload(self, row_id):
-        """Controls of the Merge tab set from a history row (method, parameters, experts)."""
+        """Controls of the Merge tab set from a history row (method, parameters, experts, weights)."""
         row = self.history.get(int(row_id)) if (self.history is not None and row_id not in (None, "")) else None
         if row is None:
             fail(f"history: no row with id {row_id}")
         experts = [e for e in row["experts"].split(",") if e]
-        m = methods.get(row["method"])
-        values = control_values(m, json.loads(row["params"]), len(experts))
+        params = json.loads(row["params"])
+        task_weights, block_weights = params.pop("task_weights", {}), params.pop("block_weights", {})
+        return self.spec_updates(experts, row["method"], params, task_weights, block_weights)
+
+    def spec_updates(self, experts, method: str, params: dict, task_weights: dict, block_weights: dict) -> tuple:
+        """Updates of every Merge-tab input (experts, method, parameter controls, coefficient
+        sliders) that describe one spec."""
+        m = methods.get(method)
+        values = control_values(m, params, len(experts))
         updates = [shown(m, name, value=v) for name, v in zip(PARAM_NAMES, values)]
-        return (gr.update(value=experts), gr.update(value=m.name), *updates)
+        weights = [gr.update(value=float(task_weights.get(e, 1.0))) for e in self.weight_experts]
+        weights += [gr.update(value=float(block_weights.get(b, 1.0))) for b in self.weight_blocks]
+        return (gr.update(value=list(experts)), gr.update(value=m.name), *updates, *weights)
+
+    def learned_updates(self, experts, method, *values) -> tuple:
+        """Start from learned: the current settings' data-driven run, as task arithmetic (λ = 1)
+        with its coefficients in the coefficient sliders (see ``analysis.coefficients.learned``)."""
+        from merger.analysis.coefficients import learned
+
+        try:
+            spec = self.spec_from_controls(experts, method, *values)
+            if not methods.get(spec.method).data_driven:
+                raise MergerError("start from learned: pick AdaMerging or FW-Merging and press Run first")
+            run = self.session.cached_run(spec)
+            if run is None:
+                raise MergerError(f"start from learned: no {spec.method} run for these settings yet; press Run first")
+            got = learned(run, self.pool)
+        except MergerError as exc:
+            fail(exc)
+        gr.Info(f"Loaded {spec.method}'s coefficients into the sliders (task arithmetic, λ = 1): {got.note}.")
+        return self.spec_updates(list(spec.experts), "task_arithmetic", {"lam": 1.0}, got.task_weights,
+                                 got.block_weights)
 
     def pin(self, pins, experts, method, *values):
         try:
@@ -195,6 +224,7 @@ def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str
                                      value=default_method, label="method", elem_id="ctl-method")
                 about = gr.Markdown()
                 controls = [param_control(n, len(pool.tasks), first) for n in PARAM_NAMES]
+                panel = build_coefficients_panel(ctl)
                 with gr.Row():
                     pin_btn = gr.Button("Pin", elem_id="pin")
                     export_btn = gr.Button("Export", elem_id="export")
@@ -219,7 +249,8 @@ def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str
                     with gr.Row():
                         coef_plot = gr.Plot(label="coefficients")
                         fw_plot = gr.Plot(label="Frank–Wolfe")
-        inputs = [experts, method, *controls]
+        weights = [*panel["tasks"], *panel["blocks"]]
+        inputs = [experts, method, *controls, *weights]  # the order spec_from_controls reads
         outputs = [acc_plot, loss_plot, radar_plot, summary]
         learned = [objective_plot, coef_plot, fw_plot]
         method.change(events.method_controls, [method, experts, *controls], [*controls, about], queue=False)
@@ -230,5 +261,6 @@ def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str
                          api_visibility="private")
         pin_btn.click(ctl.pin, [pins, *inputs], [pins, pins_md], api_visibility="private")
         export_btn.click(batch(ctl.export), inputs, [files, export_msg], **BATCH_EVENT, api_visibility="private")
+        wire_coefficients_panel(panel, ctl, events, experts, inputs, inputs)
     return {"experts": experts, "method": method, "controls": controls, "about": about, "pins": pins,
-            "inputs": inputs, "outputs": outputs, "learned": learned}
+            "inputs": inputs, "outputs": outputs, "learned": learned, "weights": weights}
