@@ -193,6 +193,12 @@ def cmd_report(args) -> int:
         print("data-driven merges on the test split (coefficients learned on the validation split)")
         print(format_adaptive(adaptive_numbers(pool)))
         return 0
+    if args.what == "coefficients":
+        from merger.tools.report_coefficients import report_coefficients
+
+        text, ok = report_coefficients(pool)
+        print(text)
+        return 0 if ok else 1
     from merger.tools.phenomena import format_phenomena, phenomena
 
     print(format_phenomena(phenomena(pool)))
@@ -268,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="measured reports: adaptive (data-driven merges), phenomena (the papers'), "
                                       "layout (import cycles, method-name literals, module sizes of this code)")
-    p.add_argument("what", choices=["adaptive", "phenomena", "layout"])
+    p.add_argument("what", choices=["adaptive", "phenomena", "layout", "coefficients"])
     p.add_argument("--pool", default="demo")
     p.set_defaults(func=cmd_report)
 

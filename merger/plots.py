@@ -269,3 +269,31 @@ def lines(curves: Mapping[str, tuple], x_title: str, y_title: str, title: str, l
     fig.update_layout(title=title, xaxis=dict(title=x_title, type="log" if log_x else "linear"),
                       yaxis=dict(title=y_title), **_LAYOUT)
     return fig
+
+
+def weight_map(values: Sequence[float], accuracy: Sequence[Sequence[float]], x_task: str, y_task: str, task: str,
+               current: tuple[float, float] | None = None) -> go.Figure:
+    """One task's accuracy (%) over a grid of two tasks' weights (rows: y_task's weight), with the
+    current point."""
+    traces = [go.Heatmap(z=[_pct(row) for row in accuracy], x=list(values), y=list(values), colorscale="Viridis",
+                         colorbar=dict(title="%"), texttemplate="%{z:.0f}",
+                         hovertemplate=f"w {x_task} %{{x}} · w {y_task} %{{y}}: %{{z:.1f}} %<extra></extra>")]
+    if current is not None:
+        traces.append(go.Scatter(x=[current[0]], y=[current[1]], mode="markers", name="current",
+                                 marker=dict(symbol="x", size=14, color="white", line=dict(width=2, color="black"))))
+    return _figure(traces, title=f"{task} accuracy", xaxis=dict(title=f"weight of {x_task}"),
+                   yaxis=dict(title=f"weight of {y_task}"), showlegend=False)
+
+
+def pareto_scatter(points: Sequence[Mapping], front: Sequence[int], task_a: str, task_b: str) -> go.Figure:
+    """Task A vs task B accuracy (%) of every evaluated spec, the Pareto front joined."""
+    traces = [go.Scatter(x=_pct(p["a"] for p in points), y=_pct(p["b"] for p in points), mode="markers",
+                         name="evaluated", text=[p["label"] for p in points], marker=dict(color=PALETTE[0], opacity=0.6),
+                         hovertemplate="%{text}<br>%{x:.1f} % · %{y:.1f} %<extra></extra>")]
+    if front:
+        fp = [points[i] for i in front]
+        traces.append(go.Scatter(x=_pct(p["a"] for p in fp), y=_pct(p["b"] for p in fp), mode="lines+markers",
+                                 name="Pareto front", text=[p["label"] for p in fp], line=dict(color=PALETTE[1]),
+                                 hovertemplate="%{text}<br>%{x:.1f} % · %{y:.1f} %<extra></extra>"))
+    return _figure(traces, title=f"Every evaluated merge: {task_a} vs {task_b}",
+                   xaxis=dict(title=f"{task_a} accuracy %"), yaxis=dict(title=f"{task_b} accuracy %"))

@@ -21,3 +21,9 @@ def ui_controller(root):
 
     pool = merger.open_pool(write_pool(root, n_experts=3, scale=0.2, demo_data=True))
     return Controller(merger.PoolSession(pool), History(root / "history.sqlite"))
+
+
+def with_weights(ctl, values, tasks=None, blocks=None):
+    """The Merge tab's inputs with the coefficient sliders after the parameter controls."""
+    tasks, blocks = tasks or {}, blocks or {}
+    return [*values, *[tasks.get(e, 1.0) for e in ctl.weight_experts], *[blocks.get(b, 1.0) for b in ctl.weight_blocks]]

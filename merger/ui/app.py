@@ -1,4 +1,4 @@
-"""The app: one module per tab (Merge, Compare, Landscape, Analysis, History), built from the
+"""The app: one module per tab (Merge, Compare, Trade-offs, Landscape, Analysis, History), built from the
 method registry; this file only composes them and wires the listeners that span tabs."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from merger.ui.landscape_tab import LandscapeController, build_landscape_tabs
 from merger.ui.merge_events import MergeTabEvents
 from merger.ui.merge_tab import Controller, build_merge_tab
 from merger.ui.scheduling import PREVIEW_EVENT, as_batch
+from merger.ui.tradeoffs_tab import build_tradeoffs_tab
 
 
 def default_method() -> str:
@@ -36,6 +37,7 @@ def build_app(session, history=None, title: str = "merger") -> gr.Blocks:
         with gr.Tabs():
             merge = build_merge_tab(ctl, events, first, batch)
             build_compare_tab(ctl, merge["pins"], merge["experts"], batch)
+            build_tradeoffs_tab(ctl, merge, events, batch)
             land_state, land_plot = build_landscape_tabs(landscape, merge["pins"], merge["inputs"], batch)
             # One listener per control: the Merge plots, the data-driven panel and the landscape marker
             # from one merge and one forward (MergeTabEvents.move).

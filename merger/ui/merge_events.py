@@ -78,13 +78,13 @@ class MergeTabEvents:
     # Gradio injects the request only among positional parameters: it comes first.
     def reload(self, request: gr.Request, row_id, experts, method, *values):
         """A History row into every Merge-tab input."""
-        return self._load(request, self.ctl.reload(row_id), experts, method, values)
+        return self.set_inputs(request, self.ctl.reload(row_id), experts, method, values)
 
     def start_from_learned(self, request: gr.Request, experts, method, *values):
         """The current data-driven run's coefficients into the coefficient sliders (task arithmetic)."""
-        return self._load(request, self.ctl.learned_updates(experts, method, *values), experts, method, values)
+        return self.set_inputs(request, self.ctl.learned_updates(experts, method, *values), experts, method, values)
 
-    def _load(self, request, updates, experts, method, values):
+    def set_inputs(self, request, updates, experts, method, values):
         """Set every input at once; the change events that follow are read as one request (above)."""
         target = self._spec(updates[0]["value"], updates[1]["value"], [u.get("value") for u in updates[2:]])
         if target is None or target == self._spec(experts, method, values):

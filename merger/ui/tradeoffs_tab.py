@@ -1,0 +1,160 @@
+"""The Trade-offs tab: what the coefficients trade. A map of two tasks' accuracy over their two
+weights with every evaluated merge's Pareto front, one task's weight turned up against every task,
+and a seeded TPE search of the per-task weights (Optuna) beside the best single λ and AdaMerging
+task-wise. The spec around which everything varies is the Merge tab's current one."""
+from __future__ import annotations
+
+import threading
+
+import gradio as gr
+
+from merger import methods, plots
+from merger.analysis import coefficients as co
+from merger.errors import Cancelled, MergerError
+from merger.evaluation.tuning import auto_tune, tune_weights
+from merger.ui.errors import fail
+from merger.ui.merge_events import session_of
+from merger.ui.scheduling import BATCH_EVENT
+
+
+class TradeoffsTab:
+    def __init__(self, ctl):
+        self.ctl = ctl
+        self._cancel: dict[str, threading.Event] = {}
+
+    def _flag(self, request) -> threading.Event:
+        flag = threading.Event()
+        self._cancel[session_of(request)] = flag
+        return flag
+
+    def cancel(self, request: gr.Request):
+        flag = self._cancel.get(session_of(request))
+        if flag is not None:
+            flag.set()
+        return "Cancelling after the current evaluation…"
+
+    def _spec(self, inputs):
+        spec = self.ctl.spec_from_controls(*inputs)
+        if methods.get(spec.method).data_driven:
+            raise MergerError(f"{spec.method} learns its own coefficients: pick a static method in the Merge tab "
+                              "(or Start from learned)")
+        return spec.rounded()
+
+    def two_tasks(self, request: gr.Request, task_a, task_b, *inputs, progress=gr.Progress()):
+        """(map of A, map of B, Pareto scatter, status) around the Merge tab's spec."""
+        flag = self._flag(request)
+        try:
+            spec = self._spec(inputs)
+            out = co.two_task_map(self.ctl.session, spec, task_a, task_b, progress=lambda f, m: progress(f, desc=m),
+                                  cancel=flag.is_set)
+        except Cancelled as exc:
+            return gr.skip(), gr.skip(), gr.skip(), str(exc)
+        except MergerError as exc:
+            fail(exc)
+        points = co.evaluated_points(self.ctl.session, task_a, task_b)
+        front = co.pareto_front(points)
+        values = out["values"]
+        return (plots.weight_map(values, out["accuracy_a"], task_a, task_b, task_a, out["current"]),
+                plots.weight_map(values, out["accuracy_b"], task_a, task_b, task_b, out["current"]),
+                plots.pareto_scatter(points, front, task_a, task_b),
+                f"`{spec.label()}` with the weights of **{task_a}** and **{task_b}** on an "
+                f"{len(values)} × {len(values)} grid; {len(points)} evaluated merges, {len(front)} on the front.")
+
+    def turn_up(self, request: gr.Request, task, *inputs, progress=gr.Progress()):
+        flag = self._flag(request)
+        try:
+            spec = self._spec(inputs)
+            out = co.turn_one_up(self.ctl.session, spec, task, progress=lambda f, m: progress(f, desc=m),
+                                 cancel=flag.is_set)
+        except Cancelled as exc:
+            return gr.skip(), str(exc)
+        except MergerError as exc:
+            fail(exc)
+        curves = {t: (out["values"], [100 * a for a in accs]) for t, accs in out["accuracy"].items()}
+        return (plots.lines(curves, f"weight of {task}", "accuracy %", f"Turning {task} up: who gains, who pays"),
+                f"`{spec.label()}` with the weight of **{task}** from 0 to 2.")
+
+    HEADERS = ["search", "what it sets", "evaluations", "val acc %", "test acc %"]
+
+    def tune(self, request: gr.Request, budget, seed, with_lam, with_ada, *inputs, progress=gr.Progress()):
+        """The TPE search of per-task weights beside the best single λ (and AdaMerging task-wise)."""
+        flag = self._flag(request)
+        session = self.ctl.session
+        try:
+            spec = self._spec(inputs)
+            tuned = tune_weights(session, spec.method, spec.kwargs, list(spec.experts), budget=int(budget or 0),
+                                 seed=int(seed or 0), with_lam=bool(with_lam),
+                                 progress=lambda f, m: progress(f, desc=m), cancel=flag.is_set)
+            rows = [["TPE per-task weights" + (" + λ" if with_lam else ""),
+                     ", ".join(f"{e}={w:g}" for e, w in tuned["task_weights"].items())
+                     + (f"; λ={tuned['spec'].kwargs['lam']:g}" if with_lam else ""),
+                     tuned["trials"], round(100 * tuned["val_accuracy"], 2), round(100 * tuned["test_accuracy"], 2)]]
+            single = auto_tune(session, ["task_arithmetic"], experts=list(spec.experts))[0]
+            rows.append(["best single λ (task arithmetic grid)", f"λ={single['params']['lam']:g}",
+                         single["grid_points"], round(100 * single["val_accuracy"], 2),
+                         round(100 * single["test_accuracy"], 2)])
+            if with_ada:
+                ada = session.spec("adamerging_task", experts=list(spec.experts))
+                test = session.preview(ada, "test")
+                rows.append(["AdaMerging task-wise (no labels)", "learned λt", "-", "-",
+                             round(100 * test.average_accuracy, 2)])
+        except Cancelled as exc:
+            return gr.skip(), str(exc), gr.skip()
+        except MergerError as exc:
+            fail(exc)
+        return (rows, f"Best of {tuned['trials']} TPE trials (seed {tuned['seed']}) on validation: "
+                      f"`{tuned['spec'].label()}`; press **Load into the sliders** to drag from there.", tuned["spec"])
+
+    def load(self, tuned, experts, method, *values):
+        if tuned is None:
+            fail("tune first: there are no tuned weights to load")
+        return self.ctl.spec_updates(list(tuned.experts), tuned.method, tuned.kwargs, dict(tuned.task_weights),
+                                     dict(tuned.block_weights))
+
+
+def build_tradeoffs_tab(ctl, merge: dict, events, batch) -> TradeoffsTab:
+    tab = TradeoffsTab(ctl)
+    tasks = list(ctl.pool.tasks)
+    inputs = merge["inputs"]
+    with gr.Tab("Trade-offs", id="tradeoffs"):
+        gr.Markdown("Around the Merge tab's current merge (a static method; its weights as the sliders set them). "
+                    "Every point is a real merge and forward of the live split, cached like a slider move.")
+        with gr.Row():
+            task_a = gr.Dropdown(tasks, value=tasks[0], label="task A (x axis)")
+            task_b = gr.Dropdown(tasks, value=tasks[min(1, len(tasks) - 1)], label="task B (y axis)")
+            map_btn = gr.Button("Map the two weights", variant="primary")
+            cancel_btn = gr.Button("Cancel")
+        status = gr.Markdown()
+        with gr.Row():
+            map_a, map_b = gr.Plot(label="task A"), gr.Plot(label="task B")
+        pareto = gr.Plot(label="Pareto front")
+        with gr.Row():
+            up_task = gr.Dropdown(tasks, value=tasks[0], label="turn this task's weight up (0 → 2)")
+            up_btn = gr.Button("Turn one up")
+        up_plot = gr.Plot(label="turn one up")
+        gr.Markdown("### Tuned search of the per-task weights (validation, then test)")
+        with gr.Row():
+            budget = gr.Number(value=100, precision=0, minimum=1, maximum=400, label="evaluations (budget)")
+            seed = gr.Number(value=0, precision=0, minimum=0, label="seed")
+            with_lam = gr.Checkbox(value=False, label="tune λ too")
+            with_ada = gr.Checkbox(value=False, label="compare with AdaMerging task-wise (a run)")
+            tune_btn = gr.Button("Tune weights")
+        tune_table = gr.Dataframe(headers=TradeoffsTab.HEADERS, interactive=False)
+        tune_msg = gr.Markdown()
+        tuned = gr.State(None)
+        load_btn = gr.Button("Load into the sliders")
+    map_btn.click(batch(tab.two_tasks), [task_a, task_b, *inputs], [map_a, map_b, pareto, status], **BATCH_EVENT,
+                  api_visibility="private")
+    up_btn.click(batch(tab.turn_up), [up_task, *inputs], [up_plot, status], **BATCH_EVENT, api_visibility="private")
+    tune_btn.click(batch(tab.tune), [budget, seed, with_lam, with_ada, *inputs], [tune_table, tune_msg, tuned], **BATCH_EVENT,
+                   api_visibility="private")
+    cancel_btn.click(tab.cancel, None, status, concurrency_id="cancel", concurrency_limit=None, api_visibility="private")
+    load_btn.click(events_load(events, tab), [tuned, *inputs], inputs, api_visibility="private")
+    return tab
+
+
+def events_load(events, tab):
+    """Loading tuned weights sets every Merge-tab input at once, read as one request (like a reload)."""
+    def load(request: gr.Request, tuned, experts, method, *values):
+        return events.set_inputs(request, tab.load(tuned, experts, method, *values), experts, method, values)
+    return load

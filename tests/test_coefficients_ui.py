@@ -1,0 +1,109 @@
+"""The coefficients panel and the Trade-offs tab as their callbacks run (issue 5/8): a weight
+slider's move costs what a λ move costs, presets, start from learned, reload, the tab's views."""
+from types import SimpleNamespace
+
+import gradio as gr
+import pytest
+from helpers import controls, ui_controller, with_weights
+
+from merger.ui.coefficients_panel import preset_values
+from merger.ui.merge_events import MergeTabEvents
+
+
+@pytest.fixture(scope="module")
+def ctl(tmp_path_factory):
+    return ui_controller(tmp_path_factory.mktemp("coef-ui"))
+
+
+def person(name="p"):
+    return SimpleNamespace(session_hash=name)
+
+
+def work(ctl):
+    return ctl.session.evaluator.forwards, ctl.session.counts["applies"]
+
+
+def test_a_weight_slider_move_costs_what_a_lambda_move_costs(ctl):
+    events = MergeTabEvents(ctl, "task_arithmetic")
+    first = ctl.weight_experts[0]
+    list(events.move(person(), None, *with_weights(ctl, controls(ctl, lam=0.45))))
+    for method in ("task_arithmetic", "ties"):
+        for w in (0.37, 1.62):
+            before = work(ctl)
+            numbers, _ = list(events.move(person(), None, *with_weights(ctl, controls(ctl, method, lam=0.45),
+                                                                         {first: w}, {"block0": 0.5})))
+            after = work(ctl)
+            assert (after[0] - before[0], after[1] - before[1]) == (1, 1), (method, w)
+            assert f"w[{first}={w:g}] b[block0=0.5]" in numbers[3]
+
+
+def test_weights_of_unticked_experts_are_ignored_and_data_driven_methods_ignore_the_sliders(ctl):
+    ticked = ctl.pool.tasks[:2]
+    values = with_weights(ctl, controls(ctl, experts=ticked)[2:], {ctl.pool.tasks[2]: 2.0, ticked[0]: 0.5})
+    spec = ctl.spec_from_controls(ticked, "task_arithmetic", *values)
+    assert spec.task_weights == ((ticked[0], 0.5),)
+    spec = ctl.spec_from_controls(ticked, "adamerging_task", *values)
+    assert spec.task_weights == () and spec.block_weights == ()
+
+
+def test_presets(ctl):
+    blocks = ctl.weight_blocks
+    assert preset_values("flat", blocks) == [1.0] * len(blocks)
+    deeper = preset_values("deeper blocks more", blocks)
+    assert deeper[0] == 0.5 and deeper[-1] == 1.5 and deeper == sorted(deeper)
+    assert preset_values("shallower blocks more", blocks) == deeper[::-1]
+    assert preset_values("last k only", blocks, 2) == [0.0] * (len(blocks) - 2) + [1.0, 1.0]
+    from merger.ui.coefficients_panel import CoefficientsPanel
+
+    with pytest.raises(gr.Error, match="k must be between 1 and"):
+        CoefficientsPanel(ctl).preset("last k only", 99)
+
+
+def test_start_from_learned_sets_the_sliders_to_what_the_run_learned(ctl):
+    values = controls(ctl, "adamerging_task", steps=3, samples=8, lr=0.05)
+    spec = ctl.spec_from_controls(*values)
+    run = ctl.session.run(spec)
+    updates = ctl.learned_updates(*values)
+    experts, method, *rest = [u.get("value") for u in updates]
+    assert method == "task_arithmetic" and experts == list(spec.experts)
+    loaded = ctl.spec_from_controls(experts, method, *rest)
+    assert loaded.kwargs["lam"] == 1.0
+    assert loaded.task_weight_list() == pytest.approx(run.coefficients[:, 0].tolist(), abs=1e-4)
+    mine = ctl.session.preview(loaded, "test")
+    theirs = ctl.session.preview(spec, "test")
+    assert abs(mine.average_accuracy - theirs.average_accuracy) <= 0.02  # sliders snap to 0.01
+    with pytest.raises(gr.Error, match="pick AdaMerging or FW-Merging"):
+        ctl.learned_updates(*controls(ctl))
+
+
+def test_history_reload_restores_the_weights(ctl):
+    first = ctl.weight_experts[1]
+    values = with_weights(ctl, controls(ctl, lam=0.55)[2:], {first: 1.75}, {"projection": 0.25})
+    ans = ctl.answer(list(ctl.pool.tasks), "task_arithmetic", *values)
+    row = ctl.history.rows()[0]
+    assert row["method"] == "task_arithmetic" and "1.75" in row["params"]
+    updates = ctl.reload(row["id"])
+    experts, method, *rest = [u.get("value") for u in updates]
+    assert ctl.spec_from_controls(experts, method, *rest).rounded() == ans.spec.rounded()
+
+
+def test_tradeoffs_tab_views(ctl):
+    from merger.analysis.coefficients import MAP_VALUES
+    from merger.ui.tradeoffs_tab import TradeoffsTab
+
+    tab = TradeoffsTab(ctl)
+    a, b = ctl.pool.tasks[:2]
+    inputs = with_weights(ctl, controls(ctl, lam=0.4))
+    map_a, map_b, pareto, status = tab.two_tasks(person(), a, b, *inputs, progress=lambda *x, **k: None)
+    assert len(map_a.data[0].z) == len(MAP_VALUES) and f"{len(MAP_VALUES)} × {len(MAP_VALUES)}" in status
+    assert [t.name for t in pareto.data][:2] == ["evaluated", "Pareto front"]
+    fig, _ = tab.turn_up(person(), b, *inputs, progress=lambda *x, **k: None)
+    assert {t.name for t in fig.data} == set(ctl.pool.tasks)
+    with pytest.raises(gr.Error, match="learns its own coefficients"):
+        tab.two_tasks(person(), a, b, *with_weights(ctl, controls(ctl, "adamerging_task")),
+                      progress=lambda *x, **k: None)
+    rows, msg, tuned = tab.tune(person(), 4, 0, False, False, *inputs, progress=lambda *x, **k: None)
+    assert rows[0][0] == "TPE per-task weights" and rows[0][2] == 4 and rows[1][0].startswith("best single λ")
+    updates = tab.load(tuned, *inputs)
+    experts, method, *rest = [u.get("value") for u in updates]
+    assert ctl.spec_from_controls(experts, method, *rest).rounded() == tuned.rounded()
