@@ -9,6 +9,7 @@ import torch
 
 from merger import methods
 from merger.errors import Cancelled, MergerError
+from merger.methods.basic import TASK_ARITHMETIC
 from merger.pool.blocks import block_groups, block_of
 from merger.spec import WEIGHT_RANGE, Spec
 
@@ -27,7 +28,7 @@ class Learned:
     note: str = ""
 
     def spec(self, session, experts) -> Spec:
-        return session.spec("task_arithmetic", experts=list(experts), lam=1.0, task_weights=self.task_weights,
+        return session.spec(TASK_ARITHMETIC.name, experts=list(experts), lam=1.0, task_weights=self.task_weights,
                             block_weights=self.block_weights or None)
 
 

@@ -3,8 +3,9 @@
 The pool holds data (base, task vectors, tasks). The session owns the resident model (through
 its ``Evaluator``), the queue in front of it (``WorkQueue``: previews first) and every cache:
 
-- prepared methods per expert subset (LRU), and what is derived from them per rank (LRU);
-- Δ per rounded spec (a small LRU: a slider move and its landscape marker share one merge);
+- through its ``Merges``: prepared methods per expert subset and task weighting (LRU), what is
+  derived from them per rank (LRU), Δ per rounded spec (a small LRU: a slider move and its
+  landscape marker share one merge);
 - results per (rounded spec, split); base results and expert accuracies per split (once);
 - data-driven runs; landscape values per plane point and per point.
 
@@ -27,8 +28,9 @@ import torch
 from merger import methods
 from merger.errors import MergerError
 from merger.evaluation.evaluator import Evaluator, Result, result_subset
+from merger.evaluation.merges import Merges, lru_put
 from merger.evaluation.work_queue import WorkQueue
-from merger.spec import Spec, with_block_weights
+from merger.spec import Spec
 
 PARTIAL_BUDGET_S = 0.3  # a full live forward slower than this makes previews progressive
 
@@ -41,28 +43,15 @@ def session_for(pool) -> "PoolSession":
     return s if s is not None else PoolSession(pool)
 
 
-def _lru_put(cache: OrderedDict, key, value, size: int):
-    cache[key] = value
-    cache.move_to_end(key)
-    while len(cache) > size:
-        cache.popitem(last=False)
-    return value
 
 
 class PoolSession:
-    # Task-vector entries (size × experts) above which a slow_prepare method prepares through Run
-    # rather than inside a move (see prepare_is_slow).
-    PREPARE_INLINE_ENTRIES = 20_000_000
-
     def __init__(self, pool, cache_size: int = 1024, deltas: int = 2):
         self.pool = pool
         self._evaluator: Evaluator | None = None
         self.queue = WorkQueue()
         self.cache_size = cache_size
         self.delta_size = deltas
-        self._prepared: OrderedDict = OrderedDict()
-        self._derived: OrderedDict = OrderedDict()
-        self._deltas: OrderedDict = OrderedDict()
         self._results: OrderedDict[tuple, Result] = OrderedDict()
         self._base: dict[str, Result] = {}
         self._expert_acc: dict[tuple[str, str], float] = {}
@@ -74,6 +63,7 @@ class PoolSession:
         self._landscape = None
         self._point_buf: torch.Tensor | None = None
         self.counts: Counter = Counter()  # method applies and prepares (forwards: evaluator.forwards)
+        self.merges = Merges(pool, self.queue, self.counts, deltas)
         self.partial_images: int | None = None  # set by measure_live(): images per task of a partial answer
         _SESSIONS[pool] = self
 
@@ -114,101 +104,39 @@ class PoolSession:
     def spec(self, method: str, experts=None, task_weights=None, block_weights=None, **params) -> Spec:
         return self.pool.make_spec(method, params, experts, task_weights, block_weights)
 
-    # ---- merging ----------------------------------------------------------------------------
-    @staticmethod
-    def _prepared_key(method, experts: tuple[str, ...], prepare_args: dict, scale: tuple = ()) -> tuple:
-        return method.name, experts, tuple(sorted(prepare_args.items())), scale
+    # ---- merging (the preparations and Δ caches: ``Merges``) ------------------------------------
+    @property
+    def PREPARE_INLINE_ENTRIES(self) -> int:  # noqa: N802  (a threshold a test may lower)
+        return self.merges.inline_entries
+
+    @PREPARE_INLINE_ENTRIES.setter
+    def PREPARE_INLINE_ENTRIES(self, value: int) -> None:  # noqa: N802
+        self.merges.inline_entries = value
 
     def prepared(self, method, experts: tuple[str, ...], prepare_args: dict, scale: tuple = ()):
-        """A method's preparation for an expert subset (immutable; LRU of 3: they are large).
-        ``scale``: task weights of a method that does not take them in apply, which then prepares
-        on the weighted task vectors wₜτₜ (see ``Method.task_weighted``)."""
-        key = self._prepared_key(method, experts, prepare_args, scale)
-        if key in self._prepared:
-            self._prepared.move_to_end(key)
-            return key, self._prepared[key]
-        return key, self._store_prepared(key, method.prepare_with(self._task_vectors(experts, scale), **prepare_args))
-
-    def _task_vectors(self, experts: tuple[str, ...], scale: tuple = ()):
-        tv = self.pool.task_vectors.subset(experts)
-        return tv.scaled(dict(scale)) if scale else tv
-
-    def _store_prepared(self, key: tuple, state):
-        self.counts["prepares"] += 1
-        return _lru_put(self._prepared, key, state, 3)
-
-    def _prepare_args(self, spec: Spec, rounded: bool = True):
-        """(method, prepare arguments, task weights it prepares with) of a spec (see ``prepared``)."""
-        m = methods.get(spec.method)
-        spec = spec.rounded() if rounded else spec
-        kw = spec.kwargs
-        scale = () if m.task_weighted or m.data_driven else spec.task_weights
-        return m, {k: kw[k] for k in m.prepare_params}, scale
+        return self.merges.prepared(method, experts, prepare_args, scale)
 
     def prepared_for(self, spec: Spec, rounded: bool = True):
-        """(key, state): the preparation of a static spec (computed when not cached)."""
-        m, args, scale = self._prepare_args(spec, rounded)
-        return self.prepared(m, spec.experts, args, scale)
+        return self.merges.prepared_for(spec, rounded)
 
     def prepared_state(self, spec: Spec):
-        """The cached preparation of a static spec, or None (never computes: for notes and views)."""
-        m, args, scale = self._prepare_args(spec)
-        return None if m.data_driven else self._prepared.get(self._prepared_key(m, spec.experts, args, scale))
+        return self.merges.prepared_state(spec)
 
     def is_prepared(self, spec: Spec) -> bool:
-        """Whether a move of this static spec costs only an apply (its preparation is cached)."""
-        m, args, scale = self._prepare_args(spec)
-        return m.data_driven or self._prepared_key(m, spec.experts, args, scale) in self._prepared
+        return self.merges.is_prepared(spec)
 
     def prepare_is_slow(self, spec: Spec) -> bool:
-        """A static spec whose preparation is not cached, of a slow_prepare method, on a pool large
-        enough that preparing would stall a move (about 2 s: 0.1 µs per task-vector entry, measured
-        for TIES on this 2-core CPU; ViT-B/32 × 8 experts is about a minute): the app then prepares
-        it through Run, with progress and Cancel."""
-        if not methods.get(spec.method).slow_prepare:
-            return False
-        entries = self.pool.task_vectors.numel() * len(spec.experts)
-        return entries > self.PREPARE_INLINE_ENTRIES and not self.is_prepared(spec)
+        return self.merges.prepare_is_slow(spec)
 
     def prepare(self, spec: Spec, progress=None, cancel=None) -> None:
-        """Prepare a static spec's method ahead of its moves, with progress and cancel where the
-        method reports them (``Method.slow_prepare``). A cancelled preparation raises Cancelled and
-        caches nothing."""
-        m, args, scale = self._prepare_args(spec)
-        if m.data_driven:
-            raise MergerError(f"{m.name} learns from data: it has a run, not a preparation")
-        if self.is_prepared(spec):
-            return
-        # A preparation reads the task vectors, never the resident model: it runs beside the
-        # previews instead of holding the queue for a minute, and only its result goes in under it.
-        state = m.prepare_with(self._task_vectors(spec.experts, scale), progress, cancel, **args)
-        with self.queue:
-            self._store_prepared(self._prepared_key(m, spec.experts, args, scale), state)
+        self.merges.prepare(spec, progress, cancel)
 
     def delta(self, spec: Spec) -> dict:
-        """Δ of the spec as given (previews pass it rounded): from the small Δ cache, else one
-        method apply."""
-        m = methods.get(spec.method)
-        if m.data_driven:
+        """Δ of the spec as given (previews pass it rounded): a data-driven run's, or from the
+        small Δ cache, else one method apply."""
+        if methods.get(spec.method).data_driven:
             return self.run(spec).delta
-        key = spec
-        if key in self._deltas:
-            self._deltas.move_to_end(key)
-            return self._deltas[key]
-        kw = key.kwargs
-        with self.queue:
-            pkey, state = self.prepared_for(key, rounded=False)
-            if m.derive is not None:
-                dargs = tuple((k, kw[k]) for k in m.derive_params)
-                dkey = (pkey, dargs)
-                if dkey in self._derived:
-                    self._derived.move_to_end(dkey)
-                    state = self._derived[dkey]
-                else:
-                    state = _lru_put(self._derived, dkey, m.derive(state, **dict(dargs)), 4)
-            self.counts["applies"] += 1
-            delta = with_block_weights(m.apply(state, **kw, **m.weights_kwargs(key)), key)
-        return _lru_put(self._deltas, key, delta, self.delta_size)
+        return self.merges.delta(spec)
 
     def effective_weights(self, spec: Spec) -> tuple[list[float], str]:
         """How the spec's merge weights each expert (the method's own reading, see the registry)."""
@@ -282,7 +210,7 @@ class PoolSession:
             if hit is not None:
                 return hit
             result = self._with_references(self.evaluator.evaluate(delta=self.delta(rounded), split=split))
-            _lru_put(self._results, (rounded, split), result, self.cache_size)
+            lru_put(self._results, (rounded, split), result, self.cache_size)
         return result
 
     def partial(self, spec: Spec, images: int, split: str = "live") -> Result:
@@ -397,7 +325,7 @@ class PoolSession:
         if key in self._coords:
             self._coords.move_to_end(key)
             return self._coords[key]
-        return _lru_put(self._coords, key, plane.coords(self.landscape.spec_point(spec)), 4096)
+        return lru_put(self._coords, key, plane.coords(self.landscape.spec_point(spec)), 4096)
 
     def cached_plane_points(self) -> int:
         return len(self._plane_values)

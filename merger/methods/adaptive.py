@@ -19,7 +19,7 @@ from torch.func import functional_call
 from merger.errors import Cancelled, DataError, MergerError
 from merger.methods.lowrank import prepare_cart
 from merger.methods.registry import (ADAMERGING_LOGS, CART_README, INIT, LAM, LR, RANK_RATIO, SAMPLES, STEP_SIZE, STEPS,
-                                     TOP_K, Method, Paper, Param, Published, register, with_default)
+                                     TOP_K, Method, Paper, Param, Published, get, register, with_default)
 
 VISUAL = "visual."
 
@@ -350,6 +350,7 @@ for name, display, gran, paper, avg in (("adamerging_task", "AdaMerging (task-wi
                     "minimising prediction entropy on unlabeled validation images (Adam, clamp [0, 1]).",
         params=ADA_PARAMS, prepare=_unused, apply=_unused, run=_ada(gran),
         conventions=ADA_NOTE, published=(Published("ViT-B-32", avg, ADAMERGING_LOGS),)))
+ADAMERGING_TASK = get("adamerging_task")  # the handle other modules name it by
 
 register(Method(
     name="adamerging_cart", display_name="AdaMerging + CART", paper=ADA_CART_PAPER, objective="entropy", iterate="snapshot",

@@ -12,7 +12,12 @@ import statistics
 import time
 from types import SimpleNamespace
 
+from merger.methods.adaptive import ADAMERGING_TASK
+from merger.methods.basic import TASK_ARITHMETIC
+from merger.methods.ties import TIES
 from merger.tools.measure import percentile
+
+TA = TASK_ARITHMETIC.name
 
 
 def _moves(pool) -> tuple[list[str], bool]:
@@ -26,11 +31,11 @@ def _moves(pool) -> tuple[list[str], bool]:
     session.measure_live()
     ctl = Controller(session)
     lc = LandscapeController(ctl)
-    events = MergeTabEvents(ctl, "task_arithmetic", lc)
+    events = MergeTabEvents(ctl, TA, lc)
     person = SimpleNamespace(session_hash="report")
     noop = lambda *a, **k: None  # noqa: E731
     *_, (state, _) = lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 7, "contour", [],
-                                *merge_tab_controls(pool, "task_arithmetic", 0.3), progress=noop)
+                                *merge_tab_controls(pool, TA, 0.3), progress=noop)
     first, last = ctl.weight_experts[0], ctl.weight_blocks[-1]
 
     def inputs(method, lam=0.3, w=1.0, b=1.0):
@@ -41,10 +46,10 @@ def _moves(pool) -> tuple[list[str], bool]:
     lines, ok = [], True
     header = f"{'method':<18}{'slider':<14}{'move p50 ms':>12}{'p95 ms':>8}{'forwards':>10}{'applies':>9}"
     lines.append(header)
-    for method in ("task_arithmetic", "ties"):
+    for method in (TA, TIES.name):
         list(events.move(person, state, *inputs(method)))  # its preparation, once
         p50s = {}
-        for label, make in ((f"λ", lambda v: inputs(method, lam=v)),
+        for label, make in (("λ", lambda v: inputs(method, lam=v)),
                             (f"w · {first}", lambda v: inputs(method, w=v)),
                             (f"b · {last}", lambda v: inputs(method, b=v))):
             times, fwd, app = [], [], []
@@ -77,7 +82,7 @@ def report_coefficients(pool) -> tuple[str, bool]:
     out += lines
 
     session = PoolSession(pool)
-    spec = session.spec("task_arithmetic", lam=0.3)
+    spec = session.spec(TA, lam=0.3)
     session.preview(spec)  # the base and the experts' references: once per split
     a, b = pool.tasks[:2]
     t = time.perf_counter()
@@ -88,12 +93,12 @@ def report_coefficients(pool) -> tuple[str, bool]:
     out += ["", f"2. Two-task map ({a} × {b}, {n} × {n} weights, live split, fresh session): {map_s:.1f} s (goal <= 10 s)"]
 
     t = time.perf_counter()
-    tuned = tune_weights(session, "task_arithmetic", {"lam": 0.3}, budget=100, seed=0)
+    tuned = tune_weights(session, TA, {"lam": 0.3}, budget=100, seed=0)
     tune_s = time.perf_counter() - t
     ok &= tune_s <= 60
-    single = auto_tune(session, ["task_arithmetic"])[0]
+    single = auto_tune(session, [TA])[0]
     t = time.perf_counter()
-    ada = session.preview(session.spec("adamerging_task"), "test")
+    ada = session.preview(session.spec(ADAMERGING_TASK.name), "test")
     ada_s = time.perf_counter() - t
     rows = [("TPE per-task weights (λ = 0.3)", ", ".join(f"{e}={w:g}" for e, w in tuned["task_weights"].items()),
              tuned["trials"], tuned["val_accuracy"], tuned["test_accuracy"], tune_s),

@@ -179,7 +179,8 @@ class Controller(ControlPanel):
         except MergerError as exc:
             fail(exc)
         gr.Info(f"Loaded {spec.method}'s coefficients into the sliders (task arithmetic, λ = 1): {got.note}.")
-        return self.spec_updates(list(spec.experts), "task_arithmetic", {"lam": 1.0}, got.task_weights,
+        target = got.spec(self.session, spec.experts)
+        return self.spec_updates(list(spec.experts), target.method, target.kwargs, got.task_weights,
                                  got.block_weights)
 
     def pin(self, pins, experts, method, *values):

@@ -12,6 +12,8 @@ from merger import methods, plots
 from merger.analysis import coefficients as co
 from merger.errors import Cancelled, MergerError
 from merger.evaluation.tuning import auto_tune, tune_weights
+from merger.methods.adaptive import ADAMERGING_TASK
+from merger.methods.basic import TASK_ARITHMETIC
 from merger.ui.errors import fail
 from merger.ui.merge_events import session_of
 from merger.ui.scheduling import BATCH_EVENT
@@ -89,12 +91,12 @@ class TradeoffsTab:
                      ", ".join(f"{e}={w:g}" for e, w in tuned["task_weights"].items())
                      + (f"; λ={tuned['spec'].kwargs['lam']:g}" if with_lam else ""),
                      tuned["trials"], round(100 * tuned["val_accuracy"], 2), round(100 * tuned["test_accuracy"], 2)]]
-            single = auto_tune(session, ["task_arithmetic"], experts=list(spec.experts))[0]
+            single = auto_tune(session, [TASK_ARITHMETIC.name], experts=list(spec.experts))[0]
             rows.append(["best single λ (task arithmetic grid)", f"λ={single['params']['lam']:g}",
                          single["grid_points"], round(100 * single["val_accuracy"], 2),
                          round(100 * single["test_accuracy"], 2)])
             if with_ada:
-                ada = session.spec("adamerging_task", experts=list(spec.experts))
+                ada = session.spec(ADAMERGING_TASK.name, experts=list(spec.experts))
                 test = session.preview(ada, "test")
                 rows.append(["AdaMerging task-wise (no labels)", "learned λt", "-", "-",
                              round(100 * test.average_accuracy, 2)])

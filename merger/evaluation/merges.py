@@ -1,0 +1,126 @@
+"""The merges of a pool session: each method's preparation per expert subset (and per task
+weighting, for a method that prepares on the weighted task vectors), what is derived from it
+(TSV-M's directions per rank), and Δ per spec. Owned by a ``PoolSession``; the applies take its
+queue (they run beside the resident model's work, never during another apply)."""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+from merger import methods
+from merger.errors import MergerError
+from merger.spec import Spec, with_block_weights
+
+
+def lru_put(cache: OrderedDict, key, value, size: int):
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > size:
+        cache.popitem(last=False)
+    return value
+
+
+class Merges:
+    # Task-vector entries (size × experts) above which a slow_prepare method prepares through Run
+    # rather than inside a move (see prepare_is_slow).
+    INLINE_ENTRIES = 20_000_000
+
+    def __init__(self, pool, queue, counts: Counter, deltas: int = 2):
+        self.pool, self.queue, self.counts = pool, queue, counts
+        self.delta_size = deltas
+        self.inline_entries = self.INLINE_ENTRIES
+        self._prepared: OrderedDict = OrderedDict()
+        self._derived: OrderedDict = OrderedDict()
+        self._deltas: OrderedDict = OrderedDict()
+
+    @staticmethod
+    def _prepared_key(method, experts: tuple[str, ...], prepare_args: dict, scale: tuple = ()) -> tuple:
+        return method.name, experts, tuple(sorted(prepare_args.items())), scale
+
+    def prepared(self, method, experts: tuple[str, ...], prepare_args: dict, scale: tuple = ()):
+        """A method's preparation for an expert subset (immutable; LRU of 3: they are large).
+        ``scale``: task weights of a method that does not take them in apply, which then prepares
+        on the weighted task vectors wₜτₜ (see ``Method.task_weighted``)."""
+        key = self._prepared_key(method, experts, prepare_args, scale)
+        if key in self._prepared:
+            self._prepared.move_to_end(key)
+            return key, self._prepared[key]
+        return key, self._store_prepared(key, method.prepare_with(self._task_vectors(experts, scale), **prepare_args))
+
+    def _task_vectors(self, experts: tuple[str, ...], scale: tuple = ()):
+        tv = self.pool.task_vectors.subset(experts)
+        return tv.scaled(dict(scale)) if scale else tv
+
+    def _store_prepared(self, key: tuple, state):
+        self.counts["prepares"] += 1
+        return lru_put(self._prepared, key, state, 3)
+
+    def _prepare_args(self, spec: Spec, rounded: bool = True):
+        """(method, prepare arguments, task weights it prepares with) of a spec (see ``prepared``)."""
+        m = methods.get(spec.method)
+        spec = spec.rounded() if rounded else spec
+        kw = spec.kwargs
+        scale = () if m.task_weighted or m.data_driven else spec.task_weights
+        return m, {k: kw[k] for k in m.prepare_params}, scale
+
+    def prepared_for(self, spec: Spec, rounded: bool = True):
+        """(key, state): the preparation of a static spec (computed when not cached)."""
+        m, args, scale = self._prepare_args(spec, rounded)
+        return self.prepared(m, spec.experts, args, scale)
+
+    def prepared_state(self, spec: Spec):
+        """The cached preparation of a static spec, or None (never computes: for notes and views)."""
+        m, args, scale = self._prepare_args(spec)
+        return None if m.data_driven else self._prepared.get(self._prepared_key(m, spec.experts, args, scale))
+
+    def is_prepared(self, spec: Spec) -> bool:
+        """Whether a move of this static spec costs only an apply (its preparation is cached)."""
+        m, args, scale = self._prepare_args(spec)
+        return m.data_driven or self._prepared_key(m, spec.experts, args, scale) in self._prepared
+
+    def prepare_is_slow(self, spec: Spec) -> bool:
+        """A static spec whose preparation is not cached, of a slow_prepare method, on a pool large
+        enough that preparing would stall a move (about 2 s: 0.1 µs per task-vector entry, measured
+        for TIES on this 2-core CPU; ViT-B/32 × 8 experts is about a minute): the app then prepares
+        it through Run, with progress and Cancel."""
+        if not methods.get(spec.method).slow_prepare:
+            return False
+        entries = self.pool.task_vectors.numel() * len(spec.experts)
+        return entries > self.inline_entries and not self.is_prepared(spec)
+
+    def prepare(self, spec: Spec, progress=None, cancel=None) -> None:
+        """Prepare a static spec's method ahead of its moves, with progress and cancel where the
+        method reports them (``Method.slow_prepare``). A cancelled preparation raises Cancelled and
+        caches nothing."""
+        m, args, scale = self._prepare_args(spec)
+        if m.data_driven:
+            raise MergerError(f"{m.name} learns from data: it has a run, not a preparation")
+        if self.is_prepared(spec):
+            return
+        # A preparation reads the task vectors, never the resident model: it runs beside the
+        # previews instead of holding the queue for a minute, and only its result goes in under it.
+        state = m.prepare_with(self._task_vectors(spec.experts, scale), progress, cancel, **args)
+        with self.queue:
+            self._store_prepared(self._prepared_key(m, spec.experts, args, scale), state)
+
+    def delta(self, spec: Spec) -> dict:
+        """Δ of a static spec as given (previews pass it rounded): from the small Δ cache, else one
+        method apply."""
+        m = methods.get(spec.method)
+        key = spec
+        if key in self._deltas:
+            self._deltas.move_to_end(key)
+            return self._deltas[key]
+        kw = key.kwargs
+        with self.queue:
+            pkey, state = self.prepared_for(key, rounded=False)
+            if m.derive is not None:
+                dargs = tuple((k, kw[k]) for k in m.derive_params)
+                dkey = (pkey, dargs)
+                if dkey in self._derived:
+                    self._derived.move_to_end(dkey)
+                    state = self._derived[dkey]
+                else:
+                    state = lru_put(self._derived, dkey, m.derive(state, **dict(dargs)), 4)
+            self.counts["applies"] += 1
+            delta = with_block_weights(m.apply(state, **kw, **m.weights_kwargs(key)), key)
+        return lru_put(self._deltas, key, delta, self.delta_size)
