@@ -201,7 +201,7 @@ def test_api_answers_a_non_json_float_with_the_fields_message(server, token, sho
     import json
     import urllib.request
 
-    body = ('{"data": ["ties", %s, null, 0.8, null, null, "live"]}' % token).encode()
+    body = ('{"data": ["ties", %s, null, 0.8, null, null, "live", null, null]}' % token).encode()
     url = server["url"] + "gradio_api/call/evaluate"
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     event = json.loads(urllib.request.urlopen(req, timeout=30).read())["event_id"]
