@@ -36,6 +36,11 @@ WEIGHT_RANGE = (-3.0, 3.0)  # per-task and per-block weights
 WEIGHT_STEP = 0.01  # their sliders' step (a preview's cache key snaps to it, as λ does)
 
 
+def snap_weight(w: float) -> float:
+    """A weight on its sliders' step (what a preview computes, and what the sliders show)."""
+    return round(round(w / WEIGHT_STEP) * WEIGHT_STEP, 10)
+
+
 def parse_weights(given, field: str, allowed: Sequence[str], why: str) -> tuple[tuple[str, float], ...]:
     """Weights {name: w} (or "a=1.2,b=0") checked and made canonical: in ``allowed`` order, the
     ones equal to 1 left out (all-ones is the plain method, the same cache entry and tensors)."""
@@ -120,7 +125,7 @@ class Spec:
             out.append((name, round(round(value / step) * step, 10) if snap else value))
 
         def snap(weights):
-            snapped = ((n, round(round(w / WEIGHT_STEP) * WEIGHT_STEP, 10)) for n, w in weights)
+            snapped = ((n, snap_weight(w)) for n, w in weights)
             return tuple((n, w) for n, w in snapped if w != 1.0)
 
         return Spec(self.method, tuple(out), self.experts, snap(self.task_weights), snap(self.block_weights))

@@ -55,8 +55,25 @@ def test_presets(ctl):
     assert preset_values("last k only", blocks, 2) == [0.0] * (len(blocks) - 2) + [1.0, 1.0]
     from merger.ui.coefficients_panel import CoefficientsPanel
 
-    with pytest.raises(gr.Error, match="k must be between 1 and"):
-        CoefficientsPanel(ctl).preset("last k only", 99)
+    with pytest.warns(UserWarning, match="k must be between 1 and"):  # a toast; every slider keeps its value
+        assert CoefficientsPanel(ctl).preset("last k only", 99) == tuple(gr.skip() for _ in blocks)
+
+
+def test_out_of_range_weights_and_parameters_name_their_field():
+    """A typed value outside a slider's range is refused with the slider's label (Gradio's own
+    check names no field), and the browser still draws Gradio's slider and number box."""
+    from merger.ui.controls import param_control
+    from merger.ui.ranged import RangedSlider
+
+    w = RangedSlider(-3, 3, value=1.0, step=0.01, label="w · size")
+    assert isinstance(w, gr.Slider) and w.get_block_name() == "slider" and w.preprocess(2.5) == 2.5
+    for value, shown in ((5, "5"), (-9, "-9"), (float("nan"), "nan")):
+        with pytest.raises(gr.Error, match=rf"w · size: {shown} is outside \[-3, 3\]"):
+            w.preprocess(value)
+    seed = param_control("seed", 3)
+    assert seed.get_block_name() == "number"
+    with pytest.raises(gr.Error, match=r"seed: -1 is outside \[0, 2.14748e\+09\]"):
+        seed.preprocess(-1)
 
 
 def test_start_from_learned_sets_the_sliders_to_what_the_run_learned(ctl):
@@ -68,7 +85,8 @@ def test_start_from_learned_sets_the_sliders_to_what_the_run_learned(ctl):
     assert method == "task_arithmetic" and experts == list(spec.experts)
     loaded = ctl.spec_from_controls(experts, method, *rest)
     assert loaded.kwargs["lam"] == 1.0
-    assert loaded.task_weight_list() == pytest.approx(run.coefficients[:, 0].tolist(), abs=1e-4)
+    assert loaded.task_weight_list() == pytest.approx(run.coefficients[:, 0].tolist(), abs=0.005)
+    assert all(round(w, 2) == w for w in loaded.task_weight_list())  # on the sliders' step: shown = computed
     mine = ctl.session.preview(loaded, "test")
     theirs = ctl.session.preview(spec, "test")
     assert abs(mine.average_accuracy - theirs.average_accuracy) <= 0.02  # sliders snap to 0.01
@@ -91,12 +109,17 @@ def test_tradeoffs_tab_views(ctl):
     from merger.analysis.coefficients import MAP_VALUES
     from merger.ui.tradeoffs_tab import TradeoffsTab
 
-    tab = TradeoffsTab(ctl)
+    events = MergeTabEvents(ctl, "task_arithmetic")
+    tab = TradeoffsTab(ctl, events)
     a, b = ctl.pool.tasks[:2]
     inputs = with_weights(ctl, controls(ctl, lam=0.4))
-    map_a, map_b, pareto, status = tab.two_tasks(person(), a, b, *inputs, progress=lambda *x, **k: None)
+    list(events.move(person("other"), None, *with_weights(ctl, controls(ctl, lam=0.95))))  # someone else's merge
+    list(events.move(person("me"), None, *with_weights(ctl, controls(ctl, lam=0.85))))
+    map_a, map_b, pareto, status = tab.two_tasks(person("me"), a, b, *inputs, progress=lambda *x, **k: None)
     assert len(map_a.data[0].z) == len(MAP_VALUES) and f"{len(MAP_VALUES)} × {len(MAP_VALUES)}" in status
     assert [t.name for t in pareto.data][:2] == ["evaluated", "Pareto front"]
+    n = len(MAP_VALUES) ** 2 + 1  # the grid and my one move: not the other person's
+    assert len(pareto.data[0].x) == n and f"{n} merges you evaluated" in status
     fig, _ = tab.turn_up(person(), b, *inputs, progress=lambda *x, **k: None)
     assert {t.name for t in fig.data} == set(ctl.pool.tasks)
     with pytest.raises(gr.Error, match="learns its own coefficients"):
@@ -107,3 +130,4 @@ def test_tradeoffs_tab_views(ctl):
     updates = tab.load(tuned, *inputs)
     experts, method, *rest = [u.get("value") for u in updates]
     assert ctl.spec_from_controls(experts, method, *rest).rounded() == tuned.rounded()
+    assert all(v == round(v, 2) for v in rest[-len(ctl.weight_experts + ctl.weight_blocks):])  # no 1.9000000000000001

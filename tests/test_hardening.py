@@ -212,6 +212,21 @@ def test_api_answers_a_non_json_float_with_the_fields_message(server, token, sho
     assert 0 <= ok["average_accuracy"] <= 1
 
 
+def test_plain_http_payload_of_the_benches_is_accepted(server):
+    """What ``bench workshop``'s clients send over plain HTTP (every argument, in the signature's
+    order) is answered with the merge it names: a new endpoint argument cannot break them unseen."""
+    from merger.tools.bench_live import call_endpoint
+    from merger.ui.endpoint import endpoint_data
+
+    pool = merger.open_pool(server["pool"])
+    (out,) = call_endpoint(server["url"], "evaluate", endpoint_data("task_arithmetic", lam=0.45,
+                                                                     task_weights={pool.tasks[0]: 0.5}))
+    want = merger.evaluate(pool, merger.merge(pool, "task_arithmetic", lam=0.45, task_weights={pool.tasks[0]: 0.5}))
+    assert out["accuracy"] == want.accuracy and out["spec"]["task_weights"] == {pool.tasks[0]: 0.5}
+    with pytest.raises(ValueError, match="takes no lambda"):
+        endpoint_data("task_arithmetic", **{"lambda": 0.3})
+
+
 def test_sessions_never_see_each_others_results(server):
     pool = merger.open_pool(server["pool"])
     out = {}

@@ -106,7 +106,7 @@ def two_task_map(session, spec: Spec, a: str, b: str, values=MAP_VALUES, split: 
     n = len(values)
     grid = lambda t: [[results[j * n + i].accuracy[session.pool.task_of(t)] for i in range(n)]  # noqa: E731
                       for j in range(n)]
-    return {"tasks": (a, b), "values": list(values), "accuracy_a": grid(a), "accuracy_b": grid(b),
+    return {"tasks": (a, b), "values": list(values), "accuracy_a": grid(a), "accuracy_b": grid(b), "specs": specs,
             "current": (dict(spec.task_weights).get(a, 1.0), dict(spec.task_weights).get(b, 1.0)), "split": split}
 
 
@@ -120,11 +120,16 @@ def turn_one_up(session, spec: Spec, task: str, values=UP_VALUES, split: str = "
             "accuracy": {t: [r.accuracy[t] for r in results] for t in results[0].tasks}}
 
 
-def evaluated_points(session, a: str, b: str, split: str = "live") -> list[dict]:
-    """Every spec of the session evaluated (complete, on ``split``) with both tasks: its accuracy on each."""
+def evaluated_points(session, a: str, b: str, split: str = "live", specs=None) -> list[dict]:
+    """Every spec evaluated (complete, on ``split``, still cached) with both tasks: its accuracy on
+    each. ``specs``: only these (one person's merges), else every result the session holds."""
     ta, tb = session.pool.task_of(a), session.pool.task_of(b)
+    if specs is None:
+        pairs = session.results(split)
+    else:
+        pairs = [(spec, session.cached(spec, split)) for spec in specs]
     return [{"label": spec.label(), "a": r.accuracy[ta], "b": r.accuracy[tb]}
-            for spec, r in session.results(split) if ta in r.accuracy and tb in r.accuracy]
+            for spec, r in pairs if r is not None and ta in r.accuracy and tb in r.accuracy]
 
 
 def pareto_front(points: list[dict]) -> list[int]:

@@ -244,7 +244,7 @@ WARM_UP_S = 20.0  # the room drags before anyone starts a batch job
 
 def bench_workshop(args) -> int:
     from merger.evaluation.tuning import grid_points
-    from merger.ui.endpoint import endpoint_params
+    from merger.ui.endpoint import endpoint_data
 
     names = args.jobs.split(",")
     unknown = [n for n in names if n not in JOBS]
@@ -269,7 +269,7 @@ def bench_workshop(args) -> int:
             while not stop.is_set():
                 lam = round(0.05 + 0.1 * rng.randrange(0, 20), 2)  # odd slider steps: never a sweep point
                 params = {**rng.choice(grid_points(m)), "lam": lam}
-                data = [m, *[params.get(n) for n in endpoint_params()], None, "live"]
+                data = endpoint_data(m, **params)
                 t = time.perf_counter()
                 try:
                     call_endpoint(url, "evaluate", data)

@@ -7,7 +7,8 @@ import gradio as gr
 
 from merger.errors import MergerError
 from merger.spec import WEIGHT_RANGE, WEIGHT_STEP
-from merger.ui.errors import fail
+from merger.ui.errors import warn
+from merger.ui.ranged import RangedSlider
 
 PRESETS = ("flat", "deeper blocks more", "shallower blocks more", "last k only")
 
@@ -39,11 +40,19 @@ class CoefficientsPanel:
         self.ctl = ctl
 
     def preset(self, name, k):
+        """The preset's block weights; a bad k is a warning and every slider keeps its value (an
+        error would mark each slider as failed)."""
         try:
             values = preset_values(name, self.ctl.weight_blocks, k)
         except MergerError as exc:
-            fail(exc)
+            warn(exc)
+            return tuple(gr.skip() for _ in self.ctl.weight_blocks)
         return tuple(gr.update(value=v) for v in values)
+
+    @staticmethod
+    def k_shown(name):
+        """k only matters to "last k only"."""
+        return gr.update(visible=name == "last k only")
 
     def reset_tasks(self):
         return tuple(gr.update(value=1.0) for _ in self.ctl.weight_experts)
@@ -62,16 +71,17 @@ def build_coefficients_panel(ctl) -> dict:
                     "in that block of the image tower. 1 everywhere is the plain method. Data-driven methods "
                     "learn their own coefficients: these sliders apply to static methods; **Start from learned** "
                     "loads what a run learned into them.")
-        tasks = [gr.Slider(lo, hi, value=1.0, step=WEIGHT_STEP, label=f"w · {e}", elem_id=f"w-task-{i}")
+        tasks = [RangedSlider(lo, hi, value=1.0, step=WEIGHT_STEP, label=f"w · {e}", elem_id=f"w-task-{i}")
                  for i, e in enumerate(ctl.weight_experts)]
         with gr.Row():
             reset = gr.Button("Reset task weights", size="sm")
             learned = gr.Button("Start from learned", size="sm", elem_id="start-learned")
-        blocks = [gr.Slider(lo, hi, value=1.0, step=WEIGHT_STEP, label=f"b · {b}", elem_id=f"w-block-{b}")
+        blocks = [RangedSlider(lo, hi, value=1.0, step=WEIGHT_STEP, label=f"b · {b}", elem_id=f"w-block-{b}")
                   for b in ctl.weight_blocks]
         with gr.Row():
             preset = gr.Dropdown(list(PRESETS), value="flat", label="block preset")
-            k = gr.Number(value=1, precision=0, minimum=1, maximum=max(1, len(ctl.weight_blocks)),
+            # no bounds on the box: a k out of range gets preset_values' message as a warning
+            k = gr.Number(value=1, precision=0, visible=False,
                           label="k (last k only)")
             apply = gr.Button("Apply preset", size="sm")
     return {"tasks": tasks, "blocks": blocks, "reset": reset, "learned": learned, "preset": preset, "k": k,
@@ -82,6 +92,7 @@ def wire_coefficients_panel(panel: dict, ctl, events, experts, inputs, outputs_a
     """Listeners of the panel; ``outputs_all``: every Merge-tab input (what Start from learned sets)."""
     cp = CoefficientsPanel(ctl)
     panel["apply"].click(cp.preset, [panel["preset"], panel["k"]], panel["blocks"], api_visibility="private")
+    panel["preset"].change(cp.k_shown, panel["preset"], panel["k"], queue=False, api_visibility="private")
     panel["reset"].click(cp.reset_tasks, None, panel["tasks"], api_visibility="private")
     experts.change(cp.shown_for, experts, panel["tasks"], queue=False, api_visibility="private")
     panel["learned"].click(events.start_from_learned, inputs, outputs_all, api_visibility="private")

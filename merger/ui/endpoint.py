@@ -36,6 +36,16 @@ def _signature() -> tuple[inspect.Signature, dict]:
     return inspect.Signature(params, return_annotation=dict), hints
 
 
+def endpoint_data(method: str, **arguments) -> list:
+    """The endpoint's arguments as the positional ``data`` list of a plain HTTP call
+    (``POST /gradio_api/call/evaluate``), in the signature's order, None where not given."""
+    names = list(_signature()[0].parameters)
+    unknown = set(arguments) - set(names)
+    if unknown:
+        raise ValueError(f"the evaluate endpoint takes no {', '.join(sorted(unknown))}")
+    return [method, *[arguments.get(n, "live" if n == "split" else None) for n in names[1:]]]
+
+
 def evaluate_endpoint(ctl):
     """The endpoint's function for this app: evaluate a spec of a method that evaluates live;
     returns per-task accuracy and loss, averages and normalised accuracy, and the spec."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 
 import gradio as gr
 
@@ -25,6 +26,7 @@ from merger.errors import MergerError
 from merger.evaluation.work_queue import Superseded
 
 EXPIRY_S = 10.0  # a reload whose target never shows up stops guarding the session after this
+EVALUATED_PER_SESSION = 4096  # the merges a browser session remembers as its own (Trade-offs' Pareto)
 
 
 def session_of(request) -> str:
@@ -39,7 +41,23 @@ class MergeTabEvents:
         self._targets: dict[str, tuple[object, float, bool]] = {}  # session -> (spec, expiry, arrived)
         self._methods: dict[str, str] = {}  # the method each session shows (to tell its defaults)
         self._panel: dict[str, int | None] = {}  # the run each session's data-driven panel shows
+        self._evaluated: dict[str, OrderedDict] = {}  # session -> the specs its moves and grids evaluated
         self._lock = threading.Lock()
+
+    def saw(self, who: str, specs) -> None:
+        """Merges a browser session evaluated (its own, for the Trade-offs tab's Pareto front: in a
+        workshop nobody sees another person's points)."""
+        with self._lock:
+            seen = self._evaluated.setdefault(who, OrderedDict())
+            for spec in specs:
+                seen[spec.rounded()] = None
+                seen.move_to_end(spec.rounded())
+            while len(seen) > EVALUATED_PER_SESSION:
+                seen.popitem(last=False)
+
+    def evaluated(self, who: str) -> list:
+        with self._lock:
+            return list(self._evaluated.get(who, ()))
 
     def _target(self, request):
         with self._lock:
@@ -133,6 +151,8 @@ class MergeTabEvents:
         if ans.result is None:
             yield (*self.ctl.no_result(ans.message, ans.why), *learned, gr.skip())
             return
+        if not ans.result.partial:
+            self.saw(who, [ans.spec])
         # The numbers first (what a person reads), then the figures, which take the browser longer to draw.
         yield (*skip3, self.ctl.summary(ans.spec, ans.result, ans.cached), *learned, gr.skip())
         marker = self.landscape.move_live(land_state, experts, method, *values) if self.landscape else gr.skip()

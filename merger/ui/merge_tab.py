@@ -17,6 +17,7 @@ from merger.errors import MergerError
 from merger.evaluation.work_queue import Superseded
 from merger.io.export import export_merge, pool_reference
 from merger.methods import PARAM_NAMES
+from merger.spec import WEIGHT_STEP, snap_weight
 from merger.ui.coefficients_panel import build_coefficients_panel, wire_coefficients_panel
 from merger.ui.controls import ControlPanel, control_values, param_control, shown
 from merger.ui.errors import fail, notice, warn
@@ -159,8 +160,9 @@ class Controller(ControlPanel):
         m = methods.get(method)
         values = control_values(m, params, len(experts))
         updates = [shown(m, name, value=v) for name, v in zip(PARAM_NAMES, values)]
-        weights = [gr.update(value=float(task_weights.get(e, 1.0))) for e in self.weight_experts]
-        weights += [gr.update(value=float(block_weights.get(b, 1.0))) for b in self.weight_blocks]
+        # on the sliders' step: the sliders show what a preview computes (a learned 0.6001 shows 0.6)
+        weights = [gr.update(value=snap_weight(float(task_weights.get(e, 1.0)))) for e in self.weight_experts]
+        weights += [gr.update(value=snap_weight(float(block_weights.get(b, 1.0)))) for b in self.weight_blocks]
         return (gr.update(value=list(experts)), gr.update(value=m.name), *updates, *weights)
 
     def learned_updates(self, experts, method, *values) -> tuple:
@@ -178,7 +180,8 @@ class Controller(ControlPanel):
             got = learned(run, self.pool)
         except MergerError as exc:
             fail(exc)
-        gr.Info(f"Loaded {spec.method}'s coefficients into the sliders (task arithmetic, λ = 1): {got.note}.")
+        gr.Info(f"Loaded {methods.get(spec.method).display_name}'s coefficients into the sliders (task arithmetic, "
+                f"λ = 1, on the sliders' {WEIGHT_STEP:g} step): {got.note}.")
         target = got.spec(self.session, spec.experts)
         return self.spec_updates(list(spec.experts), target.method, target.kwargs, got.task_weights,
                                  got.block_weights)

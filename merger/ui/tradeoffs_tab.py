@@ -16,12 +16,14 @@ from merger.methods.adaptive import ADAMERGING_TASK
 from merger.methods.basic import TASK_ARITHMETIC
 from merger.ui.errors import fail
 from merger.ui.merge_events import session_of
+from merger.ui.ranged import RangedNumber
 from merger.ui.scheduling import BATCH_EVENT
 
 
 class TradeoffsTab:
-    def __init__(self, ctl):
+    def __init__(self, ctl, events):
         self.ctl = ctl
+        self.events = events  # MergeTabEvents: which merges each browser session evaluated
         self._cancel: dict[str, threading.Event] = {}
 
     def _flag(self, request) -> threading.Event:
@@ -53,16 +55,20 @@ class TradeoffsTab:
             return gr.skip(), gr.skip(), gr.skip(), str(exc)
         except MergerError as exc:
             fail(exc)
-        points = co.evaluated_points(self.ctl.session, task_a, task_b)
+        who = session_of(request)
+        self.events.saw(who, out["specs"])
+        points = co.evaluated_points(self.ctl.session, task_a, task_b, specs=self.events.evaluated(who))
         front = co.pareto_front(points)
         values = out["values"]
         return (plots.weight_map(values, out["accuracy_a"], task_a, task_b, task_a, out["current"]),
                 plots.weight_map(values, out["accuracy_b"], task_a, task_b, task_b, out["current"]),
                 plots.pareto_scatter(points, front, task_a, task_b),
                 f"`{spec.label()}` with the weights of **{task_a}** and **{task_b}** on an "
-                f"{len(values)} × {len(values)} grid; {len(points)} evaluated merges, {len(front)} on the front.")
+                f"{len(values)} × {len(values)} grid; {len(points)} merges you evaluated (your moves and grids), "
+                f"{len(front)} on the front.")
 
     def turn_up(self, request: gr.Request, task, *inputs, progress=gr.Progress()):
+        """(the lines of every task's accuracy, their status)."""
         flag = self._flag(request)
         try:
             spec = self._spec(inputs)
@@ -105,7 +111,9 @@ class TradeoffsTab:
         except MergerError as exc:
             fail(exc)
         return (rows, f"Best of {tuned['trials']} TPE trials (seed {tuned['seed']}) on validation: "
-                      f"`{tuned['spec'].label()}`; press **Load into the sliders** to drag from there.", tuned["spec"])
+                      f"`{tuned['spec'].label()}`; accuracies on the validation and test splits (the Merge tab "
+                      f"shows the live split, a fixed subset of test). Press **Load into the sliders** to drag from "
+                      f"there.", tuned["spec"])
 
     def load(self, tuned, experts, method, *values):
         if tuned is None:
@@ -115,7 +123,7 @@ class TradeoffsTab:
 
 
 def build_tradeoffs_tab(ctl, merge: dict, events, batch) -> TradeoffsTab:
-    tab = TradeoffsTab(ctl)
+    tab = TradeoffsTab(ctl, events)
     tasks = list(ctl.pool.tasks)
     inputs = merge["inputs"]
     with gr.Tab("Trade-offs", id="tradeoffs"):
@@ -133,11 +141,12 @@ def build_tradeoffs_tab(ctl, merge: dict, events, batch) -> TradeoffsTab:
         with gr.Row():
             up_task = gr.Dropdown(tasks, value=tasks[0], label="turn this task's weight up (0 → 2)")
             up_btn = gr.Button("Turn one up")
+        up_status = gr.Markdown()
         up_plot = gr.Plot(label="turn one up")
         gr.Markdown("### Tuned search of the per-task weights (validation, then test)")
         with gr.Row():
-            budget = gr.Number(value=100, precision=0, minimum=1, maximum=400, label="evaluations (budget)")
-            seed = gr.Number(value=0, precision=0, minimum=0, label="seed")
+            budget = RangedNumber(value=100, precision=0, minimum=1, maximum=400, label="evaluations (budget)")
+            seed = RangedNumber(value=0, precision=0, minimum=0, label="seed")
             with_lam = gr.Checkbox(value=False, label="tune λ too")
             with_ada = gr.Checkbox(value=False, label="compare with AdaMerging task-wise (a run)")
             tune_btn = gr.Button("Tune weights")
@@ -147,7 +156,7 @@ def build_tradeoffs_tab(ctl, merge: dict, events, batch) -> TradeoffsTab:
         load_btn = gr.Button("Load into the sliders")
     map_btn.click(batch(tab.two_tasks), [task_a, task_b, *inputs], [map_a, map_b, pareto, status], **BATCH_EVENT,
                   api_visibility="private")
-    up_btn.click(batch(tab.turn_up), [up_task, *inputs], [up_plot, status], **BATCH_EVENT, api_visibility="private")
+    up_btn.click(batch(tab.turn_up), [up_task, *inputs], [up_plot, up_status], **BATCH_EVENT, api_visibility="private")
     tune_btn.click(batch(tab.tune), [budget, seed, with_lam, with_ada, *inputs], [tune_table, tune_msg, tuned], **BATCH_EVENT,
                    api_visibility="private")
     cancel_btn.click(tab.cancel, None, status, concurrency_id="cancel", concurrency_limit=None, api_visibility="private")
