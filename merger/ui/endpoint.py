@@ -38,12 +38,12 @@ def _signature() -> tuple[inspect.Signature, dict]:
 
 def endpoint_data(method: str, **arguments) -> list:
     """The endpoint's arguments as the positional ``data`` list of a plain HTTP call
-    (``POST /gradio_api/call/evaluate``), in the signature's order, None where not given."""
-    names = list(_signature()[0].parameters)
-    unknown = set(arguments) - set(names)
+    (``POST /gradio_api/call/evaluate``), in the signature's order, its defaults where not given."""
+    params = list(_signature()[0].parameters.values())
+    unknown = set(arguments) - {p.name for p in params}
     if unknown:
         raise ValueError(f"the evaluate endpoint takes no {', '.join(sorted(unknown))}")
-    return [method, *[arguments.get(n, "live" if n == "split" else None) for n in names[1:]]]
+    return [method, *[arguments.get(p.name, p.default) for p in params[1:]]]
 
 
 def evaluate_endpoint(ctl):

@@ -50,8 +50,9 @@ class MergeTabEvents:
         with self._lock:
             seen = self._evaluated.setdefault(who, OrderedDict())
             for spec in specs:
-                seen[spec.rounded()] = None
-                seen.move_to_end(spec.rounded())
+                key = spec.rounded()
+                seen[key] = None
+                seen.move_to_end(key)
             while len(seen) > EVALUATED_PER_SESSION:
                 seen.popitem(last=False)
 
@@ -151,8 +152,7 @@ class MergeTabEvents:
         if ans.result is None:
             yield (*self.ctl.no_result(ans.message, ans.why), *learned, gr.skip())
             return
-        if not ans.result.partial:
-            self.saw(who, [ans.spec])
+        self.saw(who, [ans.spec])  # answer() without images is complete
         # The numbers first (what a person reads), then the figures, which take the browser longer to draw.
         yield (*skip3, self.ctl.summary(ans.spec, ans.result, ans.cached), *learned, gr.skip())
         marker = self.landscape.move_live(land_state, experts, method, *values) if self.landscape else gr.skip()
