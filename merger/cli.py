@@ -225,6 +225,26 @@ def cmd_bench(args) -> int:
     return bench.run(args.what, args)
 
 
+def cmd_cache(args) -> int:
+    from merger.io.disk_cache import DiskCache
+
+    cache = DiskCache()
+    if not cache.enabled:
+        print("the disk cache is off (MERGER_DISK_CACHE=off)")
+        return 0
+    if args.action == "clear":
+        n, size = cache.clear()
+        print(f"{cache.root}: removed {n} entries ({size / 2**30:.2f} GB) and the remembered file hashes")
+        return 0
+    entries = cache.entries()
+    total = sum(e["bytes"] for e in entries)
+    print(f"{cache.root}: {len(entries)} entries, {total / 2**30:.2f} GB of a {cache.cap / 2**30:.1f} GB cap "
+          "(MERGER_CACHE_GB); least recently used first")
+    for e in entries:
+        print(f"  {e['bytes'] / 2**20:9.1f} MB  {e['path'].name[:16]}  {cache.describe(e['path'])}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m merger", description="Model merging explorer")
     ap.add_argument("--debug", action="store_true", help="show a traceback when a command fails")
@@ -278,6 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", default="demo")
     p.set_defaults(func=cmd_report)
 
+    p = sub.add_parser("cache", help="the disk cache of prepared methods and task vectors: info (entries, size, "
+                                     "cap) or clear")
+    p.add_argument("action", choices=["info", "clear"])
+    p.set_defaults(func=cmd_cache)
+
     p = sub.add_parser("screenshot", help="start the app, drag λ in Chromium, save a screenshot of the Merge tab")
     p.add_argument("--pool", default="demo")
     p.add_argument("--out", default="assets/screenshot-merge.png")
@@ -285,11 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (medians and ratios in one run)")
     p.add_argument("what", choices=["merge", "live", "browser", "workshop", "api", "landscape", "scale", "load",
-                                    "attacks"],
+                                    "attacks", "open"],
                    help="merge: prepare/apply per method on ViT-B-32; live: the Merge tab's listener per move "
                         "(time, forwards, applies); browser: Chromium slider → shown result; workshop: 10 clients "
                         "drag while browsers run batch jobs; api: the evaluate endpoint through gradio_client; "
-                        "scale: ViT-B-32 pool (first partial answer); attacks: the bad-input catalogue")
+                        "scale: ViT-B-32 pool (first partial answer); open: a ViT-B-32 pool from files, cold and warm "
+                        "(disk cache); attacks: the bad-input catalogue")
     p.add_argument("--jobs", default="sweep,autotune", help="workshop: batch jobs (sweep, autotune, landscape)")
     p.add_argument("--url", default=None, help="api: a running app to target (default: start one)")
     p.add_argument("--grid", type=int, default=21, help="landscape: grid points per side")
@@ -297,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default="ViT-B-32")
     p.add_argument("--pool", default="demo")
     p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--tv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="merge/scale: task-vector storage (auto: bf16 above 1 GB in fp32)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--moves", type=int, default=None, help="live/api/scale: distinct λ values per method")
     p.add_argument("--images", type=int, default=128, help="scale: synthetic images per task")

@@ -333,3 +333,25 @@ def test_ties_grid_lookup_equals_direct_trimming(world):
     grid = merger.merge_state_dicts(base, experts, "ties", lam=1.0, sparsity=0.7)
     direct = merger.merge_state_dicts(base, experts, "ties", lam=1.0, sparsity=0.7 + 1e-8)
     close(grid, merged_visual(direct, keys), atol=1e-6)
+
+
+def test_cart_rank_move_from_a_nearby_rank_equals_the_sum_from_scratch(world):
+    """CART's derive may start from a rank derived before (a large pool's rank move costs the
+    directions in between): up and down, across half the rank, it matches the sum from scratch."""
+    from merger.methods.lowrank import apply_cart, cart_sums
+
+    base, experts, keys, _ = world
+    tv = TaskVectors(base, {str(i): e for i, e in enumerate(experts)})
+    prepared = prepare_cart(tv)
+    start = cart_sums(prepared, 0.3)
+    assert start["exact"]
+    for ratio in (0.32, 0.25, 0.55, 0.08):
+        moved = cart_sums(prepared, ratio, near=[start])
+        scratch = cart_sums(prepared, ratio)
+        assert not moved["exact"] or ratio in (0.08,)  # a far jump starts over
+        for k in keys:
+            a, b = apply_cart(moved, 1.5, ratio)[k], apply_cart(scratch, 1.5, ratio)[k]
+            assert torch.allclose(a, b, atol=1e-5), (ratio, k)
+    # a sum derived from another is never a starting point (no drift accumulates)
+    second = cart_sums(prepared, 0.35, near=[cart_sums(prepared, 0.32, near=[start])])
+    assert second["exact"]

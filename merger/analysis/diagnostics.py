@@ -14,7 +14,7 @@ from merger.methods.ties import _n_keep
 
 
 def _flat(tv, i: int) -> torch.Tensor:
-    return torch.cat([tv.stacked[k][i].reshape(-1) for k in tv.keys])
+    return torch.cat([tv.row(k, i).reshape(-1) for k in tv.keys])
 
 
 def _layer_of(key: str) -> str:
@@ -32,7 +32,7 @@ def task_vector_norms(tv) -> dict:
     layers: dict[str, list[str]] = {}
     for k in tv.keys:
         layers.setdefault(_layer_of(k), []).append(k)
-    per_layer = {name: [math.sqrt(sum(float(tv.stacked[k][i].pow(2).sum()) for k in keys)) for i in range(tv.num_tasks)]
+    per_layer = {name: [math.sqrt(sum(float(tv.row(k, i).pow(2).sum()) for k in keys)) for i in range(tv.num_tasks)]
                  for name, keys in layers.items()}
     glob = [float(_flat(tv, i).norm()) for i in range(tv.num_tasks)]
     base = math.sqrt(sum(float(v.pow(2).sum()) for v in tv.base.values()))
@@ -72,7 +72,7 @@ def spectra(tv, key: str) -> dict:
     """Singular values of every τt and of every centred θt − θavg for one matrix."""
     if key not in tv.matrices:
         raise MergerError(f"{key} is not an attention/MLP matrix")
-    x = tv.stacked[key]
+    x = tv.fp32(key)
     return {"uncentred": torch.linalg.svdvals(x).tolist(), "centred": torch.linalg.svdvals(x - x.mean(0)).tolist()}
 
 
@@ -87,7 +87,7 @@ def reconstruction_and_interference(tv, ks: Sequence[int], centred: bool, keys: 
     keys = list(keys or tv.matrices)
     per = {k: {"R": [], "I": []} for k in keys}
     for key in keys:
-        x = tv.stacked[key]
+        x = tv.fp32(key)
         if centred:
             x = x - x.mean(0)
         s, vh = _sv(x)  # [T, r], [T, r, n]

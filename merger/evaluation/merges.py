@@ -4,9 +4,13 @@ weighting, for a method that prepares on the weighted task vectors), what is der
 queue (they run beside the resident model's work, never during another apply)."""
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
 from collections import Counter, OrderedDict
 
 from merger import methods
+from merger.io import disk_cache
 from merger.errors import MergerError
 from merger.spec import Spec, with_block_weights
 
@@ -17,6 +21,13 @@ def lru_put(cache: OrderedDict, key, value, size: int):
     while len(cache) > size:
         cache.popitem(last=False)
     return value
+
+
+@functools.lru_cache(maxsize=None)
+def _code_hash(fn) -> str:
+    """sha256 of the source file defining a method's prepare: editing the method invalidates its entries."""
+    with open(inspect.getsourcefile(fn), "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
 
 
 class Merges:
@@ -31,6 +42,7 @@ class Merges:
         self._prepared: OrderedDict = OrderedDict()
         self._derived: OrderedDict = OrderedDict()
         self._deltas: OrderedDict = OrderedDict()
+        self.disk = disk_cache.DiskCache()
 
     @staticmethod
     def _prepared_key(method, experts: tuple[str, ...], prepare_args: dict, scale: tuple = ()) -> tuple:
@@ -44,7 +56,33 @@ class Merges:
         if key in self._prepared:
             self._prepared.move_to_end(key)
             return key, self._prepared[key]
-        return key, self._store_prepared(key, method.prepare_with(self._task_vectors(experts, scale), **prepare_args))
+        return key, self._store_prepared(key, self._compute(method, experts, prepare_args, scale))
+
+    def _compute(self, method, experts: tuple[str, ...], prepare_args: dict, scale: tuple, progress=None, cancel=None):
+        """A preparation from the disk cache, else computed (and written there when worth it)."""
+        tv = self._task_vectors(experts, scale)
+        store = self._disk_key(method, experts, prepare_args, scale, tv)
+        if store is not None:
+            hit = self.disk.get(store)
+            if hit is not None:
+                self.counts["disk hits"] += 1
+                return disk_cache.unflatten(hit[1], hit[0], tv, tv.device)
+        state = method.prepare_with(tv, progress, cancel, **prepare_args)
+        if store is not None:
+            tensors, structure = disk_cache.flatten(state)
+            self.disk.put(store, f"{method.name} over {', '.join(experts)}", tensors, structure)
+        return state
+
+    def _disk_key(self, method, experts, prepare_args: dict, scale: tuple, tv) -> str | None:
+        """The disk-cache key of a slow preparation over experts read from files, else None."""
+        if not (method.slow_prepare and self.disk.enabled) or tv.numel() * tv.num_tasks < disk_cache.WORTH_ENTRIES:
+            return None
+        if self.pool.base_path is None or any(self.pool.expert_info[e].get("path") is None for e in experts):
+            return None  # an in-memory pool or a lab expert: nothing on disk names it
+        hashes = self.pool.file_hashes()
+        return disk_cache.key_of({"kind": "prepared", "method": method.name, "code": _code_hash(method.prepare),
+                                  "base": hashes["base"], "experts": [[e, hashes[e]] for e in experts],
+                                  "args": prepare_args, "scale": list(scale), "dtype": str(tv.dtype)})
 
     def _task_vectors(self, experts: tuple[str, ...], scale: tuple = ()):
         tv = self.pool.task_vectors.subset(experts)
@@ -98,7 +136,7 @@ class Merges:
             return
         # A preparation reads the task vectors, never the resident model: it runs beside the
         # previews instead of holding the queue for a minute, and only its result goes in under it.
-        state = m.prepare_with(self._task_vectors(spec.experts, scale), progress, cancel, **args)
+        state = self._compute(m, spec.experts, args, scale, progress, cancel)
         with self.queue:
             self._store_prepared(self._prepared_key(m, spec.experts, args, scale), state)
 
@@ -120,7 +158,11 @@ class Merges:
                     self._derived.move_to_end(dkey)
                     state = self._derived[dkey]
                 else:
-                    state = lru_put(self._derived, dkey, m.derive(state, **dict(dargs)), 4)
+                    near = {}
+                    if m.derive_near and self.pool.task_vectors.numel() * len(spec.experts) > self.inline_entries:
+                        # large pools only: small ones recompute in milliseconds and stay path-independent
+                        near = {"near": [v for (p, _), v in self._derived.items() if p == pkey]}
+                    state = lru_put(self._derived, dkey, m.derive(state, **dict(dargs), **near), 4)
             self.counts["applies"] += 1
             delta = with_block_weights(m.apply(state, **kw, **m.weights_kwargs(key)), key)
         return lru_put(self._deltas, key, delta, self.delta_size)

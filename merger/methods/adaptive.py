@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from merger.errors import Cancelled, DataError, MergerError
-from merger.methods.lowrank import prepare_cart
+from merger.methods.lowrank import cart_task_parts, prepare_cart
 from merger.methods.registry import (ADAMERGING_LOGS, CART_README, INIT, LAM, LR, RANK_RATIO, SAMPLES, STEP_SIZE, STEPS,
                                      TOP_K, Method, Paper, Param, Published, get, register, with_default)
 
@@ -138,16 +138,11 @@ def _check(cancel):
 def _combination(ctx: Context, granularity: str, rank_ratio: float | None):
     tv = ctx.tv
     if rank_ratio is None:  # AdaMerging: θ0 + Σ λ τ
-        anchor, parts = dict(tv.base), dict(tv.stacked)
+        anchor, parts = dict(tv.base), dict(tv.items32())
     else:  # AdaMerging+CART: θavg + Σ λ SVD_k(θt − θavg) on matrices, θavg elsewhere
-        from merger.methods.registry import kept_rank
-
         prep = prepare_cart(tv)
         anchor = {k: tv.base[k] + prep["mean"][k] for k in tv.keys}
-        parts = {}
-        for k, (us, vh) in prep["factors"].items():
-            r = kept_rank(rank_ratio, us.shape[1], vh.shape[2])
-            parts[k] = torch.stack([us[t, :, :r] @ vh[t, :r] for t in range(tv.num_tasks)])
+        parts = cart_task_parts(prep, rank_ratio)
     keys = [k for k in tv.keys if k in parts]
     groups = [keys] if granularity == "task" else [[k] for k in keys]
     names = ["all layers"] if granularity == "task" else [k[len(VISUAL):] for k in keys]
@@ -241,7 +236,7 @@ def run_fw(ctx: Context, progress=None, cancel=None, *, soft: bool, steps: int, 
     t0 = time.perf_counter()
     tv = ctx.tv
     T = tv.num_tasks
-    comb = Combination(tv.base, tv.stacked, [list(tv.keys)])
+    comb = Combination(tv.base, dict(tv.items32()), [list(tv.keys)])
     # Coefficients on the task vectors of [start, θ1..θT]; the start is not a vertex of the hull.
     points = torch.cat([torch.full((1, T), float(lam)), torch.eye(T)]).to(tv.device)
     labels = ["start"] + ctx.tasks

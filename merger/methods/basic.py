@@ -9,7 +9,7 @@ from merger.pool.task_vectors import TaskVectors
 
 
 def prepare_sum(tv: TaskVectors) -> dict:
-    return {"sum": {k: v.sum(0) for k, v in tv.stacked.items()}, "T": tv.num_tasks, "tv": tv}
+    return {"sum": {k: v.sum(0, dtype=torch.float32) for k, v in tv.stacked.items()}, "T": tv.num_tasks, "tv": tv}
 
 
 def _weighted_sum(prepared: dict, task_weights, scale: float) -> dict:
@@ -18,7 +18,7 @@ def _weighted_sum(prepared: dict, task_weights, scale: float) -> dict:
         return {k: s * scale for k, s in prepared["sum"].items()}
     tv = prepared["tv"]
     w = torch.tensor(task_weights, dtype=torch.float32, device=tv.device) * scale
-    return {k: torch.tensordot(w, v, dims=1) for k, v in tv.stacked.items()}
+    return {k: torch.tensordot(w, v, dims=1) for k, v in tv.items32()}
 
 
 def apply_average(prepared: dict, task_weights=None) -> dict:

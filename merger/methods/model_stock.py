@@ -28,9 +28,9 @@ def interpolation_ratio(cos: torch.Tensor, k: int) -> torch.Tensor:
 
 def prepare_model_stock(tv: TaskVectors) -> dict:
     T = tv.num_tasks
-    ratio = {k: interpolation_ratio(_cos_between_experts(v), T) for k, v in tv.stacked.items()}
+    ratio = {k: interpolation_ratio(_cos_between_experts(v), T) for k, v in tv.items32()}
     # θ = t·θavg + (1 − t)·θ0, i.e. Δ = t·mean τ per tensor: no slider, so Δ is computed here once.
-    return {"delta": {k: ratio[k] * v.mean(0) for k, v in tv.stacked.items()},
+    return {"delta": {k: ratio[k] * v.mean(0) for k, v in tv.items32()},
             "ratio": {k: float(r) for k, r in ratio.items()}, "T": T}
 
 

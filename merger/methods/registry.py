@@ -95,6 +95,9 @@ class Method:
     # per rank): prepared state stays immutable, the session caches what is derived from it.
     derive: Callable[..., Any] | None = None
     derive_params: tuple[str, ...] = ()
+    # derive(prepared, near=[states derived before from the same preparation], ...) may start from
+    # one of them (CART: a rank move costs the directions between the two ranks).
+    derive_near: bool = False
     # A one-line remark for the current setting (e.g. "λ has no effect at full rank"), or None.
     note: Callable[[Mapping[str, Any], Any], str | None] | None = None
     defaults_for: Callable[[int], dict[str, Any]] | None = None  # defaults that depend on T

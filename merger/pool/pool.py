@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from merger.errors import CheckpointError, PoolError
-from merger.io import checkpoints, inputs
+from merger.io import checkpoints, disk_cache, inputs
 from merger.pool import schema as pool_schema
 from merger.pool.task_vectors import TaskVectors
 
@@ -34,7 +34,7 @@ class Pool:
 
     def __init__(self, spec: Mapping[str, Any], root: Path, source: str, device: str | torch.device = "cpu",
                  tv_device: str | torch.device | None = None, preloaded: Mapping[str, Any] | None = None,
-                 roots: list | None = None):
+                 roots: list | None = None, tv_dtype: str = "auto"):
         self.source = source
         self.root = root
         # When set (the app sets it), every file the pool names must lie under one of these folders.
@@ -62,19 +62,44 @@ class Pool:
         self.base = checkpoints.strip_prefixes(self.base)
         checkpoints.validate_base(self.base, str(self.base_path))
         self._check_architecture()
-        check_memory(self.base, len(self.expert_info), self.tv_device, self.source)
-        experts = {}
-        for t, info in self.expert_info.items():
-            if preloaded is not None:
-                sd, info["format"] = preloaded["experts"][t], "open_clip"
-            else:
-                sd, info["format"] = self._load(info["path"], f"experts.{t}")
-            fill = ("visual.proj",) if info["format"] == "hf_clip_vision" else ()
-            experts[t] = checkpoints.validate_expert(sd, self.base, f"{info['path']} (expert '{t}')", fill)
-        self.task_vectors = TaskVectors(self.base, experts, device=self.tv_device)
+        check_memory(self.base, len(self.expert_info), self.tv_device, self.source, tv_dtype)
+        self.tv_dtype = tv_dtype
         self._hashes: dict[str, str] = {}
+        self.task_vectors = self._task_vectors(preloaded)
 
     # ---- parsing ------------------------------------------------------------------------
+    def load_expert(self, task: str, preloaded: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+        """One expert's weights, read and checked against the base."""
+        info = self.expert_info[task]
+        if preloaded is not None:
+            sd, info["format"] = preloaded["experts"][task], "open_clip"
+        else:
+            sd, info["format"] = self._load(info["path"], f"experts.{task}")
+        fill = ("visual.proj",) if info["format"] == "hf_clip_vision" else ()
+        return checkpoints.validate_expert(sd, self.base, f"{info['path']} (expert '{task}')", fill)
+
+    def _task_vectors(self, preloaded) -> TaskVectors:
+        """The stacked task vectors: from the disk cache when these very files were opened before,
+        else built reading one expert at a time (a ViT-L/14 × 8 pool never holds 8 checkpoints)."""
+        experts = _Experts(self, preloaded)
+        cache = disk_cache.DiskCache() if preloaded is None else None
+        entries = len(experts) * sum(v.numel() for v in self.base.values() if v.is_floating_point())
+        if cache is None or not cache.enabled or entries < disk_cache.WORTH_ENTRIES:
+            return TaskVectors(self.base, experts, device=self.tv_device, dtype=self.tv_dtype)
+        key = disk_cache.key_of({"kind": "task_vectors", "files": self.file_hashes(), "tasks": self.tasks,
+                                 "dtype": self.tv_dtype})
+        hit = cache.get(key)
+        if hit is not None:
+            try:
+                return TaskVectors.from_stacks(self.base, self.tasks, hit[0], self.tv_device)
+            except PoolError:
+                raise
+            except Exception as exc:  # a stale entry of another layout: rebuilt below
+                disk_cache.log.warning("disk cache: task vectors entry %s refused (%s)", key[:12], exc)
+        tv = TaskVectors(self.base, experts, device=self.tv_device, dtype=self.tv_dtype)
+        cache.put(key, f"task vectors of {self.name} ({', '.join(self.tasks)})", tv.stacked, None)
+        return tv
+
     def _load(self, path: Path, field: str):
         """Weights a key of the pool names; a file that cannot be read is reported with that key."""
         try:
@@ -222,13 +247,30 @@ class Pool:
     def file_hashes(self) -> dict[str, str]:
         """Content hashes of the base and every expert file (computed once)."""
         if not self._hashes:
-            self._hashes["base"] = checkpoints.content_hash(self.base_path)
+            self._hashes["base"] = disk_cache.file_hash(self.base_path)
             for t, info in self.expert_info.items():
-                self._hashes[t] = checkpoints.content_hash(info["path"])
+                if info.get("path") is not None:  # a lab expert lives in memory only
+                    self._hashes[t] = disk_cache.file_hash(info["path"])
         return dict(self._hashes)
 
     def __repr__(self) -> str:
         return f"Pool({self.name!r}, {self.architecture_name}, tasks={self.tasks})"
+
+
+class _Experts(Mapping):
+    """The pool's experts by task, each read from disk when asked for (and not kept)."""
+
+    def __init__(self, pool: Pool, preloaded):
+        self.pool, self.preloaded = pool, preloaded
+
+    def __getitem__(self, task: str):
+        return self.pool.load_expert(task, self.preloaded)
+
+    def __iter__(self):
+        return iter(self.pool.expert_info)
+
+    def __len__(self) -> int:
+        return len(self.pool.expert_info)
 
 
 def read_pool_yaml(path: str | os.PathLike) -> tuple[dict, Path]:
@@ -239,12 +281,13 @@ def read_pool_yaml(path: str | os.PathLike) -> tuple[dict, Path]:
 
 
 def pool_from_state_dicts(name: str, architecture, base, experts: Mapping[str, Mapping], tasks: Mapping | None = None,
-                          device="cpu", tv_device=None) -> Pool:
+                          device="cpu", tv_device=None, tv_dtype: str = "auto") -> Pool:
     """A pool held in memory (no files): for benchmarks and scripts. Tasks may use
     ``data: {memory: {train: (images, labels), test: (images, labels)}}``."""
     spec = {"name": name, "architecture": architecture, "base": "<memory>",
             "experts": {t: f"<memory:{t}>" for t in experts}, "tasks": dict(tasks or {})}
-    return Pool(spec, Path("."), f"<memory pool {name}>", device, tv_device, {"base": base, "experts": experts})
+    return Pool(spec, Path("."), f"<memory pool {name}>", device, tv_device, {"base": base, "experts": experts},
+                tv_dtype=tv_dtype)
 
 
 def resolve_device(device) -> torch.device:
@@ -254,19 +297,21 @@ def resolve_device(device) -> torch.device:
     return d
 
 
-def estimate_bytes(base: Mapping[str, torch.Tensor], n_experts: int) -> int:
-    """Resident bytes of the stacked fp32 task vectors plus the fp32 base of the merged keys."""
+def estimate_bytes(base: Mapping[str, torch.Tensor], n_experts: int, tv_dtype: str = "auto") -> int:
+    """Resident bytes of the stacked task vectors (in their storage dtype) plus the fp32 base of the merged keys."""
     from merger.io.checkpoints import merge_scope
+    from merger.pool.task_vectors import storage_dtype
 
     merged = sum(base[k].numel() for k in merge_scope(base) if base[k].is_floating_point())
-    return 4 * merged * (n_experts + 1)
+    size = torch.empty((), dtype=storage_dtype(tv_dtype, merged * n_experts)).element_size()
+    return size * merged * n_experts + 4 * merged
 
 
-def check_memory(base, n_experts: int, device: torch.device, source: str) -> None:
+def check_memory(base, n_experts: int, device: torch.device, source: str, tv_dtype: str = "auto") -> None:
     """Refuse before loading when the task vectors will not fit in the device's free memory."""
     if device.type != "cuda":
         return
-    need = estimate_bytes(base, n_experts)
+    need = estimate_bytes(base, n_experts, tv_dtype)
     free, _ = torch.cuda.mem_get_info(device)
     if need > 0.85 * free:
         raise PoolError(
@@ -275,7 +320,7 @@ def check_memory(base, n_experts: int, device: torch.device, source: str) -> Non
 
 
 def open_pool(path: str | os.PathLike = "demo", device: str | torch.device = "cpu",
-              tv_device: str | torch.device | None = None, roots: list | None = None) -> Pool:
+              tv_device: str | torch.device | None = None, roots: list | None = None, tv_dtype: str = "auto") -> Pool:
     """Open a pool from a YAML file (or a folder holding pool.yaml); "demo" is the built-in pool."""
     if str(path) == "demo":
         path = demo_pool_path()
@@ -283,7 +328,8 @@ def open_pool(path: str | os.PathLike = "demo", device: str | torch.device = "cp
     if roots is not None:
         roots = list(roots) + [yaml_path.parent]
     verify_manifest(yaml_path.parent)
-    return Pool(spec, yaml_path.parent, str(yaml_path), device=device, tv_device=tv_device, roots=roots)
+    return Pool(spec, yaml_path.parent, str(yaml_path), device=device, tv_device=tv_device, roots=roots,
+                tv_dtype=tv_dtype)
 
 
 def verify_manifest(root: Path) -> None:

@@ -103,7 +103,7 @@ def phenomena(pool, progress=print) -> dict:
     x = analysis.probe_images(ev)
     tv = pool.task_vectors
     idx = [tv.tasks.index(t) for t in tasks]
-    merged = {k: tv.base[k] + lam * tv.stacked[k][idx].sum(0) for k in tv.keys}
+    merged = {k: tv.base[k] + lam * tv.fp32(k)[idx].sum(0) for k in tv.keys}
     experts_w = [tv.expert(i) for i in idx]
     feats = lambda w, xx: analysis.block_features(ev.model.visual, w, xx)  # noqa: E731
     lin = analysis.cross_task_linearity(feats, merged, experts_w, [lam] * len(idx), x, base=tv.base)
