@@ -117,8 +117,8 @@ class Merges:
 
     def prepare_is_slow(self, spec: Spec) -> bool:
         """A static spec whose preparation is not cached, of a slow_prepare method, on a pool large
-        enough that preparing would stall a move (about 2 s: 0.1 µs per task-vector entry, measured
-        for TIES on this 2-core CPU; ViT-B/32 × 8 experts is about a minute): the app then prepares
+        enough that preparing would stall a move (about 2 s; ViT-B/32 × 8 experts takes 5–20 s per method,
+        see `bench merge`): the app then prepares
         it through Run, with progress and Cancel."""
         if not methods.get(spec.method).slow_prepare:
             return False
