@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -23,6 +25,19 @@ def parse_args(argv=None):
     ap.add_argument("--roots", default="", help="comma-separated folders the app may read files from "
                     "(besides the pool's own folder); anything else is refused")
     return ap.parse_args(argv)
+
+
+def _estimate_forwards(session) -> None:
+    """The base's and experts' live forwards (kept on disk for large pools): from then on a
+    weighted-sum move shows its linear estimate at once, before its exact answer."""
+    t0 = time.perf_counter()
+    try:
+        made = session.linear.prepare()
+    except Exception as exc:  # the estimate is a convenience: the exact answers go on without it
+        print(f"linear estimate unavailable: {exc}", file=sys.stderr, flush=True)
+        return
+    print(f"linear estimate ready ({made} forwards made, {time.perf_counter() - t0:.1f} s): weighted-sum moves "
+          "show it first, then the exact answer", flush=True)
 
 
 def main(argv=None) -> int:
@@ -45,6 +60,8 @@ def main(argv=None) -> int:
     print(f"{pool.name}: one live forward {1e3 * forward_s:.0f} ms; " + (
         f"moves answer first on {session.partial_images} images per task, then on all" if session.partial_images
         else "moves answer on the whole live split at once"), flush=True)
+    if session.partial_images:  # a slow pool: the linear estimate's forwards, as batch work behind the moves
+        threading.Thread(target=_estimate_forwards, args=(session,), name="linear-estimate", daemon=True).start()
     history = History(args.history) if args.history else None
     auth = None
     if args.auth:

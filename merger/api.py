@@ -27,13 +27,17 @@ def merge(pool, method: str, *, experts=None, task_weights=None, block_weights=N
 def merge_spec(pool, spec: Spec) -> dict[str, torch.Tensor]:
     """Static methods merge the spec exactly as given; data-driven ones learn their coefficients on
     the pool's validation data (both through the pool's session and its caches)."""
+    return assemble(pool.base, pool.task_vectors, merge_delta(pool, spec))
+
+
+def merge_delta(pool, spec: Spec) -> Mapping[str, torch.Tensor]:
+    """Δ of the spec exactly as given, on the merged keys (what ``merge_spec`` adds to θ0)."""
     m = methods.get(spec.method)
     session = session_for(pool)
     if m.data_driven:
-        return assemble(pool.base, pool.task_vectors, session.delta(spec))
+        return session.delta(spec)
     _, prepared = session.prepared_for(spec, rounded=False)
-    delta = with_block_weights(m.delta(prepared, **spec.kwargs, **m.weights_kwargs(spec)), spec)
-    return assemble(pool.base, pool.task_vectors, delta)
+    return with_block_weights(m.delta(prepared, **spec.kwargs, **m.weights_kwargs(spec)), spec)
 
 
 def merge_state_dicts(

@@ -199,6 +199,16 @@ def cmd_report(args) -> int:
         text, ok = report_coefficients(pool)
         print(text)
         return 0 if ok else 1
+    if args.what == "bf16":
+        from merger.tools.report_bf16 import bf16_rows, format_bf16
+
+        print(format_bf16(bf16_rows(args.pool)))
+        return 0
+    if args.what == "linear":
+        from merger.tools.report_linear import report_linear
+
+        print(report_linear(pool))
+        return 0
     from merger.tools.phenomena import format_phenomena, phenomena
 
     print(format_phenomena(phenomena(pool)))
@@ -293,8 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_landscape)
 
     p = sub.add_parser("report", help="measured reports: adaptive (data-driven merges), phenomena (the papers'), "
-                                      "layout (import cycles, method-name literals, module sizes of this code)")
-    p.add_argument("what", choices=["adaptive", "phenomena", "layout", "coefficients"])
+                                      "layout (import cycles, method-name literals, module sizes of this code), "
+                                      "coefficients (weight moves), linear (the linear estimate's error), "
+                                      "bf16 (task vectors stored in bf16 against fp32)")
+    p.add_argument("what", choices=["adaptive", "phenomena", "layout", "coefficients", "linear", "bf16"])
     p.add_argument("--pool", default="demo")
     p.set_defaults(func=cmd_report)
 
@@ -327,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge/scale: task-vector storage (auto: bf16 above 1 GB in fp32)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--moves", type=int, default=None, help="live/api/scale: distinct λ values per method")
-    p.add_argument("--images", type=int, default=128, help="scale: synthetic images per task")
+    p.add_argument("--images", type=int, default=None, help="scale: synthetic images per task (128); open: test "
+                                                              "images per task (32)")
     p.add_argument("--device", default="cpu", help="scale: cpu or cuda")
     p.add_argument("--naive", type=int, default=30, help="live: how many of them to repeat naively")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods")

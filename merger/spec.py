@@ -159,7 +159,12 @@ def with_block_weights(delta: Mapping[str, torch.Tensor], spec: "Spec") -> Mappi
 
 def assemble(base: Mapping[str, torch.Tensor], tv: TaskVectors, delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """θ0 + Δ on the merged keys, every other tensor of the base as it is (on the CPU)."""
-    out = {k: v for k, v in base.items()}
-    for k, d in delta.items():
-        out[k] = (tv.base[k] + d).to(device="cpu", dtype=base[k].dtype)
-    return out
+    return {k: merged_tensor(base, tv, delta, k) for k in base}
+
+
+def merged_tensor(base: Mapping[str, torch.Tensor], tv: TaskVectors, delta: Mapping[str, torch.Tensor],
+                  key: str) -> torch.Tensor:
+    """One tensor of θ0 + Δ (an export streams them one at a time)."""
+    if key not in delta:
+        return base[key]
+    return (tv.base[key] + delta[key]).to(device="cpu", dtype=base[key].dtype)

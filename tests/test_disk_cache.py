@@ -129,3 +129,18 @@ def test_small_pools_and_a_switched_off_cache_write_nothing(tmp_path, monkeypatc
     monkeypatch.setenv("MERGER_DISK_CACHE", "off")
     _, session, _, _ = prepare(path)
     assert session.counts["prepares"] == 1 and not (tmp_path / "cache" / "computed").exists()
+
+
+def test_a_state_holding_one_tensor_twice_or_views_of_one_buffer_is_cached(tmp_path):
+    """safetensors refuses tensors that share memory: a tensor held in two places is written once
+    and comes back as one tensor; views of one buffer are written apart (the 8-expert crash)."""
+    cache = disk_cache.DiskCache(tmp_path / "c")
+    whole = torch.randn(6, 4)
+    top, bottom = whole[:3], whole[3:]  # contiguous views of one buffer
+    state = {"a": whole, "b": {"again": whole, "top": top, "bottom": bottom}, "n": 3}
+    tensors, structure = disk_cache.flatten(state)
+    assert len(tensors) == 3
+    assert cache.put("k", "shared", tensors, structure) is not None
+    back = disk_cache.unflatten(cache.get("k")[1], cache.get("k")[0])
+    assert back["a"] is back["b"]["again"] and torch.equal(back["a"], whole)
+    assert torch.equal(back["b"]["top"], top) and torch.equal(back["b"]["bottom"], bottom) and back["n"] == 3

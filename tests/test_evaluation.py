@@ -250,3 +250,22 @@ def test_cuda_request_without_cuda_is_a_clear_error(demo_like):
         pytest.skip("this machine has CUDA")
     with pytest.raises(PoolError, match="CUDA is not available"):
         merger.open_pool(path, device="cuda")
+
+
+def test_the_resident_model_skips_the_random_init_and_equals_a_fully_built_one(tiny_pool, monkeypatch):
+    """build_model leaves torch.nn.init out (the base is loaded strictly right after): every
+    parameter and buffer, the non-persistent causal mask included, equals a model built with it."""
+    import contextlib
+
+    from merger import _compat as compat
+
+    pool = merger.open_pool(tiny_pool)
+    fast = pool.build_model()
+    assert torch.nn.init.normal_(torch.zeros(3)).abs().sum() > 0  # the initialisers are back afterwards
+    monkeypatch.setattr(compat, "no_random_init", lambda skip: contextlib.nullcontext())
+    slow = pool.build_model()
+    fast_buffers, slow_buffers = dict(fast.named_buffers()), dict(slow.named_buffers())
+    assert fast_buffers.keys() == slow_buffers.keys() and "attn_mask" in fast_buffers
+    assert all(torch.equal(fast_buffers[k], slow_buffers[k]) for k in slow_buffers)
+    fs, ss = fast.state_dict(), slow.state_dict()
+    assert fs.keys() == ss.keys() and all(torch.equal(fs[k], ss[k]) for k in ss)

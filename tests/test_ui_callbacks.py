@@ -112,18 +112,20 @@ def test_export_offers_the_cli_files(ctl):
 
 
 def test_failed_export_leaves_no_partial_file(ctl, monkeypatch, tmp_path):
-    import safetensors.torch
-
+    from merger.io import export
     from merger.ui import merge_tab as callbacks
 
     monkeypatch.setattr(callbacks, "EXPORT_ROOT", tmp_path)
+    written = []
 
-    def boom(tensors, filename, metadata=None):
-        with open(filename, "wb") as fh:
-            fh.write(b"partial")
-        raise OSError("disk full")
+    def boom(*args):  # the disk fills up after a few tensors of the streamed write
+        if len(written) == 3:
+            raise OSError("disk full")
+        written.append(args[-1])
+        return real(*args)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    real = export.merged_tensor
+    monkeypatch.setattr(export, "merged_tensor", boom)
     files, msg = ctl.export(*controls(ctl))
     assert files is None and "export failed: disk full" in msg
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []

@@ -36,12 +36,18 @@ class Result:
     counts: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     partial: bool = False  # on the first images of each task only (a progressive answer's first part)
+    estimate: bool = False  # the linear estimate (no forward of its own): shown, never stored as a result
     # per task: (correct [N] bool, loss [N]) on the CPU, so subsets of the split cost no forward
     per_image: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def tasks(self) -> list[str]:
         return list(self.accuracy)
+
+    @property
+    def provisional(self) -> bool:
+        """Shown while the exact answer is computed; never cached, recorded or exported."""
+        return self.partial or self.estimate
 
     @property
     def average_accuracy(self) -> float:
@@ -256,18 +262,42 @@ class Evaluator:
                 per_image: dict | None = None) -> tuple[dict, dict, dict]:
         """(accuracy, loss, image count) per task with the weights now in the model; ``limit``: the
         first images of each task only; ``per_image`` (a dict) receives (correct, loss) per image."""
-        acc, loss, counts = {}, {}, {}
         groups = self.inputs(split)
         if limit is not None:
             groups = [(x[:limit], [(t, y[:limit]) for t, y in m]) for x, m in groups]
         self.forwards += 1
         together = self._all_groups_features(split, groups) if tasks is None and limit is None else None
-        for i, (x, members) in enumerate(groups):
-            members = [(t, y) for t, y in members if tasks is None or t in tasks]
-            if not members:
+        features = [None if not any(tasks is None or t in tasks for t, _ in members)
+                    else together[i] if together is not None else self._encode(x)
+                    for i, (x, members) in enumerate(groups)]
+        return self._score(groups, features, tasks, per_image)
+
+    @on_model_thread
+    @torch.inference_mode()
+    def image_features(self, split: str) -> list[torch.Tensor]:
+        """The image tower's output (before normalisation) per input group of a split, with the
+        weights now in the model: one forward (the linear estimate's f(θ; x))."""
+        groups = self.inputs(split)
+        self.forwards += 1
+        together = self._all_groups_features(split, groups)
+        return [(together[i] if together is not None else self._encode(x)).float()
+                for i, (x, _) in enumerate(groups)]
+
+    @torch.inference_mode()
+    def score(self, split: str, features: Sequence[torch.Tensor], per_image: dict | None = None):
+        """(accuracy, loss, image count) per task from image features per input group (as
+        ``image_features`` gives them): the heads, no forward."""
+        return self._score(self.inputs(split), features, None, per_image)
+
+    def _score(self, groups, features, tasks, per_image):
+        acc, loss, counts = {}, {}, {}
+        for (x, members), feats in zip(groups, features):
+            if feats is None:
                 continue
-            feats = F.normalize(together[i] if together is not None else self._encode(x), dim=-1)
+            feats = F.normalize(feats.to(self.device), dim=-1)
             for t, y in members:
+                if tasks is not None and t not in tasks:
+                    continue
                 y = y.to(feats.device)
                 logits = self.logit_scale * feats @ self.heads[t].T
                 correct = logits.argmax(-1) == y

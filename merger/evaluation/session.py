@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
-import time
 import weakref
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ import torch
 from merger import methods
 from merger.errors import MergerError
 from merger.evaluation.evaluator import Evaluator, Result, result_subset
+from merger.evaluation.linear_estimate import LinearEstimate
 from merger.evaluation.merges import Merges, lru_put
 from merger.evaluation.work_queue import WorkQueue
 from merger.spec import Spec
@@ -65,6 +65,7 @@ class PoolSession:
         self.counts: Counter = Counter()  # method applies and prepares (forwards: evaluator.forwards)
         self.merges = Merges(pool, self.queue, self.counts, deltas)
         self.partial_images: int | None = None  # set by measure_live(): images per task of a partial answer
+        self.linear = LinearEstimate(self)  # the base's and experts' features: estimates with no forward
         _SESSIONS[pool] = self
 
     @property
@@ -238,8 +239,9 @@ class PoolSession:
         """The base model's result on a split (computed once)."""
         if split not in self._base:
             with self.queue:
-                if split not in self._base:
-                    self._base[split] = self._with_references(self.evaluator.evaluate(None, split))
+                if split not in self._base:  # the base's features kept for the linear estimate, else a forward
+                    result = self.linear.base_result(split) or self.evaluator.evaluate(None, split)
+                    self._base[split] = self._with_references(result)
         return self._base[split]
 
     def expert_accuracy(self, split: str = "live") -> dict[str, float]:
@@ -250,6 +252,8 @@ class PoolSession:
         """An expert's accuracy on the task it was fine-tuned for (once per expert and split)."""
         key = (expert, split)
         if key not in self._expert_acc:
+            self._expert_acc[key] = self.linear.expert_accuracy(expert, split)
+        if self._expert_acc[key] is None:
             with self.queue:
                 tv = self.pool.task_vectors
                 i = tv.tasks.index(expert)
@@ -269,16 +273,11 @@ class PoolSession:
 
     # ---- progressive answers ----------------------------------------------------------------
     def measure_live(self, budget_s: float = PARTIAL_BUDGET_S) -> float:
-        """Time one full live forward (after the inputs are built and the base is evaluated once,
-        which the app shows anyway); when it is slower than the budget, moves answer first on
-        ``partial_images`` images per task."""
-        base = self.base("live")
-        with self.queue:
-            self.evaluator.load(None)
-            t0 = time.perf_counter()
-            self.evaluator.forward("live")
-            seconds = time.perf_counter() - t0
-        per_task = max(base.counts.values())
+        """Time one full live forward (the base's, after a warm-up; kept with its features, on disk
+        for large pools, so a second open forwards nothing); when it is slower than the budget,
+        moves answer first on ``partial_images`` images per task (or the linear estimate)."""
+        seconds = self.linear.base_forward("live")
+        per_task = max(self.base("live").counts.values())
         if seconds > budget_s:
             self.partial_images = max(2, min(per_task - 1, math.floor(per_task * budget_s / seconds)))
         else:

@@ -7,9 +7,11 @@ folder and are renamed into place, so a failed or interrupted write leaves no pa
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import pickle
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Mapping
 
@@ -230,19 +232,60 @@ def save_safetensors(
     """Write atomically: a temporary file beside the target, then a rename."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+    with _atomic(Path(path)) as tmp:
+        save_file(tensors, tmp, metadata=metadata)
+    return Path(path)
+
+
+@contextmanager
+def _atomic(path: Path):
+    """A temporary file beside ``path`` (mode of an ordinary file), renamed onto it when the block
+    ends without error, removed when it fails: a failed or interrupted write leaves no partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.chmod(tmp, _umask_mode())  # mkstemp makes 0600; exports are ordinary files
+        yield tmp
+        os.chmod(tmp, _umask_mode())  # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+
+
+# safetensors' dtype names (its format: an 8-byte little-endian header length, a JSON header of
+# dtype, shape and byte offsets per tensor, then the raw little-endian bytes back to back)
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def save_safetensors_streamed(layout: Mapping[str, tuple[torch.dtype, tuple]], tensor_of,
+                              path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+    """Write a safetensors file one tensor at a time: the header from each name's (dtype, shape) in
+    ``layout``, then ``tensor_of(name)`` for each in that order, so the whole state dict is never in
+    memory at once (a ViT-L/14 export holds one tensor beside Δ). Atomic, as ``save_safetensors``."""
+    import json
+    import struct
+
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, (dtype, shape) in layout.items():
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, padded with spaces as the format allows
+    with _atomic(Path(path)) as tmp, open(tmp, "wb") as fh:
+        fh.write(struct.pack("<Q", len(blob)) + blob)
+        for name, (dtype, shape) in layout.items():
+            t = tensor_of(name).detach().to("cpu").contiguous()
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise CheckpointError(f"{path}: tensor {name} is {t.dtype} {tuple(t.shape)}, "
+                                      f"the header says {dtype} {tuple(shape)}")
+            fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return Path(path)
 
 
 def _umask_mode() -> int:
@@ -252,18 +295,9 @@ def _umask_mode() -> int:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    with _atomic(Path(path)) as tmp:
+        Path(tmp).write_text(text)
+    return Path(path)
 
 
 def content_hash(path: str | os.PathLike) -> str:

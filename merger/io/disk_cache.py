@@ -65,12 +65,23 @@ class Placeholder:
 
 
 def flatten(state) -> tuple[dict[str, torch.Tensor], Any]:
+    """(tensors by name, the structure that names them). A tensor met twice is written once and
+    read back as one tensor (a preparation may hold it in two places); distinct tensors that share
+    memory (views of one buffer) are copied apart, since safetensors refuses shared memory."""
     tensors: dict[str, torch.Tensor] = {}
+    names: dict[int, str] = {}  # id(tensor) -> its name
+    buffers: set[int] = set()  # the storages already written
 
     def walk(x):
         if isinstance(x, torch.Tensor):
-            name = f"t{len(tensors)}"
-            tensors[name] = x.detach().cpu().contiguous()
+            if id(x) in names:
+                return {"x": names[id(x)]}
+            name = names[id(x)] = f"t{len(tensors)}"
+            t = x.detach().cpu().contiguous()
+            if t.untyped_storage().data_ptr() in buffers:
+                t = t.clone()
+            buffers.add(t.untyped_storage().data_ptr())
+            tensors[name] = t
             return {"x": name}
         if isinstance(x, dict):
             if not all(isinstance(k, str) for k in x):
@@ -88,11 +99,14 @@ def flatten(state) -> tuple[dict[str, torch.Tensor], Any]:
 
 
 def unflatten(structure, tensors: Mapping[str, torch.Tensor], task_vectors=None, device=None):
+    moved: dict[str, torch.Tensor] = {}  # a tensor named twice comes back as one tensor
+
     def walk(node):
         (kind, value), = node.items()
         if kind == "x":
-            t = tensors[value]
-            return t if device is None else t.to(device)
+            if value not in moved:
+                moved[value] = tensors[value] if device is None else tensors[value].to(device)
+            return moved[value]
         if kind == "d":
             return {k: walk(v) for k, v in value.items()}
         if kind in ("t", "l"):

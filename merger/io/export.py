@@ -8,10 +8,10 @@ from pathlib import Path
 
 import yaml
 
-from merger.api import merge_spec
+from merger.api import merge_delta
 from merger.errors import MergerError, PoolError
 from merger.io import checkpoints, inputs
-from merger.spec import Spec
+from merger.spec import Spec, merged_tensor
 
 WEIGHT_KEYS = ("task_weights", "block_weights")  # present only when a weight differs from 1
 SPEC_KEYS = {"merger_version", "method", "params", "experts", "pool", "base", "expert_files", "weights", "created",
@@ -61,11 +61,14 @@ def export_merge(pool, spec: Spec, out: str | Path) -> tuple[Path, Path]:
     if out.suffix != ".safetensors":
         raise MergerError(f"{out}: the output must end in .safetensors")
     inputs.check_writable(out.parent, "--out", MergerError)  # before a merge that may take minutes
-    merged = merge_spec(pool, spec)  # fails before anything is written
+    delta = merge_delta(pool, spec)  # fails before anything is written
     record = spec_record(pool, spec, out)
     text = yaml.safe_dump(record, sort_keys=False)
     yaml_path = spec_path_for(out)
-    weights_tmp = checkpoints.save_safetensors(merged, _temporary(out), metadata={"merger_spec": text})
+    layout = {k: (v.dtype, tuple(v.shape)) for k, v in pool.base.items()}
+    weights_tmp = checkpoints.save_safetensors_streamed(  # θ0 + Δ one tensor at a time
+        layout, lambda k: merged_tensor(pool.base, pool.task_vectors, delta, k), _temporary(out),
+        metadata={"merger_spec": text})
     try:
         spec_tmp = checkpoints.write_text_atomic(_temporary(yaml_path), text)
     except BaseException:

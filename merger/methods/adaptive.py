@@ -340,7 +340,7 @@ for name, display, gran, paper, avg in (("adamerging_task", "AdaMerging (task-wi
                                         ("adamerging_layer", "AdaMerging (layer-wise)", "layer", ADA_PAPER, 80.1)):
     register(Method(
         name=name, display_name=display, paper=paper, objective="entropy", iterate="snapshot",
-        weights=learned_weights,
+        weights=learned_weights, weighted_sum=gran == "task",
         description=f"θ0 + Σt λt{'' if gran == 'task' else ',l'} τt{'' if gran == 'task' else ',l'}, λ learned by "
                     "minimising prediction entropy on unlabeled validation images (Adam, clamp [0, 1]).",
         params=ADA_PARAMS, prepare=_unused, apply=_unused, run=_ada(gran),
@@ -367,7 +367,7 @@ def _fw(soft: bool) -> Callable:
 
 register(Method(
     name="fw_hard", display_name="FW-Merging (hard)", paper=FW_PAPER, objective="calibration loss",
-    iterate="iteration", weights=learned_weights,
+    iterate="iteration", weights=learned_weights, weighted_sum=True,
     description="Frank–Wolfe over the convex hull of the experts, from the start θ0 + lam Σ τ (TA; 0: the base): "
                 "each iteration moves γi = step_size · 2/(i+2) of the way to the expert the linearised "
                 "calibration loss prefers (the LMO).",
@@ -378,7 +378,7 @@ register(Method(
                 "cosines against full weights). Cross-entropy on a labelled calibration set from validation."))
 FW_SOFT = register(Method(
     name="fw_soft", display_name="FW-Merging (soft)", paper=FW_PAPER, objective="calibration loss",
-    iterate="iteration", weights=learned_weights,
+    iterate="iteration", weights=learned_weights, weighted_sum=True,
     description="Frank–Wolfe with the top-k LMO vertices: λ* = argmin over the k-simplex of the calibration loss "
                 "of Σj λj s̃j (projected gradient with backtracking), θ ← θ + Σj λ*j (s̃j − θ); start = TA with "
                 "λ = lam (0: the base); the result is the iterate with the lowest calibration loss.",

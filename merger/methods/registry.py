@@ -133,6 +133,10 @@ class Method:
     # them in apply (``apply(..., task_weights=[w per expert])``: cheap, a move like λ's) says so;
     # any other static method prepares on the weighted task vectors (a preparation per weighting).
     task_weighted: bool = False
+    # Δ is exactly Σ wₜτₜ with ``weights`` as the wₜ (times any task weights): cross-task linearity
+    # then estimates its result from the experts' forwards with none of its own (the linear estimate).
+    # Its ``weights`` read the parameters (static: state is None) or the run, never a preparation.
+    weighted_sum: bool = False
 
     @property
     def data_driven(self) -> bool:

@@ -189,19 +189,20 @@ class Pool:
     def build_model(self, load_base: bool = True, device: str = "cpu") -> torch.nn.Module:
         """A fresh open_clip model of the pool's architecture, with the base weights
         (on the meta device: shapes only, for checking checkpoints against the architecture)."""
-        from merger._compat import open_clip
+        from merger._compat import no_random_init, open_clip
 
         oc = open_clip()
-        if "config" in self.architecture:
-            with torch.device(device):
-                model = oc.CLIP(**self.architecture["config"])
-        else:
-            try:
-                model = oc.create_model(self.architecture["model"], pretrained=None, device=device)
-            except RuntimeError as exc:
-                raise PoolError(f"{self.source}: architecture {self.architecture['model']!r}: {exc}") from None
+        with no_random_init(load_base and device != "meta"):
+            if "config" in self.architecture:
+                with torch.device(device):
+                    model = oc.CLIP(**self.architecture["config"])
+            else:
+                try:
+                    model = oc.create_model(self.architecture["model"], pretrained=None, device=device)
+                except RuntimeError as exc:
+                    raise PoolError(f"{self.source}: architecture {self.architecture['model']!r}: {exc}") from None
         if load_base:
-            model.load_state_dict(self.base)
+            model.load_state_dict(self.base)  # strict: every parameter and persistent buffer is overwritten
         return model.eval()
 
     # ---- experts ------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 
 import torch

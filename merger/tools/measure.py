@@ -36,22 +36,27 @@ def reset_peak_rss() -> None:
 
 def random_pool(arch: str, n_experts: int, relative: float = 1e-3, seed: int = 0):
     """An open_clip model with random weights and experts = base + noise of relative size ``relative``."""
+    base = random_base(arch, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return base, {f"task{t + 1}": noisy_expert(base, relative, g) for t in range(n_experts)}
+
+
+def random_base(arch: str, seed: int = 0) -> dict:
     from merger._compat import open_clip
 
     torch.manual_seed(seed)
     model = open_clip().create_model(arch, pretrained=None)
-    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    del model
-    g = torch.Generator().manual_seed(seed + 1)
-    experts = {}
-    for t in range(n_experts):
-        sd = {}
-        for k, v in base.items():
-            if k.startswith("visual.") and v.is_floating_point():
-                scale = relative * float(v.float().pow(2).mean().sqrt()) + 1e-12
-                sd[k] = v + scale * torch.randn(v.shape, generator=g)
-        experts[f"task{t + 1}"] = sd
-    return base, experts
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def noisy_expert(base: dict, relative: float, g: torch.Generator) -> dict:
+    """The image tower of the base plus noise of relative size ``relative`` per tensor."""
+    sd = {}
+    for k, v in base.items():
+        if k.startswith("visual.") and v.is_floating_point():
+            scale = relative * float(v.float().pow(2).mean().sqrt()) + 1e-12
+            sd[k] = v + scale * torch.randn(v.shape, generator=g)
+    return sd
 
 
 LIVE_METHODS = tuple(m.name for m in methods.all_methods() if m.featured)

@@ -4,8 +4,9 @@ One listener per control (``move``) answers a move with everything that depends 
 Merge plots and summary, the data-driven panel and the landscape's live marker, from one merge and
 one forward. Each move takes a ticket of its session; a move superseded by a newer one of the
 same session before it starts is dropped (its outputs are left as they are). On a slow pool a
-move first shows a partial answer (the first images of each task), then the complete one unless a
-newer move arrived.
+move first shows the linear estimate (a weighted sum of task vectors, once the experts' forwards
+are made: no forward of its own) or else a partial answer (the first images of each task), then
+the complete one unless a newer move arrived.
 
 A History reload sets the experts, the method and every value at once; the browser then fires a
 change event per component, each reading the others as they are at that moment, some not yet
@@ -140,9 +141,9 @@ class MergeTabEvents:
         learned = self._learned(who, experts, method, values)
         skip3 = (gr.skip(),) * 3
         try:
-            images = self._partial_images(experts, method, values)
-            if images is not None:
-                yield (*self.ctl.preview(experts, method, *values, images=images), *learned, gr.skip())
+            first = self._first_answer(experts, method, values)
+            if first is not None:
+                yield (*self.ctl.preview(experts, method, *values, **first), *learned, gr.skip())
                 if queue.superseded(who, ticket):
                     return  # a newer move will answer; this one stops at its partial answer
             ans = self.ctl.answer(experts, method, *values, record=record, session=who, ticket=ticket)
@@ -169,13 +170,18 @@ class MergeTabEvents:
             self._panel[who] = shows
         return (gr.skip(),) * 3 if same else self.ctl.learned(experts, method, *values)
 
-    def _partial_images(self, experts, method, values) -> int | None:
-        """Images per task of a partial first answer: only on a slow pool, for a static method's
-        result not yet computed."""
-        images = self.ctl.session.partial_images
-        if images is None:
+    def _first_answer(self, experts, method, values) -> dict | None:
+        """What a move shows before its complete answer, as ``answer``'s options: only on a slow pool,
+        for a result not yet computed: the linear estimate where its forwards are ready, else a
+        partial answer for a static method."""
+        session = self.ctl.session
+        if session.partial_images is None:
             return None
         spec = self._spec(experts, method, values)
-        if spec is None or methods.get(spec.method).data_driven or self.ctl.session.cached(spec) is not None:
+        if spec is None or session.cached(spec) is not None:
             return None
-        return None if self.ctl.session.prepare_is_slow(spec) else images
+        if session.linear.ready(spec):
+            return {"estimate": True}
+        if methods.get(spec.method).data_driven or session.prepare_is_slow(spec):
+            return None
+        return {"images": session.partial_images}

@@ -14,6 +14,7 @@ import gradio as gr
 
 from merger import methods, plots
 from merger.errors import MergerError
+from merger.evaluation.linear_estimate import LABEL as LINEAR_LABEL
 from merger.evaluation.work_queue import Superseded
 from merger.io.export import export_merge, pool_reference
 from merger.methods import PARAM_NAMES
@@ -55,10 +56,11 @@ class Controller(ControlPanel):
         return (*self.figures(ans), self.summary(ans.spec, ans.result, ans.cached))
 
     def answer(self, experts, method, *values, record: bool = True, session: str | None = None,
-               ticket: int | None = None, images: int | None = None) -> "Answer":
+               ticket: int | None = None, images: int | None = None, estimate: bool = False) -> "Answer":
         """The controls' spec and its result; a new complete result goes into the history unless
         ``record`` is False. ``images``: a partial answer on the first images of each task (never
-        cached, never recorded). A move of a browser ``session`` superseded before it starts raises
+        cached, never recorded); ``estimate``: the linear estimate (no forward; never cached, never
+        recorded). A move of a browser ``session`` superseded before it starts raises
         ``Superseded``. Bad settings give an answer without a result, with the message to show."""
         split = "live"
         try:
@@ -76,7 +78,9 @@ class Controller(ControlPanel):
                               "it with a progress bar (Cancel stops it). Every move after that is live.",
                               "not prepared yet for these experts")
             cached = self.session.cached(spec, split) is not None
-            if images is not None:
+            if estimate:
+                result = self.session.linear.estimate(spec.rounded(), split)
+            elif images is not None:
                 result = self.session.partial(spec.rounded(), images, split)
             else:
                 result = self.session.preview(spec, split, session=session, ticket=ticket)
@@ -84,7 +88,7 @@ class Controller(ControlPanel):
             raise
         except MergerError as exc:
             return Answer(None, None, False, notice(exc), "no result for the current settings")
-        if self.history is not None and not cached and record and not result.partial:
+        if self.history is not None and not cached and record and not result.provisional:
             self.history.record(self.pool_ref, spec.rounded(), result)
         return Answer(spec, result, cached)
 
@@ -127,6 +131,14 @@ class Controller(ControlPanel):
         timing = "cached" if cached else f"{1000 * result.seconds:.0f} ms"
         if result.partial:
             timing += " · ⏳ partial: the first images of each task; the whole live split follows"
+        if result.estimate:
+            timing = (f"≈ {LINEAR_LABEL}: f(θ0) + Σ wₜ (f(θt) − f(θ0)) per image from the experts' cached forwards "
+                      "(no forward of its own) · ⏳ the exact answer follows")
+        shown = None if result.provisional else self.session.linear.shown(spec, result.split)
+        if shown is not None:
+            err = self.session.linear.error(shown, result)
+            timing += (f" · the {LINEAR_LABEL} shown before said <span id='est-acc'>{100 * shown.average_accuracy:.1f}"
+                       f"</span> % ({err['average']:+.1f} points; per task at most {err['max_abs']:.1f})")
         images = sorted(set(result.counts.values()))
         avg, norm = 100 * result.average_accuracy, 100 * result.normalized_accuracy
         lines = [
