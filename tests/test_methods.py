@@ -355,3 +355,27 @@ def test_cart_rank_move_from_a_nearby_rank_equals_the_sum_from_scratch(world):
     # a sum derived from another is never a starting point (no drift accumulates)
     second = cart_sums(prepared, 0.35, near=[cart_sums(prepared, 0.32, near=[start])])
     assert second["exact"]
+
+
+def test_per_matrix_solves_each_matrix_and_gives_the_threads_back():
+    """LAPACK one matrix per thread (lowrank.per_matrix): the same factorisations as the batched
+    call, and torch's thread count restored afterwards, also when the routine fails."""
+    from merger.methods.lowrank import per_matrix
+
+    threads = torch.get_num_threads()
+    g = torch.randn(5, 40, 30, generator=torch.Generator().manual_seed(0))
+    gram = g.mT @ g
+    evals, evecs = per_matrix(torch.linalg.eigh, gram)
+    ref = torch.linalg.eigh(gram)
+    assert torch.allclose(evals, ref.eigenvalues, rtol=1e-4, atol=1e-3)
+    assert torch.allclose(evecs @ torch.diag_embed(evals) @ evecs.mT, gram, rtol=1e-4, atol=1e-2)
+    u, s, vh = per_matrix(lambda m: torch.linalg.svd(m, full_matrices=False), g)
+    assert torch.allclose(u @ torch.diag_embed(s) @ vh, g, atol=1e-4)
+    assert torch.get_num_threads() == threads
+
+    def broken(m):
+        raise RuntimeError("no convergence")
+
+    with pytest.raises(RuntimeError, match="no convergence"):
+        per_matrix(broken, g)
+    assert torch.get_num_threads() == threads
