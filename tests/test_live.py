@@ -6,6 +6,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from helpers import controls, ui_controller
 
 import merger
@@ -313,3 +314,22 @@ def test_every_forward_runs_on_the_one_model_thread_whoever_calls(ctl, monkeypat
     ctl.session.evaluate_exact(ctl.session.spec("task_arithmetic", lam=0.123))  # and from this thread
     assert len(seen) >= 4 and len(set(seen)) == 1
     assert seen[0] not in {t.ident for t in callers} | {threading.get_ident()}
+
+
+@pytest.mark.parametrize("method", ["ties", "dare_linear", "dare_ties"])
+def test_a_lambda_move_of_ties_or_dare_scales_the_merge_it_derived(ctl, method):
+    """TIES and DARE derive their merge at λ = 1 once per sparsity and task weighting; a λ move is
+    then one scale of it (no pass over every entry), and equals the merge made from scratch."""
+    session = ctl.session
+    first = session.tasks[0]
+    before = session.counts["derives"]
+    for lam in (0.55, 0.65, 0.75):
+        spec = session.spec(method, lam=lam, sparsity=0.6)
+        delta = session.merges.delta(spec)
+    assert session.counts["derives"] == before + 1
+    ref = merger.merge(ctl.pool, method, lam=0.75, sparsity=0.6)
+    base = ctl.pool.task_vectors.base
+    assert all(torch.allclose(base[k] + delta[k], ref[k], atol=1e-6) for k in delta)
+    session.merges.delta(session.spec(method, lam=0.75, sparsity=0.7))
+    session.merges.delta(session.spec(method, lam=0.75, sparsity=0.7, task_weights={first: 0.5}))
+    assert session.counts["derives"] == before + 3  # a sparsity move and a weight move derive again

@@ -152,7 +152,8 @@ class Merges:
         with self.queue:
             pkey, state = self.prepared_for(key, rounded=False)
             if m.derive is not None:
-                dargs = tuple((k, kw[k]) for k in m.derive_params)
+                dargs = tuple((k, tuple(v) if isinstance(v, list) else v)
+                              for k, v in m.derive_kwargs({**kw, **m.weights_kwargs(key)}).items())
                 dkey = (pkey, dargs)
                 if dkey in self._derived:
                     self._derived.move_to_end(dkey)
@@ -162,6 +163,7 @@ class Merges:
                     if m.derive_near and self.pool.task_vectors.numel() * len(spec.experts) > self.inline_entries:
                         # large pools only: small ones recompute in milliseconds and stay path-independent
                         near = {"near": [v for (p, _), v in self._derived.items() if p == pkey]}
+                    self.counts["derives"] += 1
                     state = lru_put(self._derived, dkey, m.derive(state, **dict(dargs), **near), 4)
             self.counts["applies"] += 1
             delta = with_block_weights(m.apply(state, **kw, **m.weights_kwargs(key)), key)

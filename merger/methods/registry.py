@@ -150,8 +150,16 @@ class Method:
 
     def delta(self, prepared, **params) -> Mapping[str, Any]:
         """Δ for these parameters without any cache (derive, if any, then apply)."""
-        state = self.derive(prepared, **{k: params[k] for k in self.derive_params}) if self.derive else prepared
+        state = self.derive(prepared, **self.derive_kwargs(params)) if self.derive else prepared
         return self.apply(state, **params)
+
+    def derive_kwargs(self, params: Mapping[str, Any]) -> dict:
+        """What derive takes: its parameters, and the task weights of a task-weighted method (TIES
+        and DARE merge at λ = 1 with them; λ is then one scale)."""
+        out = {k: params[k] for k in self.derive_params}
+        if self.task_weighted and params.get("task_weights") is not None:
+            out["task_weights"] = params["task_weights"]
+        return out
 
     def weights_kwargs(self, spec) -> dict:
         """What apply takes of a spec's task weights (nothing unless the method takes them)."""

@@ -185,6 +185,19 @@ def _weights(task_weights) -> torch.Tensor | None:
     return None if task_weights is None else torch.tensor(task_weights, dtype=torch.float32)
 
 
+def merged_at(apply):
+    """TIES' and DARE's derive step: the merge at λ = 1 for one sparsity (and task weighting), so a
+    λ move is one scale of it (λ multiplies the whole merge), not a pass over every entry."""
+    def derive(prepared: dict, sparsity: float, task_weights=None) -> dict:
+        return {"merged": apply(prepared, 1.0, sparsity, task_weights=task_weights)}
+    return derive
+
+
+def scaled(derived: dict, lam: float, **_) -> dict:
+    """λ times the derived merge (the apply of TIES and DARE)."""
+    return {k: v * lam for k, v in derived["merged"].items()}
+
+
 def apply_ties(prepared: dict, lam: float, sparsity: float, task_weights=None) -> dict:
     tv = prepared["tv"]
     thr = _thresholds(prepared, sparsity).to(tv.device)[:, None]
@@ -218,7 +231,9 @@ TIES = register(Method(
     description="Trim each τt to its top (1 − sparsity) by magnitude, elect signs, disjoint mean; θ0 + λ·that.",
     params=(LAM, SPARSITY),
     prepare=prepare_ties,
-    apply=apply_ties,
+    derive=merged_at(apply_ties),
+    derive_params=("sparsity",),
+    apply=scaled,
     task_weighted=True,
     tune_grid={"lam": frange(0.4, 1.5, 0.1), "sparsity": (0.5, 0.7, 0.8, 0.9)},
     weights=sum_weights("mean"),
@@ -273,7 +288,7 @@ def _dare_fused(prepared: dict, lam: float, p: float, task_weights, disjoint: bo
                       scale, w, disjoint).mul_(lam).reshape(v.shape[1:]) for k, v in tv.stacked.items()}
 
 
-def apply_dare_linear(prepared: dict, lam: float, sparsity: float, seed: int, task_weights=None) -> dict:
+def apply_dare_linear(prepared: dict, lam: float, sparsity: float, seed: int | None = None, task_weights=None) -> dict:
     fast = _dare_fused(prepared, lam, sparsity, task_weights, False)
     if fast is not None:
         return fast
@@ -292,7 +307,7 @@ def apply_dare_linear(prepared: dict, lam: float, sparsity: float, seed: int, ta
     return delta
 
 
-def apply_dare_ties(prepared: dict, lam: float, sparsity: float, seed: int, task_weights=None) -> dict:
+def apply_dare_ties(prepared: dict, lam: float, sparsity: float, seed: int | None = None, task_weights=None) -> dict:
     fast = _dare_fused(prepared, lam, sparsity, task_weights, True)
     if fast is not None:
         return fast
@@ -315,7 +330,9 @@ register(Method(
     description="Drop each τ entry with probability p = sparsity, rescale by 1/(1 − p), then task arithmetic.",
     params=(with_default(LAM, 0.3), DARE_P, SEED),
     prepare=prepare_dare,
-    apply=apply_dare_linear,
+    derive=merged_at(apply_dare_linear),
+    derive_params=("sparsity",),
+    apply=scaled,
     task_weighted=True,
     prepare_params=("seed",),
     tune_grid={"lam": frange(0.1, 1.0, 0.1), "sparsity": (0.5, 0.7, 0.9)},
@@ -331,7 +348,9 @@ register(Method(
     description="Drop and rescale as DARE, then TIES' sign election and disjoint mean; θ0 + λ·that.",
     params=(LAM, DARE_P, SEED),
     prepare=prepare_dare,
-    apply=apply_dare_ties,
+    derive=merged_at(apply_dare_ties),
+    derive_params=("sparsity",),
+    apply=scaled,
     task_weighted=True,
     prepare_params=("seed",),
     tune_grid={"lam": frange(0.4, 1.5, 0.1), "sparsity": (0.5, 0.7, 0.9)},
