@@ -100,6 +100,10 @@ def test_a_slow_pool_shows_the_estimate_then_the_exact_answer_with_the_error_com
     assert f"{100 * est.average_accuracy:.1f}</span> % ({err:+.1f} points" in frames[1][3]
     rows = c.history.rows(pool=c.pool_ref)
     assert len(rows) == 1 and rows[0]["average_accuracy"] == exact.average_accuracy  # the exact answer only
+    # moving back to it: the cached answer, with no estimate shown, so none is compared
+    again = list(MergeTabEvents(c, "task_arithmetic").move(SimpleNamespace(session_hash="p"), None,
+                                                           *controls(c, lam=0.45)))
+    assert "cached" in again[0][3] and "est-acc" not in again[0][3]
     # a per-task weight move is estimated too; a TIES move falls back to the partial answer
     frames = list(MergeTabEvents(c, "task_arithmetic").move(
         SimpleNamespace(session_hash="p"), None, *with_weights(c, controls(c, lam=0.45), {session.tasks[0]: 0.5})))
@@ -132,3 +136,9 @@ def test_the_forwards_are_kept_on_disk_and_a_second_open_makes_none(tmp_path, mo
     third = PoolSession(open_pool(path))
     third.evaluator.inputs("live")[0][0][0].add_(1.0)
     assert third.linear.missing(third.tasks) == ["", *third.tasks]
+    # nor another architecture over the same files
+    fourth = PoolSession(open_pool(path))
+    assert fourth.linear.missing(fourth.tasks) == []
+    fourth.pool.architecture = {**fourth.pool.architecture, "note": "another model"}
+    fourth.linear._features.clear()
+    assert fourth.linear.missing(fourth.tasks) == ["", *fourth.tasks]

@@ -168,3 +168,22 @@ def test_the_streamed_export_equals_the_in_memory_merge_bit_for_bit(tiny_pool, t
             assert t.dtype == v.dtype and t.shape == v.shape, k
             assert torch.equal(t.reshape(-1).view(torch.uint8), v.contiguous().reshape(-1).view(torch.uint8)), k
     assert any(not torch.equal(ref[k], pool.base[k]) for k in pool.task_vectors.keys)  # a merge, not the base
+
+
+def test_the_streamed_writer_stores_every_dtype_safetensors_has_and_names_one_it_has_not(tmp_path):
+    from safetensors.torch import load_file
+
+    from merger.errors import CheckpointError
+    from merger.io.checkpoints import save_safetensors_streamed
+
+    tensors = {"f8": torch.randn(3, 4).to(torch.float8_e4m3fn), "bf": torch.randn(5).bfloat16(),
+               "i": torch.arange(6).reshape(2, 3), "b": torch.tensor([True, False])}
+    layout = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
+    out = save_safetensors_streamed(layout, tensors.__getitem__, tmp_path / "m.safetensors")
+    back = load_file(out)
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k].view(torch.uint8), v.view(torch.uint8))
+               for k, v in tensors.items())
+    with pytest.raises(CheckpointError, match="c is torch.complex64"):
+        save_safetensors_streamed({"c": (torch.complex64, (2,))}, lambda k: torch.zeros(2, dtype=torch.complex64),
+                                  tmp_path / "c.safetensors")
+    assert not (tmp_path / "c.safetensors").exists()

@@ -15,8 +15,8 @@ result: not cached as one, not recorded in the history, not exported. Once the e
 arrives, the difference between the two (``error``) is computed from both, never assumed.
 
 The forwards are kept in memory and, for pools read from files, on disk (``io/disk_cache.py``),
-keyed by the content hashes of the base and the expert file, the stack's dtype, the device type
-and a fingerprint of the split's inputs (labels, shapes and every 1009th input value: changed
+keyed by the content hashes of the base and the expert file, the architecture, this code and the
+evaluator's, the stack's dtype, the device type and a fingerprint of the split's inputs (labels, shapes and every 1009th input value: changed
 images give other features, so they must not find the old ones).
 """
 from __future__ import annotations
@@ -24,10 +24,12 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 
 from merger import methods
+from merger.evaluation import evaluator as evaluator_module
 from merger.evaluation.evaluator import Result
 from merger.evaluation.merges import lru_put
 from merger.io import disk_cache
@@ -36,6 +38,8 @@ from merger.spec import Spec
 LABEL = "linear estimate"
 _STRIDE = 1009  # the fingerprint reads every 1009th input value (a prime: no alignment with rows)
 _BASE = ""  # the base's name among the models whose features are kept (no expert is called "")
+# the code that makes and reads the features: editing it invalidates their disk entries
+_CODE = hashlib.sha256(b"".join(Path(f).read_bytes() for f in (__file__, evaluator_module.__file__))).hexdigest()
 
 
 class LinearEstimate:
@@ -186,7 +190,8 @@ class LinearEstimate:
         hashes = pool.file_hashes()
         return disk_cache.key_of({"kind": "features", "base": hashes["base"], "expert": hashes.get(name) if name else None,
                                   "split": split, "inputs": self._fingerprint(split), "dtype": str(tv.dtype),
-                                  "device": self.session.evaluator.device.type})
+                                  "device": self.session.evaluator.device.type, "architecture": pool.architecture,
+                                  "code": _CODE})
 
     def _fingerprint(self, split: str) -> str:
         if split not in self._fingerprints:

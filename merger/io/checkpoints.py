@@ -258,7 +258,8 @@ def _atomic(path: Path):
 # dtype, shape and byte offsets per tensor, then the raw little-endian bytes back to back)
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
+                       torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+                       torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}
 
 
 def save_safetensors_streamed(layout: Mapping[str, tuple[torch.dtype, tuple]], tensor_of,
@@ -272,6 +273,8 @@ def save_safetensors_streamed(layout: Mapping[str, tuple[torch.dtype, tuple]], t
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, (dtype, shape) in layout.items():
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} is {dtype}, which safetensors cannot store")
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size

@@ -24,30 +24,33 @@ _LAPACK_POOL: ThreadPoolExecutor | None = None
 
 def per_matrix(fn, x: torch.Tensor):
     """``fn`` (a LAPACK routine: eigh, svd) on each matrix of a batch [B, ...], each single-
-    threaded, as many at once as torch has threads; the results stacked as ``fn`` returns them.
+    threaded on a worker thread, as many at once as torch has threads; the results stacked as
+    ``fn`` returns them.
 
     LAPACK's syevd and gesdd fork and join their OpenMP team many times per matrix. Once a second
     thread of this process has run torch work (the model thread's forwards always have), libgomp
     has more threads than cores and throttles its spin-wait, and each join pays a sleep: a batched
     eigh of 8 Grams of 768² then took 0.80 s instead of 0.17 s on this 2-core machine. One matrix
-    per thread, single-threaded, takes 0.13 s in either state. torch's thread count is process-wide,
-    so it is lowered only under a lock (a forward running meanwhile also runs single-threaded)."""
+    per worker, single-threaded, takes 0.13 s in either state. A worker's thread count is its own,
+    but setting it also sets the count new threads start with: that is put back to the caller's
+    afterwards, under a lock."""
     global _LAPACK_POOL
     if x.device.type != "cpu":  # a GPU solves the batch at once
-        out = fn(x)
-        return tuple(out)
-    threads = torch.get_num_threads()
+        return tuple(fn(x))
     with _LAPACK_LOCK:
+        threads = torch.get_num_threads()
         if _LAPACK_POOL is None:
-            # each worker's own OpenMP setting (per thread) stays at one thread
-            _LAPACK_POOL = ThreadPoolExecutor(max(1, threads), thread_name_prefix="merger-lapack",
-                                              initializer=torch.set_num_threads, initargs=(1,))
-        torch.set_num_threads(1)
+            _LAPACK_POOL = ThreadPoolExecutor(max(1, threads), thread_name_prefix="merger-lapack")
         try:
-            parts = list(_LAPACK_POOL.map(fn, x.unbind(0)))
+            parts = list(_LAPACK_POOL.map(lambda m: _single_threaded(fn, m), x.unbind(0)))
         finally:
             torch.set_num_threads(threads)
     return tuple(torch.stack(p) for p in zip(*parts))
+
+
+def _single_threaded(fn, m: torch.Tensor):
+    torch.set_num_threads(1)
+    return fn(m)
 
 
 def _svd(x: torch.Tensor):

@@ -155,7 +155,8 @@ class MergeTabEvents:
             return
         self.saw(who, [ans.spec])  # answer() without images is complete
         # The numbers first (what a person reads), then the figures, which take the browser longer to draw.
-        yield (*skip3, self.ctl.summary(ans.spec, ans.result, ans.cached), *learned, gr.skip())
+        estimated = first is not None and first.get("estimate", False)
+        yield (*skip3, self.ctl.summary(ans.spec, ans.result, ans.cached, estimated), *learned, gr.skip())
         marker = self.landscape.move_live(land_state, experts, method, *values) if self.landscape else gr.skip()
         yield (*self.ctl.figures(ans), gr.skip(), *skip3, marker)
 

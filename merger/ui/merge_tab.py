@@ -124,7 +124,9 @@ class Controller(ControlPanel):
             return empty, empty, empty
         return RunController.views(run)
 
-    def summary(self, spec, result, cached: bool) -> str:
+    def summary(self, spec, result, cached: bool, estimated: bool = False) -> str:
+        """The summary markdown; ``estimated``: this move showed the linear estimate first (its
+        error against this exact answer is then stated)."""
         m = methods.get(spec.method)
         rounded = spec.rounded()
         note = m.note(rounded.kwargs, self.session.prepared_state(spec)) if m.note else None
@@ -134,7 +136,7 @@ class Controller(ControlPanel):
         if result.estimate:
             timing = (f"≈ {LINEAR_LABEL}: f(θ0) + Σ wₜ (f(θt) − f(θ0)) per image from the experts' cached forwards "
                       "(no forward of its own) · ⏳ the exact answer follows")
-        shown = None if result.provisional else self.session.linear.shown(spec, result.split)
+        shown = self.session.linear.shown(spec, result.split) if estimated and not result.provisional else None
         if shown is not None:
             err = self.session.linear.error(shown, result)
             timing += (f" · the {LINEAR_LABEL} shown before said <span id='est-acc'>{100 * shown.average_accuracy:.1f}"
