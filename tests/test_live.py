@@ -333,3 +333,15 @@ def test_a_lambda_move_of_ties_or_dare_scales_the_merge_it_derived(ctl, method):
     session.merges.delta(session.spec(method, lam=0.75, sparsity=0.7))
     session.merges.delta(session.spec(method, lam=0.75, sparsity=0.7, task_weights={first: 0.5}))
     assert session.counts["derives"] == before + 3  # a sparsity move and a weight move derive again
+
+
+def test_the_derived_states_kept_shrink_with_the_size_of_a_merge(tmp_path):
+    """Each derived state is about one fp32 Δ: on a pool where only one fits the budget (ViT-L/14:
+    1.2 GB against 2 GB) one is kept, else up to four."""
+    session = ui_controller(tmp_path).session
+    for p in (0.5, 0.6, 0.7, 0.8, 0.9):
+        session.merges.delta(session.spec("ties", lam=0.5, sparsity=p))
+    assert len(session.merges._derived) == 4
+    session.merges.derived_bytes = 4 * session.pool.task_vectors.numel()  # one Δ's worth
+    session.merges.delta(session.spec("ties", lam=0.5, sparsity=0.55))
+    assert len(session.merges._derived) == 1

@@ -34,11 +34,13 @@ class Merges:
     # Task-vector entries (size × experts) above which a slow_prepare method prepares through Run
     # rather than inside a move (see prepare_is_slow).
     INLINE_ENTRIES = 20_000_000
+    DERIVED_BYTES = 2 << 30  # derived states kept: about this much (each about one fp32 Δ), 1 to 4 of them
 
     def __init__(self, pool, queue, counts: Counter, deltas: int = 2):
         self.pool, self.queue, self.counts = pool, queue, counts
         self.delta_size = deltas
         self.inline_entries = self.INLINE_ENTRIES
+        self.derived_bytes = self.DERIVED_BYTES
         self._prepared: OrderedDict = OrderedDict()
         self._derived: OrderedDict = OrderedDict()
         self._deltas: OrderedDict = OrderedDict()
@@ -140,6 +142,13 @@ class Merges:
         with self.queue:
             self._store_prepared(self._prepared_key(m, spec.experts, args, scale), state)
 
+    def _derived_size(self) -> int:
+        """How many derived states to keep: each (CART's rank-k sums, TIES' merge at λ = 1, TSV-M's
+        direction) is about one fp32 Δ, 0.35 GB on ViT-B/32 and 1.2 GB on ViT-L/14, so 4 of them
+        there and 1 here."""
+        delta_bytes = 4 * self.pool.task_vectors.numel()
+        return max(1, min(4, self.derived_bytes // max(1, delta_bytes)))
+
     def delta(self, spec: Spec) -> dict:
         """Δ of a static spec as given (previews pass it rounded): from the small Δ cache, else one
         method apply."""
@@ -164,7 +173,7 @@ class Merges:
                         # large pools only: small ones recompute in milliseconds and stay path-independent
                         near = {"near": [v for (p, _), v in self._derived.items() if p == pkey]}
                     self.counts["derives"] += 1
-                    state = lru_put(self._derived, dkey, m.derive(state, **dict(dargs), **near), 4)
+                    state = lru_put(self._derived, dkey, m.derive(state, **dict(dargs), **near), self._derived_size())
             self.counts["applies"] += 1
             delta = with_block_weights(m.apply(state, **kw, **m.weights_kwargs(key)), key)
         return lru_put(self._deltas, key, delta, self.delta_size)
