@@ -265,23 +265,24 @@ class Evaluator:
         groups = self.inputs(split)
         if limit is not None:
             groups = [(x[:limit], [(t, y[:limit]) for t, y in m]) for x, m in groups]
-        self.forwards += 1
-        together = self._all_groups_features(split, groups) if tasks is None and limit is None else None
-        features = [None if not any(tasks is None or t in tasks for t, _ in members)
-                    else together[i] if together is not None else self._encode(x)
-                    for i, (x, members) in enumerate(groups)]
+        features = self._group_features(split, groups, tasks, whole=limit is None)
         return self._score(groups, features, tasks, per_image)
 
     @on_model_thread
     @torch.inference_mode()
     def image_features(self, split: str) -> list[torch.Tensor]:
-        """The image tower's output (before normalisation) per input group of a split, with the
-        weights now in the model: one forward (the linear estimate's f(θ; x))."""
-        groups = self.inputs(split)
+        """The image tower's output (before normalisation, fp32) per input group of a split, with
+        the weights now in the model: one forward (the linear estimate's f(θ; x))."""
+        return self._group_features(split, self.inputs(split), None, whole=True)
+
+    def _group_features(self, split: str, groups, tasks, whole: bool) -> list[torch.Tensor | None]:
+        """One forward: features per input group (None for a group none of ``tasks`` reads); all
+        groups in one batch when every one is wanted and ``whole`` (the split's own inputs)."""
         self.forwards += 1
-        together = self._all_groups_features(split, groups)
-        return [(together[i] if together is not None else self._encode(x)).float()
-                for i, (x, _) in enumerate(groups)]
+        together = self._all_groups_features(split, groups) if tasks is None and whole else None
+        return [None if not any(tasks is None or t in tasks for t, _ in members)
+                else together[i] if together is not None else self._encode(x)
+                for i, (x, members) in enumerate(groups)]
 
     @torch.inference_mode()
     def score(self, split: str, features: Sequence[torch.Tensor], per_image: dict | None = None):

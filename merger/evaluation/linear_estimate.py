@@ -24,13 +24,12 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from pathlib import Path
 
 import torch
 
 from merger import methods
-from merger.evaluation import evaluator as evaluator_module
-from merger.evaluation.evaluator import Result
+from merger.errors import MergerError
+from merger.evaluation.evaluator import Evaluator, Result
 from merger.evaluation.merges import lru_put
 from merger.io import disk_cache
 from merger.spec import Spec
@@ -38,8 +37,6 @@ from merger.spec import Spec
 LABEL = "linear estimate"
 _STRIDE = 1009  # the fingerprint reads every 1009th input value (a prime: no alignment with rows)
 _BASE = ""  # the base's name among the models whose features are kept (no expert is called "")
-# the code that makes and reads the features: editing it invalidates their disk entries
-_CODE = hashlib.sha256(b"".join(Path(f).read_bytes() for f in (__file__, evaluator_module.__file__))).hexdigest()
 
 
 class LinearEstimate:
@@ -129,16 +126,13 @@ class LinearEstimate:
             ev.load(None)
         else:
             tv = self.session.pool.task_vectors
-            i = tv.tasks.index(name)
-            ev.load_delta({k: tv.row(k, i) for k in tv.keys})
+            ev.load_delta(tv.task_vector(tv.tasks.index(name)))
         return [f.cpu() for f in ev.image_features(split)]
 
     # ---- the estimate -----------------------------------------------------------------------
     def estimate(self, spec: Spec, split: str = "live") -> Result:
         """The spec's estimated result (``Result.estimate`` is set; never cached as a result). The
         forwards it needs are made first where missing."""
-        from merger.errors import MergerError
-
         if not self.applies(spec):
             raise MergerError(f"{methods.get(spec.method).display_name}: the linear estimate needs a merge "
                               "that is a weighted sum of task vectors, without block weights")
@@ -180,18 +174,16 @@ class LinearEstimate:
     # ---- on disk ----------------------------------------------------------------------------
     def _disk_key(self, name: str, split: str) -> str | None:
         pool = self.session.pool
-        if not self.disk.enabled or pool.base_path is None:
-            return None
         tv = pool.task_vectors
-        if tv.numel() * tv.num_tasks < disk_cache.WORTH_ENTRIES:
+        if not self.disk.enabled or tv.numel() * tv.num_tasks < disk_cache.WORTH_ENTRIES:
             return None  # a small pool forwards in milliseconds
-        if name != _BASE and pool.expert_info[name].get("path") is None:
-            return None  # a lab expert lives in memory only
-        hashes = pool.file_hashes()
+        hashes = pool.file_hashes_of([name] if name else [])
+        if hashes is None:
+            return None
         return disk_cache.key_of({"kind": "features", "base": hashes["base"], "expert": hashes.get(name) if name else None,
                                   "split": split, "inputs": self._fingerprint(split), "dtype": str(tv.dtype),
                                   "device": self.session.evaluator.device.type, "architecture": pool.architecture,
-                                  "code": _CODE})
+                                  "code": disk_cache.source_hash(LinearEstimate, Evaluator)})
 
     def _fingerprint(self, split: str) -> str:
         if split not in self._fingerprints:

@@ -4,9 +4,6 @@ weighting, for a method that prepares on the weighted task vectors), what is der
 queue (they run beside the resident model's work, never during another apply)."""
 from __future__ import annotations
 
-import functools
-import hashlib
-import inspect
 from collections import Counter, OrderedDict
 
 from merger import methods
@@ -21,13 +18,6 @@ def lru_put(cache: OrderedDict, key, value, size: int):
     while len(cache) > size:
         cache.popitem(last=False)
     return value
-
-
-@functools.lru_cache(maxsize=None)
-def _code_hash(fn) -> str:
-    """sha256 of the source file defining a method's prepare: editing the method invalidates its entries."""
-    with open(inspect.getsourcefile(fn), "rb") as fh:
-        return hashlib.sha256(fh.read()).hexdigest()
 
 
 class Merges:
@@ -79,10 +69,11 @@ class Merges:
         """The disk-cache key of a slow preparation over experts read from files, else None."""
         if not (method.slow_prepare and self.disk.enabled) or tv.numel() * tv.num_tasks < disk_cache.WORTH_ENTRIES:
             return None
-        if self.pool.base_path is None or any(self.pool.expert_info[e].get("path") is None for e in experts):
-            return None  # an in-memory pool or a lab expert: nothing on disk names it
-        hashes = self.pool.file_hashes()
-        return disk_cache.key_of({"kind": "prepared", "method": method.name, "code": _code_hash(method.prepare),
+        hashes = self.pool.file_hashes_of(experts)
+        if hashes is None:
+            return None
+        return disk_cache.key_of({"kind": "prepared", "method": method.name,
+                                  "code": disk_cache.source_hash(method.prepare),
                                   "base": hashes["base"], "experts": [[e, hashes[e]] for e in experts],
                                   "args": prepare_args, "scale": list(scale), "dtype": str(tv.dtype)})
 

@@ -258,7 +258,7 @@ class PoolSession:
                 tv = self.pool.task_vectors
                 i = tv.tasks.index(expert)
                 task = self.pool.task_of(expert)
-                self.evaluator.load_delta({k: tv.row(k, i) for k in tv.keys})
+                self.evaluator.load_delta(tv.task_vector(i))
                 self._expert_acc[key] = self.evaluator.forward(split, tasks=[task])[0][task]
         return self._expert_acc[key]
 

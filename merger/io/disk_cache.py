@@ -17,7 +17,9 @@ heads); cap: ``$MERGER_CACHE_GB`` (20 GB); ``MERGER_DISK_CACHE=off`` turns it of
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -59,11 +61,18 @@ def key_of(parts: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-# ---- nested state <-> flat tensors ----------------------------------------------------------------
-class Placeholder:
-    """Marks where the task vectors sat in a prepared state (they are the pool's, never written)."""
+@functools.lru_cache(maxsize=None)
+def source_hash(*objects) -> str:
+    """sha256 of the source files defining these functions, classes or modules: an entry keyed by it
+    is never found again once that code is edited."""
+    h = hashlib.sha256()
+    for obj in objects:
+        with open(inspect.getsourcefile(obj), "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()
 
 
+# ---- nested state <-> flat tensors (the task vectors, the pool's, are a {"tv": 1} node) ----------
 def flatten(state) -> tuple[dict[str, torch.Tensor], Any]:
     """(tensors by name, the structure that names them). A tensor met twice is written once and
     read back as one tensor (a preparation may hold it in two places); distinct tensors that share

@@ -115,22 +115,14 @@ def low_rank_sum(us: torch.Tensor, vh: torch.Tensor, k: int) -> torch.Tensor:
     return torch.mm(*_factors(us, vh, k))
 
 
-def cart_delta(prepared: dict, lam: float, rank) -> dict:
-    """Δ = τ̄ + λ Σt SVD_k(τt − τ̄) on matrices, τ̄ elsewhere. ``rank(m, n) -> k`` (k may be 0).
-
-    Above half the rank the complement is cheaper and exact: the centred Mt sum to zero, so
-    Σt SVD_k(Mt) = −Σt (Mt − SVD_k(Mt)), the directions k..r."""
-    delta = dict(prepared["mean"])
-    for key, (us, vh) in prepared["factors"].items():
-        m, n = us.shape[1], vh.shape[2]
-        k, r = rank(m, n), min(m, n)
-        if not 0 < k < r:  # at k = 0 and at full rank the low-rank sum is exactly zero
-            continue
-        if 2 * k <= r:
-            delta[key] = torch.addmm(prepared["mean"][key], *_factors(us, vh, k), alpha=lam)
-        else:
-            delta[key] = torch.addmm(prepared["mean"][key], *_factors(us, vh, r, start=k), alpha=-lam)
-    return delta
+def rank_k_sum(us: torch.Tensor, vh: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Σt SVD_k(τt − τ̄) of one matrix from scratch, or None where it is exactly zero (k = 0, or
+    full rank: the centred matrices sum to zero). Above half the rank the complement is cheaper
+    and exact: Σt SVD_k(Mt) = −Σt (Mt − SVD_k(Mt)), the directions k..r."""
+    r = min(us.shape[1], vh.shape[2])
+    if not 0 < k < r:
+        return None
+    return torch.mm(*_factors(us, vh, k)) if 2 * k <= r else -torch.mm(*_factors(us, vh, r, start=k))
 
 
 def cart_task_parts(prepared: dict, rank_ratio: float) -> dict:
@@ -153,10 +145,7 @@ def cart_sums(prepared: dict, rank_ratio: float, near=()) -> dict:
         m, n = us.shape[1], vh.shape[2]
         k, r = kept_rank(rank_ratio, m, n), min(m, n)
         out["ranks"][key] = k
-        if not 0 < k < r:
-            out["sums"][key] = None
-            continue
-        usable = [d for d in bases if d["sums"][key] is not None]
+        usable = [d for d in bases if d["sums"][key] is not None] if 0 < k < r else []
         base = min(usable, key=lambda d: abs(d["ranks"][key] - k), default=None)
         if base is not None and abs(base["ranks"][key] - k) < min(k, r - k):
             k0 = base["ranks"][key]
@@ -164,10 +153,8 @@ def cart_sums(prepared: dict, rank_ratio: float, near=()) -> dict:
             out["sums"][key] = torch.addmm(base["sums"][key], *_factors(us, vh, hi, start=lo),
                                            alpha=1.0 if k > k0 else -1.0)
             out["exact"] = False
-        elif 2 * k <= r:
-            out["sums"][key] = torch.mm(*_factors(us, vh, k))
         else:
-            out["sums"][key] = -torch.mm(*_factors(us, vh, r, start=k))
+            out["sums"][key] = rank_k_sum(us, vh, k)
     return out
 
 

@@ -254,6 +254,14 @@ class Pool:
                     self._hashes[t] = disk_cache.file_hash(info["path"])
         return dict(self._hashes)
 
+    def file_hashes_of(self, experts) -> dict[str, str] | None:
+        """Content hashes of the base and these experts' files, or None where one of them is not
+        a file (an in-memory pool, a lab expert): nothing on disk names what is computed from it."""
+        if self.base_path is None or any(self.expert_info[e].get("path") is None for e in experts):
+            return None
+        hashes = self.file_hashes()
+        return {"base": hashes["base"], **{e: hashes[e] for e in experts}}
+
     def __repr__(self) -> str:
         return f"Pool({self.name!r}, {self.architecture_name}, tasks={self.tasks})"
 

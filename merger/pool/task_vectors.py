@@ -146,6 +146,10 @@ class TaskVectors:
     def nbytes(self) -> int:
         return sum(v.numel() * v.element_size() for v in self.stacked.values())
 
+    def task_vector(self, i: int) -> dict[str, torch.Tensor]:
+        """τi per key (fp32)."""
+        return {k: self.row(k, i) for k in self.keys}
+
     def expert(self, i: int) -> dict[str, torch.Tensor]:
         """θi rebuilt from the base and its task vector."""
-        return {k: self.base[k] + self.row(k, i) for k in self.keys}
+        return {k: self.base[k] + d for k, d in self.task_vector(i).items()}

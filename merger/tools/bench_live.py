@@ -20,6 +20,11 @@ import torch
 from merger.tools.measure import LIVE_METHODS, naive_evaluation, percentile
 
 
+def answer_kind(summary: str) -> str:
+    """What a Merge-tab summary shows: the linear estimate, a partial answer, or the complete one."""
+    return "estimate" if "linear estimate" in summary else "partial" if "partial" in summary else "complete"
+
+
 def merge_tab_controls(pool, method, lam):
     """The Merge tab's inputs for ``method`` at its defaults, λ = ``lam``."""
     from merger import methods

@@ -55,7 +55,7 @@ def first_answer(session, lam: float = 0.35) -> tuple[float, str]:
     """Seconds from a move to its first answer in the Merge tab's listener, and its kind."""
     from types import SimpleNamespace
 
-    from merger.tools.bench_live import merge_tab_controls
+    from merger.tools.bench_live import answer_kind, merge_tab_controls
     from merger.ui.merge_events import MergeTabEvents
     from merger.ui.merge_tab import Controller
 
@@ -63,8 +63,7 @@ def first_answer(session, lam: float = 0.35) -> tuple[float, str]:
     t = time.perf_counter()
     first = next(events.move(SimpleNamespace(session_hash="bench"), None,
                              *merge_tab_controls(session.pool, LIVE_METHODS[0], lam)))
-    kind = "estimate" if "linear estimate" in first[3] else "partial" if "partial" in first[3] else "complete"
-    return time.perf_counter() - t, kind
+    return time.perf_counter() - t, answer_kind(first[3])
 
 
 def bench_open(args) -> int:

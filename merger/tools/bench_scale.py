@@ -85,7 +85,7 @@ def progressive_moves(session, lams=(0.35, 0.45), estimate_lams=(0.25, 0.55)) ->
     are made, moves whose first answer is the linear estimate, and its error against the exact."""
     from types import SimpleNamespace
 
-    from merger.tools.bench_live import merge_tab_controls
+    from merger.tools.bench_live import answer_kind, merge_tab_controls
     from merger.ui.merge_events import MergeTabEvents
     from merger.ui.merge_tab import Controller
 
@@ -96,20 +96,16 @@ def progressive_moves(session, lams=(0.35, 0.45), estimate_lams=(0.25, 0.55)) ->
           f"{session.partial_images or 'no'} images per task")
     print(f"{'move (task arithmetic)':<24}{'first answer s':>15}{'kind':>10}{'complete s':>12}")
     ok = True
-    t_prep = None
-    for lam in (*lams, None, *estimate_lams):
-        if lam is None:  # what the app does in the background after opening a slow pool
-            t_prep = time.perf_counter()
-            session.linear.prepare()
-            t_prep = time.perf_counter() - t_prep
-            continue
+
+    def move(lam) -> None:
+        nonlocal ok
         t = time.perf_counter()
         frames = events.move(person, None, *merge_tab_controls(session.pool, LIVE_METHODS[0], lam))
         first = next(frames)
         t_first = time.perf_counter() - t
         list(frames)
         t_all = time.perf_counter() - t
-        kind = "estimate" if "linear estimate" in first[3] else "partial" if "partial" in first[3] else "complete"
+        kind = answer_kind(first[3])
         ok &= t_first <= 5.0
         err = ""
         if kind == "estimate":
@@ -117,6 +113,14 @@ def progressive_moves(session, lams=(0.35, 0.45), estimate_lams=(0.25, 0.55)) ->
             e = session.linear.error(session.linear.shown(spec), session.cached(spec))
             err = f"  estimate − exact {e['average']:+.1f} points (per task at most {e['max_abs']:.1f})"
         print(f"{'λ = ' + str(lam):<24}{t_first:15.2f}{kind:>10}{t_all:12.1f}{err}", flush=True)
+
+    for lam in lams:
+        move(lam)
+    t_prep = time.perf_counter()
+    session.linear.prepare()  # what the app does in the background after opening a slow pool
+    t_prep = time.perf_counter() - t_prep
+    for lam in estimate_lams:
+        move(lam)
     print(f"(the linear estimate's forwards, base and {len(session.tasks)} experts: {t_prep:.1f} s, once per pool; "
           "on disk for pools read from files)")
     print("goal: the first answer within 5 s of a move: " + ("met" if ok else "MISSED"))

@@ -11,9 +11,10 @@ import torch
 from merger.methods import basic
 
 
-def linear_rows(session, split: str = "live", seed: int = 0, draws: int = 8) -> list[dict]:
-    """One row per merge: estimate and exact average accuracy (%), their difference in points
-    (average, and the largest per task), and the seconds each took."""
+def linear_rows(session, split: str = "live", seed: int = 0, draws: int = 8) -> tuple[float, list[dict]]:
+    """(seconds of the base's and experts' forwards, one row per merge): estimate and exact average
+    accuracy (%), their difference in points (average, and the largest per task), and the
+    milliseconds each took."""
     ta, wa = basic.TASK_ARITHMETIC.name, basic.WEIGHT_AVERAGING.name
     specs = [(f"λ = {lam:.1f}", session.spec(ta, lam=lam)) for lam in [i / 10 for i in range(0, 16)]]
     specs.append(("weight averaging", session.spec(wa)))
@@ -34,13 +35,13 @@ def linear_rows(session, split: str = "live", seed: int = 0, draws: int = 8) -> 
         err = session.linear.error(est, exact)
         rows.append({"setting": label, "estimate": 100 * est.average_accuracy, "exact": 100 * exact.average_accuracy,
                      "error": err["average"], "max_task": err["max_abs"], "estimate_ms": 1e3 * (t1 - t0),
-                     "exact_ms": 1e3 * (t2 - t1), "prepare_s": prepared_s})
-    return rows
+                     "exact_ms": 1e3 * (t2 - t1)})
+    return prepared_s, rows
 
 
-def format_linear(rows: list[dict], tasks: int, split: str) -> str:
+def format_linear(prepared_s: float, rows: list[dict], tasks: int, split: str) -> str:
     lines = [f"linear estimate f(θ0) + Σ wₜ (f(θt) − f(θ0)) against the exact forward, {split} split, {tasks} tasks; "
-             f"the base's and experts' forwards once: {rows[0]['prepare_s']:.2f} s",
+             f"the base's and experts' forwards once: {prepared_s:.2f} s",
              f"{'merge':<24}{'estimate %':>11}{'exact %':>9}{'error pts':>10}{'max task':>10}{'est ms':>8}{'exact ms':>10}"]
     for r in rows:
         lines.append(f"{r['setting']:<24}{r['estimate']:11.1f}{r['exact']:9.1f}{r['error']:+10.1f}{r['max_task']:10.1f}"
@@ -63,4 +64,4 @@ def report_linear(pool, split: str = "live") -> str:
     from merger.evaluation.session import PoolSession
 
     session = PoolSession(pool)
-    return format_linear(linear_rows(session, split), len(session.tasks), split)
+    return format_linear(*linear_rows(session, split), len(session.tasks), split)
