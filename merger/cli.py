@@ -204,6 +204,11 @@ def cmd_report(args) -> int:
 
         print(format_bf16(bf16_rows(args.pool)))
         return 0
+    if args.what == "methods":
+        from merger.tools.report_methods import format_methods, method_rows
+
+        print(format_methods(method_rows(pool), pool.tasks))
+        return 0
     if args.what == "linear":
         from merger.tools.report_linear import report_linear
 
@@ -305,8 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="measured reports: adaptive (data-driven merges), phenomena (the papers'), "
                                       "layout (import cycles, method-name literals, module sizes of this code), "
                                       "coefficients (weight moves), linear (the linear estimate's error), "
-                                      "bf16 (task vectors stored in bf16 against fp32)")
-    p.add_argument("what", choices=["adaptive", "phenomena", "layout", "coefficients", "linear", "bf16"])
+                                      "bf16 (task vectors stored in bf16 against fp32), methods (every method "
+                                      "tuned on validation, on test, with its prepare and move times)")
+    p.add_argument("what", choices=["adaptive", "phenomena", "layout", "coefficients", "linear", "bf16", "methods"])
     p.add_argument("--pool", default="demo")
     p.set_defaults(func=cmd_report)
 

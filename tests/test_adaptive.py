@@ -190,7 +190,9 @@ def test_zero_steps_and_negative_learning_rate(ex):
         ex.spec("adamerging_layer", lr=-0.1)
 
 
-def test_no_unlabeled_data_for_a_task(tmp_path):
+@pytest.mark.parametrize("method, params", [("adamerging_task", {"steps": 2}), ("regmean", {"samples": 8}),
+                                            ("fisher", {"samples": 8})])
+def test_no_unlabeled_data_for_a_task(tmp_path, method, params):
     path = write_pool(tmp_path, n_experts=2, demo_data=True)
     spec = yaml.safe_load(path.read_text())
     t = list(spec["tasks"])[1]
@@ -198,7 +200,7 @@ def test_no_unlabeled_data_for_a_task(tmp_path):
     path.write_text(yaml.safe_dump(spec))
     ex = merger.PoolSession(merger.open_pool(path))
     with pytest.raises(DataError, match=f"task '{t}': the val split has no images"):
-        ex.run(ex.spec("adamerging_task", steps=2))
+        ex.run(ex.spec(method, **params))
 
 
 def test_cancel_midway_leaves_a_consistent_state(pool, ex):

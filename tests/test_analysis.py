@@ -207,3 +207,17 @@ def test_interpolation_path_and_logit_ensemble(tmp_path):
     ens = analysis.logit_ensemble_accuracy(ev, [pool.task_vectors.expert(0)], [1.0], "live")
     solo = merger.evaluate(pool, {**pool.base, **pool.task_vectors.expert(0)}, "live")
     assert ens == pytest.approx(solo.accuracy)
+
+
+def test_the_masks_of_magmax_consensus_and_breadcrumbs_reach_the_heterogeneity_view():
+    # hand_made_tv: a = [3, -1, 2, 0.2], b = [-4, 1.5, 1, 0.1]
+    tv = hand_made_tv()
+    magmax = analysis.merge_mask(tv, "magmax")  # the larger |τ| per entry: b, b, a, a
+    assert magmax.tolist() == [[False, False, True, True], [True, True, False, False]]
+    # TALL masks at λ_mask = 0.6 (two tasks: Σ τ − τa = τb): |τa| ≥ 0.6 |τb| everywhere; |τb| ≥ 0.6 |τa| on 0, 1
+    consensus = analysis.merge_mask(tv, "consensus_ta", mask_lambda=0.6, agree=2)
+    assert consensus.tolist() == [[True, True, False, False]] * 2
+    crumbs = analysis.merge_mask(tv, "breadcrumbs", beta=0.25, gamma=0.75)  # drop the largest and the smallest
+    assert crumbs.tolist() == [[False, True, True, False], [False, True, True, False]]
+    out = analysis.heterogeneity(tv, [0.5, 0.5], "consensus_ta", lam=0.3, mask_lambda=0.6, agree=2)
+    assert out["dropped"] == pytest.approx([0.5, 0.5]) and out["mask"] == "consensus_ta"

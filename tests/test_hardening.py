@@ -201,7 +201,10 @@ def test_api_answers_a_non_json_float_with_the_fields_message(server, token, sho
     import json
     import urllib.request
 
-    body = ('{"data": ["ties", %s, null, 0.8, null, null, "live", null, null]}' % token).encode()
+    from merger.ui.endpoint import endpoint_data
+
+    data = json.dumps({"data": endpoint_data("ties", lam="@LAM@", sparsity=0.8)})
+    body = data.replace('"@LAM@"', token).encode()
     url = server["url"] + "gradio_api/call/evaluate"
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     event = json.loads(urllib.request.urlopen(req, timeout=30).read())["event_id"]

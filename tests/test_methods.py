@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from helpers import base_and_experts
+from helpers import base_and_experts, close, random_world
 
 import merger
 from merger.methods.lowrank import prepare_cart, rank_k_sum
@@ -14,19 +14,11 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def world():
-    base, experts = base_and_experts(n_experts=3, scale=0.05)
-    keys = [k for k in base if k.startswith("visual.") and base[k].is_floating_point()]
-    taus = [{k: e[k] - base[k] for k in keys} for e in experts]
-    return base, experts, keys, taus
+    return random_world()
 
 
 def merged_visual(sd, keys):
     return {k: sd[k] for k in keys}
-
-
-def close(a, b, atol=ATOL):
-    for k in b:
-        assert torch.allclose(a[k], b[k], atol=atol), k
 
 
 def kth_threshold(flat_abs, sparsity):
@@ -323,9 +315,10 @@ def test_iso_c_against_the_authors_formula_on_a_wide_tower(wide):
 
 def test_every_static_method_is_deterministic(world):
     base, experts, keys, _ = world
-    for name in [m.name for m in merger.methods.all_methods() if m.data_driven is False]:
-        a = merger.merge_state_dicts(base, experts, name)
-        b = merger.merge_state_dicts(base, experts, name)
+    for m in [m for m in merger.methods.all_methods() if m.data_driven is False]:
+        name, chosen = m.name, m.experts_for(experts)  # SLERP: two
+        a = merger.merge_state_dicts(base, chosen, name)
+        b = merger.merge_state_dicts(base, chosen, name)
         assert all(torch.equal(a[k], b[k]) for k in keys), name
 
 

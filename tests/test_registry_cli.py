@@ -18,7 +18,8 @@ EXPECTED = ["weight_averaging", "task_arithmetic", "ties", "dare_linear", "dare_
 def test_registry_is_complete():
     assert merger.methods.names()[: len(EXPECTED)] == EXPECTED
     for m in merger.methods.all_methods():
-        assert m.display_name and m.description and m.paper.title and m.paper.arxiv
+        # SLERP's source (Shoemake 1985) predates arXiv
+        assert m.display_name and m.description and m.paper.title and (m.paper.arxiv or m.name == "slerp")
         for p in m.params:
             assert p.name in PARAM_NAMES
             assert p.min < p.max and p.step > 0
@@ -27,7 +28,7 @@ def test_registry_is_complete():
         assert callable(m.prepare) and callable(m.apply)
         assert (m.data_driven) == (m.run is not None)
     data = [m.name for m in merger.methods.all_methods() if m.data_driven]
-    assert data == ["adamerging_task", "adamerging_layer", "adamerging_cart", "fw_hard", "fw_soft"]
+    assert data == ["adamerging_task", "adamerging_layer", "adamerging_cart", "fw_hard", "fw_soft", "fisher", "regmean"]
 
 
 def test_cli_flags_come_from_the_registry():

@@ -35,7 +35,8 @@ def _flag_value(v):
 @pytest.mark.parametrize("name", ALL)
 def test_method_reaches_every_surface(name, ctl):
     m = methods.get(name)
-    T = len(ctl.pool.tasks)
+    experts = m.experts_for(ctl.pool.tasks)  # SLERP: two
+    T = len(experts)
     # controls: one per parameter name, shown exactly when the method takes it, labelled
     with gr.Blocks():
         built = {n: param_control(n, T, m) for n in PARAM_NAMES}
@@ -49,7 +50,7 @@ def test_method_reaches_every_surface(name, ctl):
         argv += ["--" + n.replace("_", "-"), _flag_value(v)]
     args = build_parser().parse_args(argv)
     assert set(method_params(args)) == set(m.param_names)
-    spec = ctl.session.spec(name, **method_params(args))
+    spec = ctl.session.spec(name, experts=experts, **method_params(args))
     assert spec.method == name
     # the endpoint takes every slider parameter by name
     endpoint = evaluate_endpoint(ctl)
@@ -75,8 +76,8 @@ def test_method_reaches_every_surface(name, ctl):
             assert name in sweep_axes()[n][1]
     # the endpoint evaluates it with its parameters by name, equal to the public API
     kwargs = {k: v for k, v in defaults.items() if k in endpoint_params()}
-    out = endpoint(method=name, split="live", **kwargs)
-    ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, name, **kwargs), "live")
+    out = endpoint(method=name, split="live", experts=experts, **kwargs)
+    ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, name, experts=experts, **kwargs), "live")
     assert out["average_accuracy"] == pytest.approx(ref.average_accuracy)
     weights, how = ctl.session.effective_weights(spec)
     assert len(weights) == T and all(math.isfinite(w) for w in weights) and how

@@ -41,3 +41,22 @@ def test_demo_report_picks_lambda_on_validation(pool):
     ex = merger.PoolSession(pool)
     val = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "val").average_accuracy for lam in TA_GRID}
     assert n["best_lam"] == max(val, key=val.get)
+
+
+def test_methods_report_tunes_on_validation_and_times_each_method(pool):
+    from merger.tools.report_methods import format_methods, method_rows
+
+    rows = method_rows(pool, ["task_arithmetic", "magmax", "slerp", "regmean"], progress=None)
+    by = {r["method"]: r for r in rows}
+    # the tuned setting is the grid point with the best validation accuracy, then reported on test
+    session = merger.PoolSession(pool)
+    val = {lam: session.preview(session.spec("magmax", lam=lam), "val").average_accuracy
+           for lam in merger.methods.get("magmax").tune_grid["lam"]}
+    assert by["magmax"]["spec"].kwargs["lam"] == max(val, key=val.get)
+    assert by["magmax"]["test"] == pytest.approx(
+        session.preview(by["magmax"]["spec"], "test").average_accuracy)
+    assert by["slerp"]["experts"] == pool.tasks[:2] and by["slerp"]["ta_same"] is not None
+    assert by["regmean"]["grid"] == 0 and by["regmean"]["move_ms"] is None and by["regmean"]["prepare_s"] > 0
+    text = format_methods(rows, pool.tasks)
+    assert "slerp*" in text and "task arithmetic tuned on the same experts" in text
+    assert "beat task arithmetic" in text

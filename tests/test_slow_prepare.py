@@ -21,7 +21,7 @@ def ctl(tmp_path):
 
 
 def test_the_methods_that_sort_or_decompose_every_entry_declare_a_slow_prepare():
-    assert set(SLOW) == {"ties", "cart", "tsv_m", "iso_c"}
+    assert set(SLOW) == {"ties", "cart", "tsv_m", "iso_c", "iso_cts", "wudi", "magmax"}
 
 
 def test_a_slow_prepare_without_progress_and_cancel_is_refused_at_registration():
@@ -38,11 +38,12 @@ def test_progress_reaches_the_end_and_the_state_equals_a_plain_prepare(name, ctl
     m = methods.get(name)
     tv = ctl.pool.task_vectors
     seen = []
-    with_progress = m.prepare_with(tv, progress=lambda f, msg: seen.append(f))
-    assert seen == sorted(seen) and seen[-1] == pytest.approx(1.0) and len(seen) > 1
     spec = ctl.session.spec(name)
     kw = spec.kwargs
-    a, b = m.delta(with_progress, **kw), m.delta(m.prepare(tv), **kw)
+    args = {k: kw[k] for k in m.prepare_params}
+    with_progress = m.prepare_with(tv, progress=lambda f, msg: seen.append(f), **args)
+    assert seen == sorted(seen) and seen[-1] == pytest.approx(1.0) and len(seen) > 1
+    a, b = m.delta(with_progress, **kw), m.delta(m.prepare(tv, **args), **kw)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -41,7 +41,10 @@ def learned(run, pool) -> Learned:
     singular pair, scaled so that the block weights average 1). The sliders reproduce the run
     exactly when M is rank one; ``fit_error`` says how far it is otherwise."""
     comb = run.combination
-    if comb is None or not getattr(comb, "around_base", False):
+    if comb is None:
+        raise MergerError(f"start from learned: {run.method} learns no coefficients over the task vectors (it solves "
+                          "per parameter); load AdaMerging or FW-Merging instead")
+    if not getattr(comb, "around_base", False):
         raise MergerError("start from learned: this run's coefficients scale low-rank parts around the weight "
                           "average (AdaMerging+CART), not task vectors; load AdaMerging or FW-Merging instead")
     coef = run.coefficients.float()

@@ -113,17 +113,19 @@ def masking_methods() -> list[str]:
     return [m.name for m in methods.all_methods() if m.mask is not None]
 
 
-def merge_mask(tv, method: str, sparsity: float, seed: int | None = None) -> torch.Tensor:
-    """Per task, the entries a method's merge keeps, [T, P] bool (the method's own ``mask``)."""
+def merge_mask(tv, method: str, sparsity: float | None = None, seed: int | None = None, **params) -> torch.Tensor:
+    """Per task, the entries a method's merge keeps, [T, P] bool (the method's own ``mask``), at its
+    parameters (those it does not take are ignored; the ones left out at their defaults)."""
     m = methods.get(method)
     if m.mask is None:
         raise MergerError(f"mask '{method}' unknown; one of {', '.join(masking_methods())}")
-    params = {"sparsity": sparsity, "seed": int(seed or 0)}
-    return m.mask(tv, **{k: v for k, v in params.items() if k in m.param_names})
+    given = {**params, "sparsity": sparsity, "seed": int(seed or 0)}
+    resolved = m.resolve({k: v for k, v in given.items() if k in m.param_names}, tv.num_tasks)
+    return m.mask(tv, **resolved)
 
 
 def heterogeneity(tv, coefficients: Sequence[float], mask: str | None = None, sparsity: float | None = None,
-                  seed: int | None = None) -> dict:
+                  seed: int | None = None, **params) -> dict:
     """ζt² ∝ ‖τt − τ̄‖², τ̄ = Σk λk τk, per task; with a merge's mask M its reduction (seed 000, Eq. 10)
     δt(M) = Σ_{j dropped from τt} [(τt,j − τ̄j)² − (0 − τ̄~j)²], τ̄~ = Σk λk M(τk) the masked consensus,
     and ζ̂t² = ζt² − δt(M); χ² of the coefficients and simplex warnings."""
@@ -135,8 +137,9 @@ def heterogeneity(tv, coefficients: Sequence[float], mask: str | None = None, sp
     consensus = lam @ flat
     zeta = ((flat - consensus) ** 2).sum(1)
     out = {"tasks": tv.tasks, "zeta2": zeta.tolist(), "coefficients": lam.tolist(), **chi_square(lam.tolist())}
-    if mask is not None and sparsity:
-        keep = merge_mask(tv, mask, sparsity, seed)
+    # sparsity 0 keeps every entry (TIES, DARE): no reduction to show
+    if mask is not None and (sparsity or "sparsity" not in methods.get(mask).param_names):
+        keep = merge_mask(tv, mask, sparsity, seed, **params)
         masked_consensus = lam @ torch.where(keep, flat, 0.0)
         delta = torch.where(~keep, (flat - consensus) ** 2 - masked_consensus ** 2, 0.0).sum(1)
         out["delta"] = delta.tolist()

@@ -4,12 +4,22 @@ weighting, for a method that prepares on the weighted task vectors), what is der
 queue (they run beside the resident model's work, never during another apply)."""
 from __future__ import annotations
 
+import inspect
 from collections import Counter, OrderedDict
 
 from merger import methods
 from merger.io import disk_cache
 from merger.errors import MergerError
 from merger.spec import Spec, with_block_weights
+
+
+def code_of(fn) -> tuple:
+    """The modules whose source a preparation depends on: its own, and every merger.methods module
+    whose functions it imports (Iso-CTS prepares through lowrank's spectra)."""
+    own = inspect.getmodule(fn)
+    used = {inspect.getmodule(v) for v in vars(own).values()
+            if callable(v) and getattr(v, "__module__", "").startswith("merger.methods.")}
+    return (own, *sorted(used - {own, None}, key=lambda m: m.__name__))
 
 
 def lru_put(cache: OrderedDict, key, value, size: int):
@@ -73,7 +83,7 @@ class Merges:
         if hashes is None:
             return None
         return disk_cache.key_of({"kind": "prepared", "method": method.name,
-                                  "code": disk_cache.source_hash(method.prepare),
+                                  "code": disk_cache.source_hash(*code_of(method.prepare)),
                                   "base": hashes["base"], "experts": [[e, hashes[e]] for e in experts],
                                   "args": prepare_args, "scale": list(scale), "dtype": str(tv.dtype)})
 

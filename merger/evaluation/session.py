@@ -57,6 +57,7 @@ class PoolSession:
         self._expert_acc: dict[tuple[str, str], float] = {}
         self._runs: dict = {}
         self._run_model = None
+        self._statistics: OrderedDict = OrderedDict()  # data statistics of runs (Context.statistic), 2 kept
         self._plane_values: dict[tuple, tuple[dict, dict]] = {}
         self._point_values: dict[tuple, tuple[dict, dict]] = {}
         self._coords: OrderedDict = OrderedDict()  # (plane, spec) -> where its merge sits on the plane
@@ -175,9 +176,12 @@ class PoolSession:
                 self._run_model = copy.deepcopy(self.evaluator.model.visual)
             ctx = Context(self.pool, self.evaluator, spec.experts)
             ctx.model = self._run_model
+            ctx.statistics = self._statistics
             run = m.run(ctx, progress, checkpoint, **key.kwargs)
             run.method = m.name
             self._runs[key] = run
+            while len(self._statistics) > 2:
+                self._statistics.popitem(last=False)
         return run
 
     def cached_run(self, spec: Spec):

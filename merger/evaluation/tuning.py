@@ -30,9 +30,21 @@ def grid_points(method: str) -> list[dict]:
     return [dict(zip(names, values)) for values in itertools.product(*grid.values())] or [{}]
 
 
+def _check_expert_counts(session, method_names, experts) -> None:
+    """Refuse a batch before its first point when a method cannot merge this many experts (SLERP: two),
+    rather than after the methods before it ran."""
+    n = len(experts) if experts else len(session.tasks)
+    for name in method_names:
+        m = methods.get(name)
+        if m.num_experts is not None and m.num_experts != n:
+            raise MergerError(f"{m.name} merges exactly {m.num_experts} experts; {n} are selected: pick "
+                              f"{m.num_experts}, or leave {m.display_name} out")
+
+
 def auto_tune(session, method_names: Sequence[str], experts=None, progress: Progress = None) -> list[dict]:
     """For each method: best parameters on the validation split, then that setting on test. Batch
     work: each grid point is a chunk, and waiting previews go first."""
+    _check_expert_counts(session, method_names, experts)
     with session.batch(chunks=sum(len(grid_points(m)) + 1 for m in method_names)):
         return _auto_tune(session, method_names, experts, progress)
 
@@ -80,6 +92,7 @@ def sweep(session, method_names: Sequence[str], axis: str, values: Sequence[floa
           experts=None, fixed: dict | None = None, progress: Progress = None) -> dict:
     """Accuracy against one parameter: {method: {"x": [...], "average": [...], "per_task": {task: [...]}}}.
     Batch work (a chunk per point)."""
+    _check_expert_counts(session, method_names, experts)
     with session.batch(chunks=len(values) * len(method_names)):
         return _sweep(session, method_names, axis, values, split, experts, fixed, progress)
 

@@ -107,6 +107,8 @@ def parameter_path(landscape, method: str, axis: str, values: Sequence[float], f
 
 def run_path(landscape, run) -> Trajectory:
     """The iterates of a data-driven run (AdaMerging steps, FW iterations) as a trajectory."""
+    if not run.iterates:
+        raise MergerError(f"{run.method} has no iterates: it computes its merge in one solve, there is no path to draw")
     base = landscape.pool.task_vectors.base
     points = [landscape.space.flatten({k: base[k] + d[k] for k in landscape.space.keys})
               for d in run.iterate_deltas(base)]

@@ -9,102 +9,16 @@ device-resident *validation* split (never the test split).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from torch.func import functional_call
 
-from merger.errors import Cancelled, DataError, MergerError
+from merger.errors import Cancelled
+from merger.methods.data import (VISUAL, Context, Run, calibration_set, cross_entropy_objective,  # noqa: F401
+                                 entropy_objective, static_unused, subset_of)
 from merger.methods.lowrank import cart_task_parts, prepare_cart
 from merger.methods.registry import (ADAMERGING_LOGS, CART_README, INIT, LAM, LR, RANK_RATIO, SAMPLES, STEP_SIZE, STEPS,
                                      TOP_K, Method, Paper, Param, Published, get, register, with_default)
-
-VISUAL = "visual."
-
-
-@dataclass
-class Run:
-    method: str
-    tasks: list[str]
-    groups: list[str]  # coefficient columns: ["all layers"] or one per tensor
-    coefficients: torch.Tensor  # AdaMerging: [T, G]; FW: effective task coefficients [T, 1]
-    delta: dict[str, torch.Tensor] = field(repr=False)
-    trace: dict[str, list] = field(default_factory=dict)  # objective per step; FW: gap, chosen, weights
-    iterates: list[torch.Tensor] = field(default_factory=list, repr=False)  # coefficient snapshots [T, G]
-    seconds: float = 0.0
-    combination: object = field(default=None, repr=False)  # rebuilds weights from coefficients
-
-    def iterate_deltas(self, base: dict):
-        """Δ of every recorded iterate (for trajectories on the landscape)."""
-        for c in self.iterates:
-            yield self.combination.delta(c.to(next(iter(base.values())).device), base)
-
-
-class Context:
-    """What a data-driven run needs: the task vectors of the experts merged and the evaluator's
-    data of the tasks those experts were fine-tuned for."""
-
-    def __init__(self, pool, evaluator, experts: tuple[str, ...]):
-        self.pool, self.evaluator, self.tasks = pool, evaluator, list(experts)
-        self.data_tasks = {pool.task_of(e) for e in experts}
-        self.tv = pool.task_vectors.subset(self.tasks)
-        self.model = evaluator.model.visual
-        self.scale = evaluator.logit_scale
-        self.heads = evaluator.heads
-        self.device = evaluator.device
-
-    def groups(self, split: str = "val"):
-        """Inputs of the split grouped by shared images, restricted to the merged experts' tasks."""
-        out = []
-        for x, members in self.evaluator.inputs(split):
-            members = [(t, y) for t, y in members if t in self.data_tasks]
-            if members:
-                if x.shape[0] == 0:
-                    raise DataError(f"task(s) {', '.join(t for t, _ in members)}: no unlabeled {split} images")
-                out.append((x, members))
-        missing = sorted(t for t in self.data_tasks if not any(t == m for _, ms in out for m, _ in ms))
-        if missing:
-            raise DataError(f"task(s) {', '.join(missing)}: no {split} data for a data-driven merge")
-        return out
-
-
-def _features(model, params, x):
-    dtype = next(iter(params.values())).dtype
-    f = functional_call(model, params, (x.to(dtype),))
-    return F.normalize(f if dtype == torch.float64 else f.float(), dim=-1)
-
-
-def entropy_objective(ctx: Context, params: dict, batches) -> torch.Tensor:
-    """Mean Shannon entropy of the merged model's predictions, averaged over tasks (labels unused)."""
-    total, n = 0.0, 0
-    for x, members in batches:
-        f = _features(ctx.model, params, x)
-        for t, _ in members:
-            logp = F.log_softmax(ctx.scale * f @ ctx.heads[t].T.to(f.dtype), dim=-1)
-            total = total - (logp.exp() * logp).sum(-1).mean()
-            n += 1
-    return total / n
-
-
-def cross_entropy_objective(ctx: Context, params: dict, batches) -> torch.Tensor:
-    total, n = 0.0, 0
-    for x, members in batches:
-        f = _features(ctx.model, params, x)
-        for t, y in members:
-            total = total + F.cross_entropy(ctx.scale * f @ ctx.heads[t].T.to(f.dtype), y)
-            n += 1
-    return total / n
-
-
-def _subset(groups, idx_fn):
-    out = []
-    for x, members in groups:
-        idx = idx_fn(x.shape[0])
-        out.append((x[idx], [(t, y[idx]) for t, y in members]))
-    return out
-
 
 class Combination:
     """θ(c) = anchor + Σt c[t, g(key)] · parts[key][t] over the merged keys (visual.* names)."""
@@ -162,7 +76,7 @@ def run_adamerging(ctx: Context, progress=None, cancel=None, *, granularity: str
     every = max(1, steps // 25)
     for step in range(steps):
         _check(cancel)
-        batch = _subset(groups, lambda n: torch.randperm(n, generator=g)[: min(samples, n)].to(ctx.device))
+        batch = subset_of(groups, lambda n: torch.randperm(n, generator=g)[: min(samples, n)].to(ctx.device))
         loss = entropy_objective(ctx, comb.params(coef), batch)
         opt.zero_grad()
         loss.backward()
@@ -217,12 +131,6 @@ def simplex_argmin(value_and_grad: Callable, k: int, iters: int = 25, tol: float
         evals += 1
         step *= 2.0  # let the step grow back after a backtrack
     return best, best_val, evals
-
-
-def calibration_set(ctx: Context, samples: int, seed: int):
-    """FW's labelled calibration set: ``samples`` validation images per task, drawn with ``seed``."""
-    g = torch.Generator().manual_seed(int(seed))
-    return _subset(ctx.groups("val"), lambda n: torch.randperm(n, generator=g)[: min(samples, n)].to(ctx.device))
 
 
 def run_fw(ctx: Context, progress=None, cancel=None, *, soft: bool, steps: int, lam: float, samples: int,
@@ -332,10 +240,6 @@ def learned_weights(params, num_experts: int, run) -> tuple[list[float], str]:
     return run.coefficients.mean(1).tolist(), "learned (mean over layers)"
 
 
-def _unused(*a, **k):
-    raise MergerError("a data-driven method runs with its data (Explorer.run), it has no static apply")
-
-
 for name, display, gran, paper, avg in (("adamerging_task", "AdaMerging (task-wise)", "task", ADA_PAPER, 71.1),
                                         ("adamerging_layer", "AdaMerging (layer-wise)", "layer", ADA_PAPER, 80.1)):
     register(Method(
@@ -343,7 +247,7 @@ for name, display, gran, paper, avg in (("adamerging_task", "AdaMerging (task-wi
         weights=learned_weights, weighted_sum=gran == "task",
         description=f"θ0 + Σt λt{'' if gran == 'task' else ',l'} τt{'' if gran == 'task' else ',l'}, λ learned by "
                     "minimising prediction entropy on unlabeled validation images (Adam, clamp [0, 1]).",
-        params=ADA_PARAMS, prepare=_unused, apply=_unused, run=_ada(gran),
+        params=ADA_PARAMS, prepare=static_unused, apply=static_unused, run=_ada(gran),
         conventions=ADA_NOTE, published=(Published("ViT-B-32", avg, ADAMERGING_LOGS),)))
 ADAMERGING_TASK = get("adamerging_task")  # the handle other modules name it by
 
@@ -352,7 +256,7 @@ register(Method(
     weights=learned_weights,
     description="θavg + Σt λt,l SVD_k(θt − θavg), layer-wise λ learned by entropy minimisation (clamp [0, 3]).",
     params=(RANK_RATIO, with_default(STEPS, 300), LR, with_default(INIT, 1.0), SAMPLES, SEED),
-    prepare=_unused, apply=_unused, run=_ada("layer", cart=True),
+    prepare=static_unused, apply=static_unused, run=_ada("layer", cart=True),
     conventions=ADA_NOTE + " Low rank k = ⌈rank_ratio · r⌉ per attention/MLP matrix, as CART.",
     published=(Published("ViT-B-32", 85.8, CART_README),)))
 
@@ -373,7 +277,7 @@ register(Method(
                 "calibration loss prefers (the LMO).",
     params=(with_default(LAM, 0.0), with_default(STEPS, 10), with_default(SAMPLES, 100),
             with_default(STEP_SIZE, 0.5), SEED),
-    prepare=_unused, apply=_unused, run=_fw(False),
+    prepare=static_unused, apply=static_unused, run=_fw(False),
     conventions="LMO by the inner product ⟨∇ℓ, θt⟩ (the textbook rule; the authors' code scores per-tensor "
                 "cosines against full weights). Cross-entropy on a labelled calibration set from validation."))
 FW_SOFT = register(Method(
@@ -384,7 +288,7 @@ FW_SOFT = register(Method(
                 "λ = lam (0: the base); the result is the iterate with the lowest calibration loss.",
     params=(with_default(LAM, 0.0), with_default(STEPS, 15), with_default(SAMPLES, 100), with_default(TOP_K, None),
             SEED),
-    prepare=_unused, apply=_unused, run=_fw(True), defaults_for=lambda T: {"k": min(T, TOP_K.max)},
+    prepare=static_unused, apply=static_unused, run=_fw(True), defaults_for=lambda T: {"k": min(T, TOP_K.max)},
     conventions="λ* on the simplex Σλ = 1 as the paper's Theorem 1 (the authors' code learns unconstrained "
                 "layer-wise AdaMerging coefficients instead); k defaults to the number of experts, as the authors' "
                 "code does (max_num_models)."))

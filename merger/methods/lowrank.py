@@ -321,7 +321,7 @@ ISO_C = register(Method(
     params=(with_default(LAM, 1.3),),
     prepare=prepare_iso,
     apply=apply_iso,
-    tune_grid={"lam": frange(0.5, 2.0, 0.1)},
+    tune_grid={"lam": frange(0.1, 3.0, 0.1)},  # the authors' grid (0, 3]
     weights=sum_weights("sum"),
     conventions=MATRICES_NOTE + " The Iso authors' code treats every 2-D tensor but the embeddings as a matrix "
                 "(so also the visual projection, which gets the mean here).",

@@ -137,6 +137,8 @@ class Method:
     # then estimates its result from the experts' forwards with none of its own (the linear estimate).
     # Its ``weights`` read the parameters (static: state is None) or the run, never a preparation.
     weighted_sum: bool = False
+    # Exactly this many experts (SLERP interpolates two); None: any number.
+    num_experts: int | None = None
 
     @property
     def data_driven(self) -> bool:
@@ -165,6 +167,11 @@ class Method:
         """What apply takes of a spec's task weights (nothing unless the method takes them)."""
         return {"task_weights": spec.task_weight_list()} if self.task_weighted and spec.task_weights else {}
 
+    def experts_for(self, experts):
+        """What this method merges of ``experts``: all of them, or the first ``num_experts`` (SLERP:
+        two), for surfaces that run every method on a whole pool (reports, benches)."""
+        return list(experts)[: self.num_experts] if self.num_experts else list(experts)
+
     def param(self, name: str) -> Param:
         for p in self.params:
             if p.name == name:
@@ -177,6 +184,9 @@ class Method:
 
     def resolve(self, given: Mapping[str, Any], num_experts: int, strict: bool = True) -> dict[str, Any]:
         """Defaults filled in, every value checked; unknown names refused when ``strict``."""
+        if self.num_experts is not None and num_experts != self.num_experts:
+            raise MethodError(f"{self.name} merges exactly {self.num_experts} experts; {num_experts} are selected: "
+                              f"pick {self.num_experts}")
         given = {k: v for k, v in given.items() if v is not None}
         unknown = [k for k in given if k not in self.param_names]
         if unknown and strict:
@@ -207,6 +217,7 @@ class Method:
 CART_README = "CART README, Table 1 (task_vectors checkpoints)"
 ADAMERGING_LOGS = "AdaMerging repository's committed logs"
 RECOLLECTION = "the paper as recalled; not found in its repository"
+FUSIONBENCH = "FusionBench's CLIP table (its Hugging Face checkpoints, not the papers' open_clip ones)"
 
 _REGISTRY: dict[str, Method] = {}
 
@@ -304,7 +315,8 @@ LR = Param("lr", 1e-3, 0.0, 1.0, 1e-4, min_open=True, help="learning rate of the
 INIT = Param("init", 0.3, 0.0, 3.0, 0.05, help="initial value of every learned coefficient",
              label="initial coefficient")
 SAMPLES = Param("samples", 64, 1, 10000, 1, kind="int",
-                help="validation images per task used per step (AdaMerging) or as calibration set (FW)",
+                help="validation images per task used per step (AdaMerging), as calibration set (FW) or for the "
+                     "statistics (RegMean's Gram matrices, Fisher information)",
                 label="samples per task")
 TOP_K = Param("k", 2, 1, 64, 1, kind="int", help="FW-soft: how many LMO vertices to combine",
               label="top-k vertices")

@@ -57,15 +57,16 @@ def bench_merge(args) -> int:
         gc.collect()
         reset_peak_rss()
         session = PoolSession(pool)  # empty caches for each method
-        moves = slider_moves(m, tv.num_tasks)
+        experts = m.experts_for(pool.tasks)
+        moves = slider_moves(m, len(experts))
         t0 = time.perf_counter()
-        _, prepared = session.merges.prepared_for(session.spec(name, **moves[0][1]))
+        _, prepared = session.merges.prepared_for(session.spec(name, experts=experts, **moves[0][1]))
         prepare_s = time.perf_counter() - t0
         times = []
         for label, params in moves:
             derives = session.counts["derives"]
             t0 = time.perf_counter()
-            session.merges.delta(session.spec(name, **params))
+            session.merges.delta(session.spec(name, experts=experts, **params))
             times.append((label, time.perf_counter() - t0, "derive" if session.counts["derives"] > derives else "apply"))
         _, peak = rss_gb()
         ok = prepare_s <= GOAL_PREPARE_S and all(t <= GOAL_APPLY_S for _, t, _ in times)

@@ -21,11 +21,12 @@ def bf16_rows(pool_path: str = "demo", split: str = "test") -> list[dict]:
     for m in methods.all_methods():
         if m.data_driven:
             continue
-        a, b = full.delta(full.spec(m.name)), half.delta(half.spec(m.name))
+        experts = m.experts_for(full.tasks)
+        a, b = full.delta(full.spec(m.name, experts=experts)), half.delta(half.spec(m.name, experts=experts))
         diff = sum(float(((a[k] - b[k]) ** 2).sum()) for k in a) ** 0.5
         norm = sum(float((a[k] ** 2).sum()) for k in a) ** 0.5
-        acc_a = full.evaluate_exact(full.spec(m.name), split).average_accuracy
-        acc_b = half.evaluate_exact(half.spec(m.name), split).average_accuracy
+        acc_a = full.evaluate_exact(full.spec(m.name, experts=experts), split).average_accuracy
+        acc_b = half.evaluate_exact(half.spec(m.name, experts=experts), split).average_accuracy
         rows.append({"method": m.name, "relative": diff / norm if norm else 0.0,
                      "max_abs": max(float((a[k] - b[k]).abs().max()) for k in a),
                      "fp32": 100 * acc_a, "bf16": 100 * acc_b, "points": 100 * (acc_b - acc_a)})

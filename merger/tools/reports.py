@@ -9,8 +9,9 @@ TA_GRID = tuple(round(0.05 * i, 2) for i in range(1, 31))
 
 
 def compared_methods() -> list[str]:
-    """Every method that merges from sliders, task arithmetic aside (it is the λ curve)."""
-    return [m.name for m in methods.all_methods() if not m.data_driven and m is not TASK_ARITHMETIC]
+    """Every method that merges all experts from sliders, task arithmetic aside (it is the λ curve)."""
+    return [m.name for m in methods.all_methods()
+            if not m.data_driven and m is not TASK_ARITHMETIC and m.num_experts is None]
 
 
 def demo_numbers(pool, split: str = "test", progress=None) -> dict:
@@ -100,7 +101,8 @@ def adaptive_numbers(pool, progress=print) -> list[dict]:
         res = ex.preview(spec, "test")
         rows.append({"method": f"{m} ({spec.label().split('(', 1)[1][:-1]})", "test": res.average_accuracy,
                      "normalized": res.normalized_accuracy, "seconds": time.perf_counter() - t1,
-                     "objective": (run.trace["objective"][0], run.trace["objective"][-1])})
+                     "objective": (run.trace["objective"][0], run.trace["objective"][-1])
+                     if run.trace["objective"] else None})
         if progress:
             progress(f"  {m}: {100 * res.average_accuracy:.1f} % in {time.perf_counter() - t1:.1f} s")
     return rows
@@ -115,6 +117,6 @@ def format_adaptive(rows: list[dict]) -> str:
     for r in rows[1:]:
         verdict = "beats" if r["test"] > ta else "does not beat"
         obj = r.get("objective")
-        lines.append(f"{r['method'].split(' ')[0]:<18} {verdict} TA ({100 * (r['test'] - ta):+.1f} points); objective "
-                     f"{obj[0]:.4f} → {obj[1]:.4f}")
+        moved = f"; objective {obj[0]:.4f} → {obj[1]:.4f}" if obj else ""
+        lines.append(f"{r['method'].split(' ')[0]:<18} {verdict} TA ({100 * (r['test'] - ta):+.1f} points){moved}")
     return "\n".join(lines)

@@ -78,10 +78,11 @@ class AnalysisController:
         name = spec.method
         lam, how = self.effective_weights(spec)
         mask = name if name in analysis.masking_methods() else None
-        h = analysis.heterogeneity(tv, lam, mask, v.get("sparsity"), v.get("seed"))
+        h = analysis.heterogeneity(tv, lam, mask, **v)
         series = {"ζt²": h["zeta2"]}
         if "delta" in h:
-            series[f"δt(M): {name} mask at sparsity {v['sparsity']:g}, over the dropped entries"] = h["delta"]
+            setting = ", ".join(f"{k} {x:g}" for k, x in v.items() if k != "lam" and isinstance(x, (int, float)))
+            series[f"δt(M): {name} mask ({setting}), over the dropped entries"] = h["delta"]
             series["ζ̂t² = ζt² − δt(M)"] = h["zeta2_hat"]
         fig = plots.bars(series, tv.tasks, "Heterogeneity ζt² ∝ ‖τt − Σ λk τk‖² and its reduction by the mask")
         text = f"Effective coefficients ({how}) λ = [{', '.join(f'{x:.3g}' for x in lam)}] · χ²(p‖λ) = {h['chi2']:.4g}"

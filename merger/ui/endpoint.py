@@ -11,6 +11,9 @@ from merger.methods.registry import param_record, with_param
 from merger.ui.errors import fail
 
 FIXED = ("method", "experts", "split", "task_weights", "block_weights")  # all but the method's parameters
+# The first endpoint's parameters, in its positional order (method, lam, rank_ratio, sparsity, seed,
+# experts, split); every later one comes after task_weights and block_weights, so no positional call breaks.
+FIRST = ("lam", "rank_ratio", "sparsity", "seed")
 
 
 def endpoint_params() -> list[str]:
@@ -22,17 +25,21 @@ def _signature() -> tuple[inspect.Signature, dict]:
     P = inspect.Parameter
     hints = {"method": str, "experts": Optional[list[str] | str], "split": str, "return": dict}
     params = [P("method", P.POSITIONAL_OR_KEYWORD, annotation=str)]
-    for name in endpoint_params():
-        kind = param_record(name)[1].kind
-        hints[name] = Optional[int | str] if kind == "int" else Optional[float | str]
-        params.append(P(name, P.POSITIONAL_OR_KEYWORD, default=None, annotation=hints[name]))
-    # experts and split last: positional callers of the first endpoint (method, lam, rank_ratio,
-    # sparsity, seed, experts, split) keep working
+
+    def add(names):
+        for name in names:
+            kind = param_record(name)[1].kind
+            hints[name] = Optional[int | str] if kind == "int" else Optional[float | str]
+            params.append(P(name, P.POSITIONAL_OR_KEYWORD, default=None, annotation=hints[name]))
+
+    names = endpoint_params()
+    add([n for n in FIRST if n in names])
     params += [P("experts", P.POSITIONAL_OR_KEYWORD, default=None, annotation=hints["experts"]),
                P("split", P.POSITIONAL_OR_KEYWORD, default="live", annotation=str)]
     for name in ("task_weights", "block_weights"):  # {name: weight} or "a=1.2,b=0" (static methods)
         hints[name] = Optional[dict[str, float] | str]
         params.append(P(name, P.POSITIONAL_OR_KEYWORD, default=None, annotation=hints[name]))
+    add([n for n in names if n not in FIRST])
     return inspect.Signature(params, return_annotation=dict), hints
 
 

@@ -34,6 +34,10 @@ class RunController:
     @staticmethod
     def learned(run) -> tuple:
         """(coefficient heatmap, FW progress figure or an empty note) for a finished run."""
+        if run.combination is None:  # RegMean, Fisher: per-parameter statistics, no task coefficients
+            heat = plots.empty(f"{methods.get(run.method).display_name} learns no coefficients over the task vectors: "
+                               "it weighs each parameter by its data statistics.")
+            return heat, plots.empty("Frank–Wolfe diagnostics appear here for fw_hard / fw_soft.")
         heat = plots.coefficient_heatmap(run.coefficients.tolist(), run.tasks, run.groups,
                                          "Learned coefficients (task × layer)" if len(run.groups) > 1
                                          else "Learned coefficients (per task)")
@@ -97,7 +101,9 @@ class RunController:
                    acc, loss, radar, summary)
             return
         run = box["run"]
-        yield (f"✅ {m.display_name}: {len(run.trace['objective'])} steps in {run.seconds:.1f} s", *self.views(run),
+        done = (f"{len(run.trace['objective'])} steps" if run.trace.get("objective")
+                else f"{len(run.tasks)} experts' statistics")
+        yield (f"✅ {m.display_name}: {done} in {run.seconds:.1f} s", *self.views(run),
                acc, loss, radar, summary)
 
     def cancel(self, request: gr.Request = None):

@@ -1,0 +1,72 @@
+"""Consensus task arithmetic (TALL masks; Wang et al., arXiv 2405.07813): keep the entries that at
+least k tasks call important, then task arithmetic on the masked sum."""
+from __future__ import annotations
+
+import torch
+
+from merger.methods.registry import CART_README, LAM, Method, Paper, Param, Published, frange, register, sum_weights, with_default
+from merger.pool.task_vectors import TaskVectors
+
+MASK_LAMBDA = Param("mask_lambda", 0.4, 0.0, 5.0, 0.05, label="λ_mask (TALL mask threshold)",
+                    help="task t calls entry p important when |τt| ≥ λ_mask · |τ_MTL − τt|, τ_MTL = Σ τ")
+AGREE = Param("agree", 2, 1, 64, 1, kind="int", label="tasks that must agree (k)",
+              help="Consensus keeps the entries that at least k tasks' TALL masks keep")
+
+
+def tall_masks(stack: torch.Tensor, mask_lambda: float) -> torch.Tensor:
+    """[T, ...] bool: mₜ = |τₜ| ≥ λ_mask · |τ_MTL − τₜ| with τ_MTL = Σ τ (one tensor's stack)."""
+    total = stack.sum(0)
+    return stack.abs() >= mask_lambda * (total - stack).abs()
+
+
+def prepare_consensus(tv: TaskVectors) -> dict:
+    return {"tv": tv}
+
+
+def consensus_sum(prepared: dict, mask_lambda: float, agree: int) -> dict:
+    """Σ τ on the entries at least ``agree`` TALL masks keep (zero elsewhere): λ is then one scale."""
+    out = {}
+    for k, v in prepared["tv"].items32():
+        keep = tall_masks(v, mask_lambda).sum(0) >= agree
+        out[k] = torch.where(keep, v.sum(0), 0.0)
+    return out
+
+
+def apply_consensus(masked: dict, lam: float, mask_lambda: float, agree: int) -> dict:
+    return {k: v * lam for k, v in masked.items()}
+
+
+def kept_by_consensus(tv: TaskVectors, mask_lambda: float, agree: int, lam=None) -> torch.Tensor:
+    """[T, P]: the consensus mask (the same entries for every task)."""
+    keep = torch.cat([(tall_masks(v, mask_lambda).sum(0) >= agree).reshape(-1) for _, v in tv.items32()])
+    return keep[None, :].expand(tv.num_tasks, -1)
+
+
+def consensus_note(params, prepared) -> str | None:
+    if prepared is not None and params.get("agree", 1) > prepared["tv"].num_tasks:
+        return (f"k = {params['agree']} is more than the {prepared['tv'].num_tasks} experts merged: no entry can be "
+                "kept, the merge is the base.")
+    return None
+
+
+register(Method(
+    name="consensus_ta",
+    aliases=("consensus",),
+    display_name="Consensus TA (TALL masks)",
+    paper=Paper("Localizing task information for improved model merging and compression", "2405.07813"),
+    description="TALL masks mₜ = |τₜ| ≥ λ_mask·|τ_MTL − τₜ| (τ_MTL = Σ τ); keep the entries at least k masks keep; "
+                "θ0 + λ · (kept ⊙ Σ τ).",
+    params=(with_default(LAM, 0.3), MASK_LAMBDA, AGREE),
+    prepare=prepare_consensus,
+    derive=consensus_sum,
+    derive_params=("mask_lambda", "agree"),
+    apply=apply_consensus,
+    note=consensus_note,
+    tune_grid={"lam": frange(0.1, 1.0, 0.1), "mask_lambda": (0.2, 0.4, 0.6)},
+    weights=sum_weights("sum"),
+    mask=kept_by_consensus,
+    conventions="One λ_mask for every task (the authors pick λ_t per task on validation from 0.2–0.6); the mask is "
+                "|τt| ≥ λ_mask·|τ_MTL − τt| as the paper writes (the authors' code compares with >); every "
+                "floating-point tensor of the image tower, entry by entry. λ grid 0.1–1.0 as the authors' eval.",
+    published=(Published("ViT-B-32", 75.2, CART_README),),
+))

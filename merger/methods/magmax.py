@@ -1,0 +1,56 @@
+"""MagMax (Marczak et al., arXiv 2407.06322): per parameter, the task-vector entry of the largest
+magnitude across tasks; θ0 + λ · that."""
+from __future__ import annotations
+
+import torch
+
+from merger.methods.registry import LAM, Method, Paper, each, frange, register, with_default
+from merger.pool.task_vectors import TaskVectors
+
+
+def prepare_magmax(tv: TaskVectors, progress=None, cancel=None) -> dict:
+    """Per tensor, the entry of largest |τt| over tasks (the last task on a tie), which task gave it
+    (uint8 up to 255 experts), and how many entries each task gave."""
+    T = tv.num_tasks
+    picked, owner, counts = {}, {}, torch.zeros(T, dtype=torch.float64)
+    for k in each(tv.keys, progress, cancel, "tensor"):
+        v = tv.fp32(k)
+        # argmax takes the first of equal magnitudes; the authors' running `>=` keeps the last
+        idx = (T - 1) - v.abs().flip(0).argmax(0, keepdim=True)
+        picked[k] = v.gather(0, idx)[0]
+        owner[k] = idx[0].to(torch.uint8 if T < 256 else torch.int32)
+        counts += torch.bincount(idx.reshape(-1).cpu(), minlength=T).double()
+    return {"picked": picked, "owner": owner, "share": (counts / counts.sum()).tolist(), "T": T}
+
+
+def apply_magmax(prepared: dict, lam: float) -> dict:
+    return {k: v * lam for k, v in prepared["picked"].items()}
+
+
+def kept_by_magmax(tv: TaskVectors, lam=None) -> torch.Tensor:
+    """[T, P]: entry p of task t is kept iff τt holds the largest magnitude there."""
+    owner = torch.cat([o.reshape(-1).long() for o in prepare_magmax(tv)["owner"].values()])
+    return owner[None, :] == torch.arange(tv.num_tasks, device=owner.device)[:, None]
+
+
+def picked_share(params, num_experts: int, prepared) -> tuple[list[float], str]:
+    """λ times the share of entries each task supplies (a reading: the merge picks, it does not sum)."""
+    lam = params.get("lam", 1.0)
+    return [lam * s for s in prepared["share"]], "λ × the share of entries where τt has the largest magnitude"
+
+
+register(Method(
+    name="magmax",
+    display_name="MagMax",
+    slow_prepare=True,
+    paper=Paper("MagMax: leveraging model merging for seamless continual learning", "2407.06322"),
+    description="Per parameter, the task-vector entry of the largest magnitude across tasks; θ0 + λ · that.",
+    params=(with_default(LAM, 0.5),),
+    prepare=prepare_magmax,
+    apply=apply_magmax,
+    tune_grid={"lam": frange(0.1, 1.5, 0.1)},
+    weights=picked_share,
+    mask=kept_by_magmax,
+    conventions="Every floating-point tensor of the image tower, entry by entry, as the authors' code and FusionBench; "
+                "on a tie of magnitudes the later expert's entry (their running |current| ≥ |kept|). λ = 0.5 as both.",
+))
