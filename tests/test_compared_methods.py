@@ -426,3 +426,9 @@ def test_a_preparation_on_disk_is_keyed_by_the_helpers_it_calls_too():
     from merger.methods import iso_cts, lowrank
 
     assert {iso_cts, lowrank} <= set(code_of(merger.methods.get("iso_cts").prepare))
+
+
+def test_breadcrumbs_prepared_bounds_equal_a_sort_at_a_typed_value(world):
+    on_grid = merged(world, "breadcrumbs", lam=1.0, beta=0.1, gamma=0.6)
+    typed = merged(world, "breadcrumbs", lam=1.0, beta=0.1 + 1e-9, gamma=0.6 - 1e-9)  # off the 0.01 steps
+    close(on_grid, {k: typed[k] for k in world[2]}, atol=0)

@@ -21,7 +21,7 @@ def ctl(tmp_path):
 
 
 def test_the_methods_that_sort_or_decompose_every_entry_declare_a_slow_prepare():
-    assert set(SLOW) == {"ties", "cart", "tsv_m", "iso_c", "iso_cts", "wudi", "magmax"}
+    assert set(SLOW) == {"ties", "cart", "tsv_m", "iso_c", "iso_cts", "wudi", "magmax", "breadcrumbs"}
 
 
 def test_a_slow_prepare_without_progress_and_cancel_is_refused_at_registration():

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from merger.methods.registry import LAM, Method, Paper, Param, frange, register, sum_weights, with_default
+from merger.methods.registry import LAM, Method, Paper, Param, each, frange, register, sum_weights, with_default
 from merger.pool.task_vectors import TaskVectors
 
 BETA = Param("beta", 0.01, 0.0, 1.0, 0.01, max_open=True, label="β (largest entries dropped)",
@@ -16,6 +16,9 @@ GAMMA = Param("gamma", 0.16, 0.0, 1.0, 0.01, min_open=True, label="γ (entries k
                    "density); β = 0, γ = 1 keeps all")
 
 
+GRID = 100  # β and γ slider steps (0.01) whose bounds are prepared
+
+
 def _counts(n: int, beta: float, gamma: float) -> tuple[int, int]:
     """(entries dropped from the top, entries dropped from the bottom) of a tensor of n entries."""
     top = math.floor(beta * n + 1e-6)
@@ -23,28 +26,80 @@ def _counts(n: int, beta: float, gamma: float) -> tuple[int, int]:
     return top, bottom
 
 
-def breadcrumb_mask(stack: torch.Tensor, beta: float, gamma: float) -> torch.Tensor:
-    """[T, ...] bool: per task and row (along the last dimension, as the authors' code), the entries
-    ranked by |τt|, largest first, in [⌊βn⌋, n − ⌊(1 − γ)n⌋); a scalar tensor is kept whole."""
-    if stack.dim() == 1:
-        return torch.ones_like(stack, dtype=torch.bool)
+def _sorted_rows(stack: torch.Tensor) -> torch.Tensor:
+    """|τ| of each task's rows (the last dimension), largest first: [T, rows, n] in the stack's dtype."""
     n = stack.shape[-1]
-    rows = stack.reshape(stack.shape[0], -1, n).abs()
+    return stack.reshape(stack.shape[0], -1, n).abs().sort(dim=-1, descending=True).values
+
+
+def _bounds(ranked: torch.Tensor, beta: float, gamma: float):
+    """(largest kept |τ|, smallest kept |τ|) per task and row [T, rows], or None when nothing is kept."""
+    n = ranked.shape[-1]
     top, bottom = _counts(n, beta, gamma)
-    keep = torch.zeros_like(rows, dtype=torch.bool)
-    if top < n - bottom:
-        order = rows.argsort(dim=-1, descending=True, stable=True)
-        keep.scatter_(-1, order[..., top:n - bottom], True)
-    return keep.reshape(stack.shape)
+    if top >= n - bottom:
+        return None
+    return ranked[..., top], ranked[..., n - bottom - 1]
 
 
-def prepare_breadcrumbs(tv: TaskVectors) -> dict:
-    return {"tv": tv}
+def _grid_step(value: float) -> int | None:
+    j = value * GRID
+    return int(round(j)) if abs(j - round(j)) < 1e-9 else None
+
+
+def prepare_breadcrumbs(tv: TaskVectors, progress=None, cancel=None) -> dict:
+    """Per tensor, task and row, the |τ| at every rank a slider step of β or γ bounds (one sort of
+    each row, here): a β or γ move is then two lookups and one comparison per entry."""
+    tables = {}
+    for k in each([k for k in tv.keys if tv.base[k].dim() > 0], progress, cancel, "rows of tensor"):
+        ranked = _sorted_rows(tv.stacked[k])
+        n = ranked.shape[-1]
+        hi = [min(_counts(n, j / GRID, 1.0)[0], n - 1) for j in range(GRID + 1)]
+        lo = [max(n - _counts(n, 0.0, j / GRID)[1] - 1, 0) for j in range(GRID + 1)]
+        index = torch.tensor(hi + lo, device=ranked.device)
+        tables[k] = ranked.index_select(-1, index)  # [T, rows, 2·(GRID + 1)]
+    return {"tv": tv, "tables": tables}
+
+
+def _kept_bounds(prepared: dict, key: str, beta: float, gamma: float):
+    """(hi, lo) of one tensor from the prepared table (slider steps), else from a sort (a typed value)."""
+    jb, jg = _grid_step(beta), _grid_step(gamma)
+    table = prepared["tables"][key]
+    n = prepared["tv"].base[key].shape[-1]
+    if jb is None or jg is None:
+        return _bounds(_sorted_rows(prepared["tv"].stacked[key]), beta, gamma)
+    top, bottom = _counts(n, beta, gamma)
+    if top >= n - bottom:
+        return None
+    return table[..., jb], table[..., GRID + 1 + jg]
+
+
+def breadcrumb_masks(prepared: dict, beta: float, gamma: float):
+    """(key, task, [rows, n] bool mask or None for a tensor kept whole) per merged tensor: entries
+    with lo ≤ |τ| ≤ hi, the ranks [⌊βn⌋, n − ⌊(1 − γ)n⌋) (ties with a bound are kept too)."""
+    tv = prepared["tv"]
+    for k in tv.keys:
+        if tv.base[k].dim() == 0:
+            for t in range(tv.num_tasks):
+                yield k, t, None
+            continue
+        bounds = _kept_bounds(prepared, k, beta, gamma)
+        n = tv.base[k].shape[-1]
+        for t in range(tv.num_tasks):
+            if bounds is None:
+                yield k, t, torch.zeros((tv.base[k].numel() // n, n), dtype=torch.bool, device=tv.device)
+                continue
+            mags = tv.row(k, t).reshape(-1, n).abs()
+            yield k, t, (mags <= bounds[0][t, :, None].float()) & (mags >= bounds[1][t, :, None].float())
 
 
 def breadcrumb_sum(prepared: dict, beta: float, gamma: float) -> dict:
-    """Σ of the masked task vectors: λ is then one scale."""
-    return {k: torch.where(breadcrumb_mask(v, beta, gamma), v, 0.0).sum(0) for k, v in prepared["tv"].items32()}
+    """Σ of the masked task vectors, one task at a time: λ is then one scale."""
+    tv = prepared["tv"]
+    out = {k: torch.zeros_like(b) for k, b in tv.base.items()}
+    for k, t, keep in breadcrumb_masks(prepared, beta, gamma):
+        row = tv.row(k, t)
+        out[k] += row if keep is None else torch.where(keep, row.reshape(keep.shape), 0.0).reshape(row.shape)
+    return out
 
 
 def apply_breadcrumbs(masked: dict, lam: float, beta: float, gamma: float) -> dict:
@@ -52,7 +107,10 @@ def apply_breadcrumbs(masked: dict, lam: float, beta: float, gamma: float) -> di
 
 
 def kept_by_breadcrumbs(tv: TaskVectors, beta: float, gamma: float, lam=None) -> torch.Tensor:
-    return torch.cat([breadcrumb_mask(v, beta, gamma).reshape(tv.num_tasks, -1) for _, v in tv.items32()], dim=1)
+    rows: dict[int, list] = {t: [] for t in range(tv.num_tasks)}
+    for k, t, keep in breadcrumb_masks(prepare_breadcrumbs(tv), beta, gamma):
+        rows[t].append(torch.ones(1, dtype=torch.bool, device=tv.device) if keep is None else keep.reshape(-1))
+    return torch.stack([torch.cat(rows[t]) for t in range(tv.num_tasks)])
 
 
 def breadcrumbs_note(params, prepared) -> str | None:
@@ -70,6 +128,7 @@ def breadcrumbs_note(params, prepared) -> str | None:
 register(Method(
     name="breadcrumbs",
     display_name="Model Breadcrumbs",
+    slow_prepare=True,
     paper=Paper("Model Breadcrumbs: scaling multi-task model merging with sparse masks", "2312.06795"),
     description="Per task and row of each tensor, drop the largest β and the smallest 1 − γ fraction of |τt|; "
                 "θ0 + λ Σ masked τt.",
@@ -84,6 +143,6 @@ register(Method(
     mask=kept_by_breadcrumbs,
     conventions="Rows along each tensor's last dimension, every floating-point tensor of the image tower (the "
                 "authors' code; mergekit ranks whole tensors): ⌊β·n⌋ largest and ⌊(1 − γ)·n⌋ smallest entries of a "
-                "row of n dropped, ties broken by position. The authors' (top_k_remove, top_k_keep) are (β, γ − β); "
-                "the defaults are their search's start, (0.006, 0.15), on the slider's 0.01 steps.",
+                "row of n dropped (an entry tied with a kept bound is kept too). The authors' (top_k_remove, "
+                "top_k_keep) are (β, γ − β); the defaults are their search's start, (0.006, 0.15), on the slider's 0.01 steps.",
 ))
