@@ -22,6 +22,9 @@ def parse_args(argv=None):
                     help="SQLite file of evaluated specs ('' to turn history off)")
     ap.add_argument("--share", action="store_true", help="ask Gradio for a public share link (off by default)")
     ap.add_argument("--auth", default=None, help="user:password required to open the app")
+    ap.add_argument("--ray", default=None, metavar="auto|local|ADDRESS",
+                    help="send Sweep / Auto-tune / Landscape jobs to a Ray cluster (the sliders stay here)")
+    ap.add_argument("--workers", type=int, default=2, help="with --ray: workers, each opening the pool once")
     ap.add_argument("--roots", default="", help="comma-separated folders the app may read files from "
                     "(besides the pool's own folder); anything else is refused")
     return ap.parse_args(argv)
@@ -54,9 +57,17 @@ def main(argv=None) -> int:
         pool = merger.open_pool(args.pool, device=args.device, roots=roots)
         session = merger.PoolSession(pool)
         forward_s = session.measure_live()  # decides whether moves answer progressively
+        cluster = None
+        if args.ray:
+            from merger.cluster import Cluster
+
+            cluster = Cluster(args.ray, pool.source, workers=args.workers,
+                              num_cpus=args.workers if args.ray == "local" else None)
     except merger.MergerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if cluster is not None:
+        print(f"jobs (Sweep, Auto-tune, Landscape) go to {args.workers} Ray workers ({args.ray})", flush=True)
     print(f"{pool.name}: one live forward {1e3 * forward_s:.0f} ms; " + (
         f"moves answer first on {session.partial_images} images per task, then on all" if session.partial_images
         else "moves answer on the whole live split at once"), flush=True)
@@ -70,7 +81,7 @@ def main(argv=None) -> int:
             print("error: --auth must be user:password", file=sys.stderr)
             return 2
         auth = (user, password)
-    app = build_app(session, history)
+    app = build_app(session, history, cluster=cluster)
     app.queue(default_concurrency_limit=1)
     app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
                footer_links=["api"], css=None)

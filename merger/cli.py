@@ -2,37 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 
 from merger import methods
+from merger.cli_jobs import add_job_args, add_job_commands, cmd_landscape, progress_bar
 from merger.errors import MergerError
 from merger.methods import PARAM_NAMES
-
-
-@contextlib.contextmanager
-def progress_bar(desc: str):
-    """A tqdm bar on stderr for a long command, drawn from the first progress report on (so an
-    error found before any work is a clean single line); yields ``update(fraction, message, ...)``,
-    the callback shape the engine's long operations take."""
-    from tqdm import tqdm
-
-    bar = None
-
-    def update(fraction, message="", *_):
-        nonlocal bar
-        if bar is None:
-            bar = tqdm(total=1000, desc=desc, file=sys.stderr, leave=True, dynamic_ncols=True,
-                       bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining} {postfix}")
-        bar.n = min(1000, int(round(1000 * fraction)))
-        bar.set_postfix_str(str(message)[:70], refresh=False)
-        bar.refresh()
-
-    try:
-        yield update
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 def _run_data_driven(pool, spec) -> None:
@@ -161,24 +136,6 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def cmd_landscape(args) -> int:
-    import time
-
-    from merger.evaluation.session import PoolSession
-    from merger.landscape.figure import write_landscape
-    from merger.pool.pool import open_pool
-
-    t0 = time.perf_counter()
-    land = PoolSession(open_pool(args.pool, device=args.device)).landscape
-    with progress_bar("landscape") as update:
-        html, js = write_landscape(land, args.out, args.plane, args.points.split(","), args.grid, args.metric,
-                                   task=args.task, tasks=[t for t in (args.tasks or "").split(",") if t],
-                                   split=args.split, path_names=(args.paths or "").split(","), view=args.view,
-                                   progress=update)
-    print(f"wrote {html} and {js} ({args.grid}×{args.grid}, {time.perf_counter() - t0:.1f} s)")
-    return 0
-
-
 def cmd_report(args) -> int:
     if args.what == "layout":
         from merger.tools.layout import format_layout, read_layout
@@ -294,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("landscape", help="loss/accuracy surface on a plane, as standalone HTML + JSON grid")
-    p.add_argument("--pool", default="demo")
+    add_job_args(p, history=False)
     p.add_argument("--plane", default="pca", help="pca (of --points), tasks (base + two task vectors), points (three)")
     p.add_argument("--points", default="base,experts",
                    help="comma list: base, experts, a task, file:PATH, METHOD:param=value (ta = task_arithmetic)")
@@ -306,8 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paths", default=None, help="comma list: TASK (fine-tuning path) or METHOD@lam|rank_ratio|sparsity")
     p.add_argument("--view", default="contour", choices=["contour", "surface"])
     p.add_argument("--out", required=True, help="output .html (the grid goes beside it as .json)")
-    p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_landscape)
+    add_job_commands(sub)
 
     p = sub.add_parser("report", help="measured reports: adaptive (data-driven merges), phenomena (the papers'), "
                                       "layout (import cycles, method-name literals, module sizes of this code), "
@@ -330,12 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (medians and ratios in one run)")
     p.add_argument("what", choices=["merge", "live", "browser", "workshop", "api", "landscape", "scale", "load",
-                                    "attacks", "open"],
+                                    "attacks", "open", "cluster"],
                    help="merge: prepare/apply per method on ViT-B-32; live: the Merge tab's listener per move "
                         "(time, forwards, applies); browser: Chromium slider → shown result; workshop: 10 clients "
                         "drag while browsers run batch jobs; api: the evaluate endpoint through gradio_client; "
                         "scale: ViT-B-32 pool (first partial answer); open: a ViT-B-32 pool from files, cold and warm "
-                        "(disk cache); attacks: the bad-input catalogue")
+                        "(disk cache); cluster: a sweep and a landscape here and on a local Ray instance "
+                        "(--clients workers, 2); attacks: the bad-input catalogue")
     p.add_argument("--jobs", default="sweep,autotune", help="workshop: batch jobs (sweep, autotune, landscape)")
     p.add_argument("--url", default=None, help="api: a running app to target (default: start one)")
     p.add_argument("--grid", type=int, default=21, help="landscape: grid points per side")

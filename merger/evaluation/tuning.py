@@ -41,34 +41,60 @@ def _check_expert_counts(session, method_names, experts) -> None:
                               f"{m.num_experts}, or leave {m.display_name} out")
 
 
-def auto_tune(session, method_names: Sequence[str], experts=None, progress: Progress = None) -> list[dict]:
+def evaluate_all(session, items: Sequence[tuple], progress: Progress = None, what: str = "point", *,
+                 cluster=None, on_result: Callable | None = None, known: Callable | None = None) -> list:
+    """The results of (spec, split) items, in order: each from ``known(spec, split)`` where it gives
+    one (a resumed job), else evaluated here (previews of this session) or on a ``cluster``.
+    ``on_result(spec, result)`` is called once per evaluated item as it finishes (the one writer)."""
+    out: list = [None] * len(items)
+    todo = []
+    for i, (spec, split) in enumerate(items):
+        hit = known(spec, split) if known else None
+        if hit is not None:
+            out[i] = hit
+        else:
+            todo.append(i)
+    done = len(items) - len(todo)
+
+    def finished(j, result):
+        nonlocal done
+        i = todo[j]
+        out[i] = result
+        done += 1
+        if on_result:
+            on_result(*items[i][:1], result)
+        if progress:
+            progress(done / max(1, len(items)), f"{what} {done}/{len(items)}: {items[i][0].label()}")
+
+    if cluster is not None:
+        cluster.evaluate([items[i] for i in todo], finished)
+    else:
+        for j, i in enumerate(todo):
+            spec, split = items[i]
+            finished(j, session.preview(spec, split=split))
+    return out
+
+
+def auto_tune(session, method_names: Sequence[str], experts=None, progress: Progress = None, *,
+              cluster=None, on_result=None, known=None) -> list[dict]:
     """For each method: best parameters on the validation split, then that setting on test. Batch
-    work: each grid point is a chunk, and waiting previews go first."""
+    work: each grid point is a chunk, and waiting previews go first (or a cluster's workers run them)."""
     _check_expert_counts(session, method_names, experts)
     with session.batch(chunks=sum(len(grid_points(m)) + 1 for m in method_names)):
-        return _auto_tune(session, method_names, experts, progress)
-
-
-def _auto_tune(session, method_names, experts, progress) -> list[dict]:
-    plans = [(m, grid_points(m)) for m in method_names]
-    total = sum(len(p) for _, p in plans) + len(plans)
-    done, rows = 0, []
-    for m, points in plans:
-        best, best_spec = None, None
-        for params in points:
-            spec = session.spec(m, experts=experts, **params)
-            res = session.preview(spec, split="val")
-            if best is None or res.average_accuracy > best.average_accuracy:
-                best, best_spec = res, spec
-            done += 1
-            if progress:
-                progress(done / total, f"{m}: {spec.label()}")
-        test = session.preview(best_spec, split="test")
-        done += 1
-        rows.append({"method": m, "spec": best_spec, "params": best_spec.kwargs, "grid_points": len(points),
-                     "val_accuracy": best.average_accuracy, "test_accuracy": test.average_accuracy,
-                     "test_normalized": test.normalized_accuracy, "test": test})
-    return rows
+        plans = [(m, [session.spec(m, experts=experts, **p) for p in grid_points(m)]) for m in method_names]
+        run = dict(progress=progress, cluster=cluster, on_result=on_result, known=known)
+        val = evaluate_all(session, [(s, "val") for _, specs in plans for s in specs], what="grid point", **run)
+        rows, at = [], 0
+        for m, specs in plans:
+            scores = val[at:at + len(specs)]
+            at += len(specs)
+            best = max(range(len(specs)), key=lambda i: (scores[i].average_accuracy, -i))  # the first of equals
+            rows.append({"method": m, "spec": specs[best], "params": specs[best].kwargs, "grid_points": len(specs),
+                         "val_accuracy": scores[best].average_accuracy})
+        tests = evaluate_all(session, [(r["spec"], "test") for r in rows], what="test", **run)
+        for r, test in zip(rows, tests):
+            r.update(test_accuracy=test.average_accuracy, test_normalized=test.normalized_accuracy, test=test)
+        return rows
 
 
 def sweep_axes() -> dict[str, tuple[str, list[str]]]:
@@ -89,44 +115,44 @@ def sweep_values(axis: str, method: str) -> list[float]:
 
 
 def sweep(session, method_names: Sequence[str], axis: str, values: Sequence[float], split: str = "live",
-          experts=None, fixed: dict | None = None, progress: Progress = None) -> dict:
+          experts=None, fixed: dict | None = None, progress: Progress = None, *, cluster=None, on_result=None,
+          known=None) -> dict:
     """Accuracy against one parameter: {method: {"x": [...], "average": [...], "per_task": {task: [...]}}}.
-    Batch work (a chunk per point)."""
+    Batch work (a chunk per point), or a cluster's."""
     _check_expert_counts(session, method_names, experts)
     with session.batch(chunks=len(values) * len(method_names)):
-        return _sweep(session, method_names, axis, values, split, experts, fixed, progress)
+        plan = sweep_plan(session, method_names, axis, values, experts, fixed)
+        results = evaluate_all(session, [(spec, split) for _, _, spec in plan], progress, "point", cluster=cluster,
+                               on_result=on_result, known=known)
+    out = {m: {"x": [], "average": [], "per_task": {t: [] for t in session.tasks}} for m in method_names}
+    for (m, v, _), res in zip(plan, results):
+        out[m]["x"].append(v)
+        out[m]["average"].append(res.average_accuracy)
+        for t in res.tasks:
+            out[m]["per_task"][t].append(res.accuracy[t])
+    return out
 
 
-def _sweep(session, method_names, axis, values, split, experts, fixed, progress) -> dict:
+def sweep_plan(session, method_names, axis, values, experts=None, fixed=None) -> list[tuple[str, float, object]]:
+    """(method, value, spec) of every point a sweep visits (values outside a method's range skipped)."""
     axes = sweep_axes()
     if axis not in axes:
         raise MergerError(f"sweep axis '{axis}' unknown; one of {', '.join(axes)}")
     if len(values) * len(method_names) > MAX_GRID_POINTS:
         raise MergerError(f"sweep of {len(values) * len(method_names)} points is too large (at most {MAX_GRID_POINTS})")
-    out, total, done = {}, len(values) * len(method_names), 0
     n_experts = len(experts) if experts else len(session.tasks)
+    plan = []
     for m in method_names:
         rec = methods.get(m)
         if axis not in rec.param_names:
             raise MergerError(f"{m} has no parameter {axis}: it cannot be swept along {axes[axis][0]}")
         lo, hi = rec.bounds(axis, n_experts)  # e.g. TSV-M's rank ratio stops at 1/T
-        xs, avg, per = [], [], {t: [] for t in session.tasks}
         for v in values:
-            if not lo <= v <= hi + 1e-12:
-                done += 1
-                continue
-            params = {k: val for k, val in (fixed or {}).get(m, {}).items() if k != axis}
-            params[axis] = v
-            res = session.preview(session.spec(m, experts=experts, **params), split=split)
-            xs.append(v)
-            avg.append(res.average_accuracy)
-            for t in res.tasks:
-                per[t].append(res.accuracy[t])
-            done += 1
-            if progress:
-                progress(done / total, f"{m} {axis}={v:g}")
-        out[m] = {"x": xs, "average": avg, "per_task": per}
-    return out
+            if lo <= v <= hi + 1e-12:
+                params = {k: val for k, val in (fixed or {}).get(m, {}).items() if k != axis}
+                params[axis] = v
+                plan.append((m, v, session.spec(m, experts=experts, **params)))
+    return plan
 
 
 def sweep_num_tasks(session, method: str, params: dict | None = None, subsets: int = 5, split: str = "live",
@@ -163,7 +189,8 @@ WEIGHT_SEARCH = (0.0, 2.0, 0.05)  # each wₜ searched in [0, 2] on the weight s
 
 
 def tune_weights(session, method: str, params: dict | None = None, experts=None, budget: int = 100, seed: int = 0,
-                 with_lam: bool = False, progress: Progress = None, cancel=None) -> dict:
+                 with_lam: bool = False, progress: Progress = None, cancel=None, *, cluster=None,
+                 on_result=None) -> dict:
     """Per-task weights (and λ, when ``with_lam``) that maximise the average validation accuracy:
     Optuna's TPE sampler, seeded (the same seed gives the same trials), ``budget`` evaluations;
     the best on the test split. Batch work: a chunk per trial, waiting moves go first."""
@@ -183,29 +210,47 @@ def tune_weights(session, method: str, params: dict | None = None, experts=None,
     lam_lo, lam_hi = (min(m.tune_grid["lam"]), max(m.tune_grid["lam"])) if with_lam else (None, None)
     history = []
 
-    def objective(trial):
-        if cancel is not None and cancel():
-            raise Cancelled(f"weight search cancelled after {len(history)} of {budget} trials")
+    def trial_spec(trial):
         weights = {e: trial.suggest_float(e, lo, hi, step=step) for e in chosen.experts}
         kw = dict(chosen.kwargs)
         if with_lam:
             kw["lam"] = trial.suggest_float("lam", lam_lo, lam_hi, step=0.05)
-        spec = session.spec(m.name, experts=list(chosen.experts), task_weights=weights, **kw)
-        acc = session.preview(spec, split="val").average_accuracy
+        return session.spec(m.name, experts=list(chosen.experts), task_weights=weights, **kw)
+
+    def scored(spec, result):
+        acc = result.average_accuracy
         history.append(acc)
+        if on_result:
+            on_result(spec, result)
         if progress:
             progress(len(history) / budget, f"trial {len(history)}/{budget}: val {100 * acc:.1f} % "
                                              f"(best {100 * max(history):.1f} %)")
         return acc
 
+    def objective(trial):
+        if cancel is not None and cancel():
+            raise Cancelled(f"weight search cancelled after {len(history)} of {budget} trials")
+        spec = trial_spec(trial)
+        return scored(spec, session.preview(spec, split="val"))
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=int(seed)))
     with session.batch(chunks=int(budget) + 1):
-        study.optimize(objective, n_trials=int(budget), catch=())
+        if cluster is None:
+            study.optimize(objective, n_trials=int(budget), catch=())
+        else:  # as many trials at once as there are workers, told as a batch (ask/tell)
+            while len(study.trials) < int(budget):
+                if cancel is not None and cancel():
+                    raise Cancelled(f"weight search cancelled after {len(history)} of {budget} trials")
+                trials = [study.ask() for _ in range(min(len(cluster.workers), int(budget) - len(study.trials)))]
+                specs = [trial_spec(t) for t in trials]
+                results = cluster.evaluate([(s, "val") for s in specs], lambda i, r: None)
+                for trial, spec, result in zip(trials, specs, results):
+                    study.tell(trial, scored(spec, result))
         best = dict(study.best_params)
         lam = best.pop("lam", None)
         kw = {**chosen.kwargs, **({"lam": lam} if lam is not None else {})}
         spec = session.spec(m.name, experts=list(chosen.experts), task_weights=best, **kw)
-        test = session.preview(spec, split="test")
+        test = evaluate_all(session, [(spec, "test")], cluster=cluster, on_result=on_result)[0]
     return {"spec": spec, "task_weights": best, "val_accuracy": study.best_value, "test_accuracy": test.average_accuracy,
             "test": test, "trials": len(study.trials), "history": history, "seed": int(seed)}

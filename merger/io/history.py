@@ -85,6 +85,14 @@ class History:
             cur = self._db.execute(sql, (*args, int(limit)))
             return [dict(zip(COLUMNS, r)) for r in cur.fetchall()]
 
+    def find(self, pool: str, spec, split: str) -> dict | None:
+        """The row of one spec on one split, or None (a resumed job skips what it finds)."""
+        key = (pool, spec.method, json.dumps(params_of(spec), sort_keys=True), ",".join(spec.experts), split)
+        with self._lock:
+            r = self._db.execute("SELECT * FROM evaluations WHERE pool = ? AND method = ? AND params = ? AND "
+                                 "experts = ? AND split = ?", key).fetchone()
+        return dict(zip(COLUMNS, r)) if r else None
+
     def get(self, row_id: int) -> dict | None:
         with self._lock:
             r = self._db.execute("SELECT * FROM evaluations WHERE id = ?", (int(row_id),)).fetchone()

@@ -90,7 +90,8 @@ def landscape_figure(land: Landscape, plane, surface, metric: str, task: str | N
 
 def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_names: Sequence[str], grid: int,
                     metric: str, task: str | None = None, tasks: Sequence[str] = (), split: str = "probe",
-                    path_names: Sequence[str] = (), view: str = "contour", progress=None) -> tuple[Path, Path]:
+                    path_names: Sequence[str] = (), view: str = "contour", progress=None,
+                    cluster=None) -> tuple[Path, Path]:
     if metric not in METRICS:
         raise MergerError(f"unknown metric '{metric}'; one of {', '.join(METRICS)}")
     out = Path(inputs.check_path(str(out), "--out", MergerError))
@@ -105,9 +106,11 @@ def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_nam
         xs, ys, _ = trajectories.project(plane, tr)
         coords += list(zip(xs, ys))
     extent = extent_of(coords)
-    surface = None
-    for surface in land.progressive(plane, extent, grid, split, progress=progress):
-        pass
+    if cluster is not None:  # the grid at once, row by row on the workers
+        surface = land.surface(plane, extent, grid, split, progress, cluster=cluster)
+    else:
+        for surface in land.progressive(plane, extent, grid, split, progress=progress):
+            pass
     fig = landscape_figure(land, plane, surface, metric, task, points, paths, view)
     html = write_text_atomic(out, fig.to_html(include_plotlyjs=True, full_html=True))
     data = surface.to_dict()

@@ -224,7 +224,10 @@ class Landscape:
         """(accuracy, loss) per task at a point itself (one forward; cached by the session)."""
         return self.session.values_at_point(vec, split)
 
-    def surface(self, plane: Plane, extent: Sequence[float], n: int, split: str = "probe", progress=None) -> Surface:
+    def surface(self, plane: Plane, extent: Sequence[float], n: int, split: str = "probe", progress=None,
+                cluster=None) -> Surface:
+        """Loss and accuracy per task over an n × n grid of the plane: here, or row by row on a
+        cluster's workers (``merger.cluster.Cluster``)."""
         if not 2 <= int(n) <= MAX_GRID:
             raise MergerError(f"landscape grid {n}×{n} is out of bounds (2 to {MAX_GRID} per side)")
         n = int(n)
@@ -232,6 +235,19 @@ class Landscape:
         tasks = self.pool.tasks
         loss = {t: [[0.0] * n for _ in range(n)] for t in tasks}
         acc = {t: [[0.0] * n for _ in range(n)] for t in tasks}
+        if cluster is not None:
+            done = []
+
+            def row(i, values):
+                for j, (a, lo) in enumerate(values):
+                    for t in tasks:
+                        acc[t][i][j], loss[t][i][j] = a[t], lo[t]
+                done.append(i)
+                if progress:
+                    progress(len(done) / n, f"row {len(done)}/{n}")
+
+            cluster.plane_rows(plane, xs, ys, split, row)
+            return Surface(plane.key, xs, ys, loss, acc, split)
         with self.session.batch(chunks=n * n):  # one chunk per grid point: previews waiting go first
             for i, y in enumerate(ys):
                 for j, x in enumerate(xs):

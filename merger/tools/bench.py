@@ -103,6 +103,10 @@ def run(what: str, args) -> int:
         from merger.tools.bench_scale import bench_scale
 
         return bench_scale(args)
+    if what == "cluster":
+        from merger.tools.bench_cluster import bench_cluster
+
+        return bench_cluster(args)
     if what == "open":
         from merger.tools.bench_open import bench_open
 

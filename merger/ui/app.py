@@ -21,8 +21,8 @@ def default_method() -> str:
     return next((m.name for m in methods.all_methods() if m.featured), methods.names()[0])
 
 
-def build_app(session, history=None, title: str = "merger") -> gr.Blocks:
-    ctl = Controller(session, history)
+def build_app(session, history=None, title: str = "merger", cluster=None) -> gr.Blocks:
+    ctl = Controller(session, history, cluster)
     pool = session.pool
     first = default_method()
     landscape = LandscapeController(ctl)

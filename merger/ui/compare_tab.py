@@ -44,12 +44,18 @@ class CompareTab:
     def compare_headers(self) -> list[str]:
         return ["spec", "experts", "avg acc %", "normalised %", "loss"] + list(self.ctl.pool.tasks)
 
+    def _record(self, spec, result) -> None:
+        """A job's results in the history, as they finish (this process is its one writer)."""
+        if self.ctl.history is not None:
+            self.ctl.history.record(self.ctl.pool_ref, spec.rounded(), result)
+
     def auto_tune(self, method_names, experts, progress=gr.Progress()):
         if not method_names:
             fail("tick at least one method to auto-tune")
         try:
             rows = auto_tune(self.ctl.session, method_names, experts=list(experts) if experts else None,
-                             progress=lambda f, msg: progress(f, desc=msg))
+                             progress=lambda f, msg: progress(f, desc=msg), cluster=self.ctl.cluster,
+                             on_result=self._record)
         except MergerError as exc:
             fail(exc)
         table = [[r["method"], ", ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items()) or "-",
@@ -81,7 +87,8 @@ class CompareTab:
             skipped = [m for m in method_names if m not in chosen]
             values = sorted({v for m in chosen for v in sweep_values(axis, m)})
             data = sweep(self.ctl.session, chosen, axis, values, split=split, experts=experts,
-                         progress=lambda f, msg: progress(f, desc=msg))
+                         progress=lambda f, msg: progress(f, desc=msg), cluster=self.ctl.cluster,
+                         on_result=self._record)
         except MergerError as exc:
             fail(exc)
         curves, dashed = {}, []

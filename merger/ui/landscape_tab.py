@@ -81,7 +81,10 @@ class LandscapeController:
                 coords += list(zip(xs, ys))
             extent = extent_of(coords)
             task = None if task in (None, "", "all tasks (mean)") else task
-            for surface in self.land.progressive(plane, extent, int(grid), progress=lambda f, m: progress(f, desc=m)):
+            shown = lambda f, m: progress(f, desc=m)  # noqa: E731
+            surfaces = ([self.land.surface(plane, extent, int(grid), progress=shown, cluster=self.ctl.cluster)]
+                        if self.ctl.cluster is not None else self.land.progressive(plane, extent, int(grid), progress=shown))
+            for surface in surfaces:
                 state = {"plane": plane, "surface": surface, "points": points, "paths": paths,
                          "metric": metric, "task": task, "view": view}
                 yield state, self.figure(state, spec)

@@ -42,10 +42,13 @@ class Controller(ControlPanel):
     """The Merge tab's callbacks (the controls' spec, its answer and views, pins, export); the other
     tabs reach the session, the pool and the history through it."""
 
-    def __init__(self, session, history=None):
+    def __init__(self, session, history=None, cluster=None):
         super().__init__(session)
         self.history = history
         self.pool_ref = pool_reference(self.pool)
+        # A Ray cluster (app --ray) that runs the Sweep / Auto-tune / Landscape jobs; the sliders keep
+        # this process's resident model.
+        self.cluster = cluster
 
     # ---- merge tab ----------------------------------------------------------------------
     def preview(self, experts, method, *values, **options):

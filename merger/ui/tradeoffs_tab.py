@@ -92,7 +92,8 @@ class TradeoffsTab:
             spec = self._spec(inputs)
             tuned = tune_weights(session, spec.method, spec.kwargs, list(spec.experts), budget=int(budget or 0),
                                  seed=int(seed or 0), with_lam=bool(with_lam),
-                                 progress=lambda f, m: progress(f, desc=m), cancel=flag.is_set)
+                                 progress=lambda f, m: progress(f, desc=m), cancel=flag.is_set,
+                                 cluster=self.ctl.cluster)
             rows = [["TPE per-task weights" + (" + λ" if with_lam else ""),
                      ", ".join(f"{e}={w:g}" for e, w in tuned["task_weights"].items())
                      + (f"; λ={tuned['spec'].kwargs['lam']:g}" if with_lam else ""),

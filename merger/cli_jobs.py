@@ -1,0 +1,205 @@
+"""Command line jobs: ``python -m merger {sweep,tune,landscape}``, here or on a Ray cluster
+(``--ray auto|local|ADDRESS``). Parses, calls, prints; results go into the SQLite history as they
+finish (this process is its one writer), and ``--resume`` skips what the history already holds."""
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from merger import methods
+from merger.errors import MergerError
+
+DEFAULT_HISTORY = str(Path.home() / ".merger" / "history.sqlite")  # the app's default too
+
+
+@contextlib.contextmanager
+def progress_bar(desc: str):
+    """A tqdm bar on stderr for a long command, drawn from the first progress report on (so an
+    error found before any work is a clean single line); yields ``update(fraction, message, ...)``,
+    the callback shape the engine's long operations take."""
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(fraction, message="", *_):
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=1000, desc=desc, file=sys.stderr, leave=True, dynamic_ncols=True,
+                       bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining} {postfix}")
+        bar.n = min(1000, int(round(1000 * fraction)))
+        bar.set_postfix_str(str(message)[:70], refresh=False)
+        bar.refresh()
+
+    try:
+        yield update
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def add_job_args(p, history: bool = True) -> None:
+    p.add_argument("--pool", default="demo")
+    p.add_argument("--ray", default=None, metavar="auto|local|ADDRESS",
+                   help="run on a Ray cluster: auto (the one this machine belongs to), local (start one here), "
+                        "or host:port / ray://host:port; absent: run here")
+    p.add_argument("--workers", type=int, default=2, help="with --ray: workers, each opening the pool once")
+    p.add_argument("--device", default="cpu", help="without --ray: where this process evaluates")
+    if history:
+        p.add_argument("--history", default=DEFAULT_HISTORY, help="SQLite history the results go into ('' : none)")
+        p.add_argument("--resume", action="store_true", help="skip the points the history already holds")
+
+
+def add_job_commands(sub) -> None:
+    p = sub.add_parser("sweep", help="accuracy against one parameter for some methods (into the history)")
+    add_job_args(p)
+    p.add_argument("--methods", default=None, help="comma list (default: the featured methods that take --axis)")
+    p.add_argument("--axis", default="lam", help="a parameter with sweep values (lam, rank_ratio, sparsity, t, ...)")
+    p.add_argument("--values", default=None, help="comma list (default: the parameter's sweep values)")
+    p.add_argument("--split", default="live")
+    p.add_argument("--experts", default=None, help="comma-separated task names (default: all)")
+    p.add_argument("--out", default=None, help="also write the curves as JSON here")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("tune", help="grid auto-tune: best setting on validation, reported on test (into the history)")
+    add_job_args(p)
+    p.add_argument("--methods", default=None, help="comma list (default: the featured methods)")
+    p.add_argument("--experts", default=None, help="comma-separated task names (default: all)")
+    p.add_argument("--weights", default=None, metavar="METHOD",
+                   help="instead of the grid: search METHOD's per-task weights (Optuna TPE, seeded) at its defaults")
+    p.add_argument("--budget", type=int, default=100, help="--weights: trials")
+    p.add_argument("--seed", type=int, default=0, help="--weights: the sampler's seed")
+    p.add_argument("--with-lam", action="store_true", help="--weights: search λ too")
+    p.set_defaults(func=cmd_tune)
+
+
+def _cluster(args, pool):
+    if not args.ray:
+        return None
+    from merger.cluster import Cluster
+
+    return Cluster(args.ray, pool.source, workers=args.workers, num_cpus=args.workers if args.ray == "local" else None)
+
+
+def _recording(args, session, counts: dict):
+    """(on_result, known) for the history of a job: one writer (this process), and a resumed job's
+    lookups; ``counts`` says how many points were evaluated and how many came from the history."""
+    counts.update(evaluated=0, reused=0)
+
+    def evaluated(spec, result):
+        counts["evaluated"] += 1
+
+    if not args.history:
+        if args.resume:
+            raise MergerError("--resume needs a --history to resume from")
+        return evaluated, None
+    from merger.evaluation.evaluator import Result
+    from merger.io.export import pool_reference
+    from merger.io.history import History
+
+    history, ref = History(args.history), pool_reference(session.pool)
+
+    def on_result(spec, result):
+        history.record(ref, spec.rounded(), result)
+        evaluated(spec, result)
+
+    def known(spec, split):
+        row = history.find(ref, spec.rounded(), split)
+        if row is None:
+            return None
+        counts["reused"] += 1
+        return Result(split, json.loads(row["accuracy"]), json.loads(row["loss"]),
+                      expert_accuracy=session.expert_accuracy(split))
+
+    return on_result, (known if args.resume else None)
+
+
+def _methods(args, axis: str | None = None) -> list[str]:
+    if args.methods:
+        return [methods.get(m).name for m in args.methods.split(",") if m.strip()]
+    chosen = [m.name for m in methods.all_methods() if m.featured and not m.data_driven
+              and (axis is None or axis in m.param_names)]
+    if not chosen:
+        raise MergerError(f"no featured method takes {axis}; name some with --methods")
+    return chosen
+
+
+def _open(args):
+    from merger.evaluation.session import PoolSession
+    from merger.pool.pool import open_pool
+
+    return PoolSession(open_pool(args.pool, device=args.device))
+
+
+def cmd_sweep(args) -> int:
+    from merger.evaluation.tuning import sweep, sweep_values
+
+    session = _open(args)
+    names = _methods(args, args.axis)
+    values = ([float(v) for v in args.values.split(",")] if args.values
+              else sorted({v for m in names for v in sweep_values(args.axis, m)}))
+    experts = args.experts.split(",") if args.experts else None
+    counts: dict = {}
+    on_result, known = _recording(args, session, counts)
+    cluster = _cluster(args, session.pool)
+    t0 = time.perf_counter()
+    with progress_bar("sweep") as update:
+        out = sweep(session, names, args.axis, values, args.split, experts, progress=update, cluster=cluster,
+                    on_result=on_result, known=known)
+    for m, curve in out.items():
+        print(f"{m}: " + "  ".join(f"{x:g}→{100 * a:.1f}" for x, a in zip(curve["x"], curve["average"])))
+    where = f"on {args.workers} Ray workers ({args.ray})" if cluster else "here"
+    print(f"{sum(len(c['x']) for c in out.values())} points ({counts['evaluated']} evaluated, {counts['reused']} from "
+          f"the history) {where} in {time.perf_counter() - t0:.1f} s" + (f"; history: {args.history}" if args.history else ""))
+    if args.out:
+        from merger.io.checkpoints import write_text_atomic
+
+        write_text_atomic(args.out, json.dumps(out))
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from merger.evaluation.tuning import auto_tune
+
+    session = _open(args)
+    experts = args.experts.split(",") if args.experts else None
+    counts: dict = {}
+    on_result, known = _recording(args, session, counts)
+    cluster = _cluster(args, session.pool)
+    if args.weights:
+        from merger.evaluation.tuning import tune_weights
+
+        with progress_bar("weight search") as update:
+            out = tune_weights(session, methods.get(args.weights).name, None, experts, args.budget, args.seed,
+                               args.with_lam, update, cluster=cluster, on_result=on_result)
+        print(f"{out['spec'].label()}: val {100 * out['val_accuracy']:.1f} %, test "
+              f"{100 * out['test_accuracy']:.1f} % after {out['trials']} trials (seed {out['seed']})"
+              + (f" on {args.workers} Ray workers ({args.ray})" if cluster else ""))
+        return 0
+    with progress_bar("tune") as update:
+        rows = auto_tune(session, _methods(args), experts, update, cluster=cluster, on_result=on_result, known=known)
+    print(f"{'method':<18}{'best on validation':<44}{'grid':>5}{'val %':>7}{'test %':>8}")
+    for r in rows:
+        setting = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["params"].items())
+        print(f"{r['method']:<18}{setting[:43]:<44}{r['grid_points']:5d}{100 * r['val_accuracy']:7.1f}"
+              f"{100 * r['test_accuracy']:8.1f}")
+    print(f"{counts['evaluated']} points evaluated, {counts['reused']} from the history"
+          + (f" (on {args.workers} Ray workers, {args.ray})" if cluster else ""))
+    return 0
+
+
+def cmd_landscape(args) -> int:
+    from merger.landscape.figure import write_landscape
+
+    t0 = time.perf_counter()
+    session = _open(args)
+    cluster = _cluster(args, session.pool)
+    with progress_bar("landscape") as update:
+        html, js = write_landscape(session.landscape, args.out, args.plane, args.points.split(","), args.grid,
+                                   args.metric, task=args.task, tasks=[t for t in (args.tasks or "").split(",") if t],
+                                   split=args.split, path_names=(args.paths or "").split(","), view=args.view,
+                                   progress=update, cluster=cluster)
+    print(f"wrote {html} and {js} ({args.grid}×{args.grid}, {time.perf_counter() - t0:.1f} s)")
+    return 0

@@ -1,0 +1,155 @@
+"""Grid points, trials and landscape rows on a Ray cluster: the same jobs as the local path, run by
+workers that each open the pool once (an actor holding a ``PoolSession``, on a GPU where the worker
+has one) and reuse its caches across tasks. Results come back to the driver as they finish; the
+driver alone writes the history.
+
+Ray is imported only here, and only when a job names ``--ray``: the app and the demo start as fast
+without it. A worker needs the pool's files at the same paths (a shared filesystem, or copies)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Sequence
+
+from merger.errors import MergerError
+
+RAY_PIN = "ray==2.52.1"  # as requirements.txt
+_WORKER_CLASS = None
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise MergerError(f"--ray: the ray package is not installed here (pip install '{RAY_PIN}'); "
+                          "leave --ray out to run locally") from None
+    return ray
+
+
+def connect(address: str, num_cpus: int | None = None) -> None:
+    """Join the Ray cluster at ``address`` ("auto": the one this machine belongs to, RAY_ADDRESS or
+    a running local instance; "local": start one in this process with ``num_cpus``; else host:port
+    or ray://host:port). Nothing leaves the machine for "local": no dashboard, no usage stats."""
+    ray = _ray()
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    if address not in ("auto", "local"):
+        _reachable(address)
+    try:
+        if address == "local":
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        else:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+    except Exception as exc:  # ConnectionError, a timeout, a bad address: all mean "not reachable"
+        raise MergerError(f"--ray {address}: no Ray cluster could be reached there ({str(exc).splitlines()[0][:200]}); "
+                          "start one with `ray start --head`, or use --ray local") from None
+
+
+def _reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A host:port (or ray://host:port) that accepts a TCP connection within ``timeout_s``: Ray itself
+    keeps retrying an unreachable address for minutes."""
+    import socket
+
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise MergerError(f"--ray {address}: expected auto, local, host:port or ray://host:port")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise MergerError(f"--ray {address}: no Ray cluster could be reached there ({exc.strerror or exc}); "
+                          "start one with `ray start --head`, or use --ray local") from None
+
+
+def _worker_class():
+    """The actor class (defined on first use, so that importing this module needs no Ray). A killed
+    worker is restarted and its unfinished tasks are retried (each is a pure function of its spec)."""
+    global _WORKER_CLASS
+    if _WORKER_CLASS is None:
+        ray = _ray()
+
+        @ray.remote(max_restarts=-1, max_task_retries=-1)
+        class PoolWorker:
+            def __init__(self, pool_source: str, device: str):
+                import torch
+
+                from merger.evaluation.session import PoolSession
+                from merger.pool.pool import open_pool
+
+                cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+                torch.set_num_threads(max(1, int(cpus)))  # its share of the machine, not every core
+                self.session = PoolSession(open_pool(pool_source, device=device))
+
+            def pid(self) -> int:
+                return os.getpid()
+
+            def evaluate(self, spec, split: str):
+                result = self.session.preview(spec, split)
+                return dataclasses.replace(result, per_image={})  # what the driver records, not per image
+
+            def plane_row(self, plane, xs: Sequence[float], y: float, split: str):
+                return [self.session.values_on_plane(plane, x, y, split) for x in xs]
+
+        _WORKER_CLASS = PoolWorker
+    return _WORKER_CLASS
+
+
+class Cluster:
+    """``workers`` actors over one pool; ``evaluate`` and ``plane_rows`` spread work over them and
+    hand each answer to a callback as it arrives (in completion order)."""
+
+    def __init__(self, address: str, pool_source: str, workers: int = 2, num_cpus: int | None = None):
+        if workers < 1:
+            raise MergerError(f"--workers {workers}: at least one worker")
+        connect(address, num_cpus)
+        ray = _ray()
+        self.address = address
+        gpus = ray.cluster_resources().get("GPU", 0)
+        per = 1 if gpus >= workers else 0  # a GPU per worker where the cluster has them
+        options = {"num_gpus": per, "num_cpus": 1} if per else {"num_cpus": 1}
+        device = "cuda" if per else "cpu"
+        self.workers = [_worker_class().options(**options).remote(pool_source, device) for _ in range(workers)]
+
+    def _stream(self, refs: list, on_each: Callable[[int, object], None]) -> list:
+        ray = _ray()
+        index = {ref: i for i, ref in enumerate(refs)}
+        out: list = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                i = index[ref]
+                out[i] = ray.get(ref)
+                on_each(i, out[i])
+        return out
+
+    def evaluate(self, items: Sequence[tuple], on_each: Callable[[int, object], None]) -> list:
+        """Results of (spec, split) items. Contiguous blocks go to each worker, so a worker meets a
+        method's points together and prepares it once."""
+        n = len(self.workers)
+        size = -(-len(items) // n) if items else 0
+        refs = [self.workers[i // size].evaluate.remote(spec, split) for i, (spec, split) in enumerate(items)]
+        return self._stream(refs, on_each)
+
+    def plane_rows(self, plane, xs: Sequence[float], ys: Sequence[float], split: str,
+                   on_each: Callable[[int, object], None]) -> list:
+        """Per y, the (accuracy, loss) of every x on a plane; the plane is shipped once."""
+        ray = _ray()
+        ref = ray.put(plane)
+        refs = [self.workers[i % len(self.workers)].plane_row.remote(ref, list(xs), y, split) for i, y in enumerate(ys)]
+        return self._stream(refs, on_each)
+
+    def worker_pids(self) -> list[int]:
+        return _ray().get([w.pid.remote() for w in self.workers])
+
+    def kill_worker(self, i: int) -> None:
+        """Kill one worker's process (it is restarted; its unfinished tasks are retried): for tests."""
+        _ray().kill(self.workers[i], no_restart=False)
+
+    def close(self) -> None:
+        ray = _ray()
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []

@@ -1,0 +1,121 @@
+"""Sweeps, auto-tune and landscapes on a local Ray instance (issue 8/8): the same results as the
+local path, a killed worker's tasks retried with nothing lost or doubled in the history, a resumed
+job skipping what the history holds, and clear messages when Ray is absent or unreachable. Ray runs
+in this process with 2 CPUs, no dashboard and no usage stats: nothing leaves the machine."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import write_pool
+
+import merger
+from merger.errors import MergerError
+from merger.evaluation.tuning import auto_tune, evaluate_all, sweep
+from merger.io.history import History
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    return merger.open_pool(write_pool(tmp_path_factory.mktemp("cluster"), n_experts=3, scale=0.2, demo_data=True))
+
+
+@pytest.fixture(scope="module")
+def cluster(pool):
+    from merger.cluster import Cluster
+
+    c = Cluster("local", pool.source, workers=2, num_cpus=2)
+    yield c
+    c.close()
+    ray.shutdown()
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for m in a:
+        assert a[m]["x"] == b[m]["x"]
+        assert a[m]["average"] == pytest.approx(b[m]["average"], abs=1e-9), m
+
+
+def test_a_sweep_on_the_workers_equals_the_local_sweep(pool, cluster):
+    args = (["task_arithmetic", "ties"], "lam", [0.1, 0.3, 0.5, 0.7])
+    _same(sweep(merger.PoolSession(pool), *args, cluster=cluster), sweep(merger.PoolSession(pool), *args))
+
+
+def test_auto_tune_and_a_landscape_on_the_workers_equal_the_local_ones(pool, cluster):
+    here, there = merger.PoolSession(pool), merger.PoolSession(pool)
+    a = auto_tune(here, ["task_arithmetic"])[0]
+    b = auto_tune(there, ["task_arithmetic"], cluster=cluster)[0]
+    assert a["spec"] == b["spec"] and a["test_accuracy"] == pytest.approx(b["test_accuracy"], abs=1e-9)
+    land = here.landscape
+    points = land.named_points(["base", "experts"])
+    from merger.landscape.surface import pca_plane
+
+    plane = pca_plane(points)
+    local = land.surface(plane, (-1, 1, -1, 1), 3, "probe")
+    remote = land.surface(plane, (-1, 1, -1, 1), 3, "probe", cluster=cluster)
+    for t in pool.tasks:
+        assert torch.allclose(torch.tensor(local.loss[t]), torch.tensor(remote.loss[t]), atol=1e-5)
+
+
+def test_a_killed_worker_loses_and_doubles_nothing(pool, cluster, tmp_path):
+    session = merger.PoolSession(pool)
+    history = History(tmp_path / "h.sqlite")
+    items = [(session.spec("task_arithmetic", lam=round(0.1 * i, 2)), "test") for i in range(1, 13)]
+    before = cluster.worker_pids()
+    seen = []
+
+    def on_result(spec, result):
+        seen.append(spec)
+        history.record("p", spec.rounded(), result)
+        if len(seen) == 1:
+            cluster.kill_worker(1)  # its queued points (the second half) must be retried on its restart
+
+    got = evaluate_all(session, items, cluster=cluster, on_result=on_result)
+    assert cluster.worker_pids()[1] != before[1]  # it was killed and restarted
+    assert sorted(s.kwargs["lam"] for s in seen) == [s.kwargs["lam"] for s, _ in items]  # each once
+    assert len(history.rows(limit=100)) == len(items)
+    local = [session.preview(s, "test").average_accuracy for s, _ in items]
+    assert [r.average_accuracy for r in got] == pytest.approx(local, abs=1e-9)
+
+
+def test_resume_skips_the_points_the_history_holds(pool, tmp_path):
+    cmd = [sys.executable, "-m", "merger", "sweep", "--pool", pool.source, "--methods", "task_arithmetic",
+           "--history", str(tmp_path / "h.sqlite")]
+    first = subprocess.run(cmd + ["--values", "0.1,0.2"], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run(cmd + ["--values", "0.1,0.2,0.3", "--resume"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "1 evaluated, 2 from the history" in again.stdout
+    assert len(History(tmp_path / "h.sqlite").rows()) == 3
+
+
+def test_ray_absent_or_unreachable_is_said_with_the_address(pool, monkeypatch):
+    from merger import cluster as cluster_module
+
+    with pytest.raises(MergerError, match=r"--ray 127.0.0.1:1: no Ray cluster could be reached there"):
+        cluster_module._reachable("127.0.0.1:1")
+    with pytest.raises(MergerError, match="expected auto, local, host:port"):
+        cluster_module._reachable("nowhere")
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
+    with pytest.raises(MergerError, match=r"the ray package is not installed here \(pip install 'ray=="):
+        cluster_module.connect("local")
+
+
+def test_the_apps_sweep_runs_on_the_cluster_and_fills_the_history(pool, cluster, tmp_path):
+    """app --ray: the Compare tab's sweep goes to the workers (the same curve as here), and each point
+    lands in the app's history as it finishes."""
+    from merger.ui.compare_tab import CompareTab
+    from merger.ui.merge_tab import Controller
+
+    ctl = Controller(merger.PoolSession(pool), History(tmp_path / "h.sqlite"), cluster)
+    CompareTab(ctl).sweep("lam", ["task_arithmetic"], "live", None, progress=lambda *a, **k: None)
+    rows = ctl.history.rows(limit=100)
+    lams = merger.methods.get("task_arithmetic").param("lam").sweep
+    assert sorted(json.loads(r["params"])["lam"] for r in rows) == sorted(lams)
+    here = sweep(merger.PoolSession(pool), ["task_arithmetic"], "lam", list(lams))["task_arithmetic"]
+    by_lam = {json.loads(r["params"])["lam"]: r["average_accuracy"] for r in rows}
+    assert [by_lam[x] for x in here["x"]] == pytest.approx(here["average"], abs=1e-9)
