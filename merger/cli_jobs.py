@@ -173,10 +173,11 @@ def cmd_tune(args) -> int:
 
         with progress_bar("weight search") as update:
             out = tune_weights(session, methods.get(args.weights).name, None, experts, args.budget, args.seed,
-                               args.with_lam, update, cluster=cluster, on_result=on_result)
+                               args.with_lam, update, cluster=cluster, on_result=on_result, known=known)
         print(f"{out['spec'].label()}: val {100 * out['val_accuracy']:.1f} %, test "
               f"{100 * out['test_accuracy']:.1f} % after {out['trials']} trials (seed {out['seed']})"
-              + (f" on {args.workers} Ray workers ({args.ray})" if cluster else ""))
+              + (f" on {args.workers} Ray workers ({args.ray})" if cluster else "")
+              + f"; {counts['evaluated']} evaluated, {counts['reused']} from the history")
         return 0
     with progress_bar("tune") as update:
         rows = auto_tune(session, _methods(args), experts, update, cluster=cluster, on_result=on_result, known=known)

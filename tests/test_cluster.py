@@ -119,3 +119,16 @@ def test_the_apps_sweep_runs_on_the_cluster_and_fills_the_history(pool, cluster,
     here = sweep(merger.PoolSession(pool), ["task_arithmetic"], "lam", list(lams))["task_arithmetic"]
     by_lam = {json.loads(r["params"])["lam"]: r["average_accuracy"] for r in rows}
     assert [by_lam[x] for x in here["x"]] == pytest.approx(here["average"], abs=1e-9)
+
+
+def test_a_resumed_weight_search_replays_its_trials_and_evaluates_only_the_rest(pool, tmp_path):
+    cmd = [sys.executable, "-m", "merger", "tune", "--pool", pool.source, "--weights", "task_arithmetic",
+           "--history", str(tmp_path / "h.sqlite"), "--seed", "3"]
+    first = subprocess.run(cmd + ["--budget", "4"], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run(cmd + ["--budget", "6", "--resume"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "; 2 evaluated, " in again.stdout  # the 4 trials answered before are read back, not evaluated
+    whole = subprocess.run(cmd + ["--budget", "6", "--history", str(tmp_path / "h2.sqlite")], capture_output=True,
+                           text=True, timeout=300)
+    assert again.stdout.split(";")[0] == whole.stdout.split(";")[0]  # the same search as one without a break

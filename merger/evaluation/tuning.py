@@ -190,10 +190,12 @@ WEIGHT_SEARCH = (0.0, 2.0, 0.05)  # each wₜ searched in [0, 2] on the weight s
 
 def tune_weights(session, method: str, params: dict | None = None, experts=None, budget: int = 100, seed: int = 0,
                  with_lam: bool = False, progress: Progress = None, cancel=None, *, cluster=None,
-                 on_result=None) -> dict:
+                 on_result=None, known=None) -> dict:
     """Per-task weights (and λ, when ``with_lam``) that maximise the average validation accuracy:
     Optuna's TPE sampler, seeded (the same seed gives the same trials), ``budget`` evaluations;
-    the best on the test split. Batch work: a chunk per trial, waiting moves go first."""
+    the best on the test split. Batch work: a chunk per trial, waiting moves go first. A resumed
+    search (``known``) replays the seeded study: the trials it already answered are read back, so it
+    asks the same ones again and evaluates only past where it stopped."""
     import optuna
 
     from merger.errors import Cancelled
@@ -220,8 +222,6 @@ def tune_weights(session, method: str, params: dict | None = None, experts=None,
     def scored(spec, result):
         acc = result.average_accuracy
         history.append(acc)
-        if on_result:
-            on_result(spec, result)
         if progress:
             progress(len(history) / budget, f"trial {len(history)}/{budget}: val {100 * acc:.1f} % "
                                              f"(best {100 * max(history):.1f} %)")
@@ -231,7 +231,7 @@ def tune_weights(session, method: str, params: dict | None = None, experts=None,
         if cancel is not None and cancel():
             raise Cancelled(f"weight search cancelled after {len(history)} of {budget} trials")
         spec = trial_spec(trial)
-        return scored(spec, session.preview(spec, split="val"))
+        return scored(spec, evaluate_all(session, [(spec, "val")], on_result=on_result, known=known)[0])
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=int(seed)))
@@ -244,13 +244,14 @@ def tune_weights(session, method: str, params: dict | None = None, experts=None,
                     raise Cancelled(f"weight search cancelled after {len(history)} of {budget} trials")
                 trials = [study.ask() for _ in range(min(len(cluster.workers), int(budget) - len(study.trials)))]
                 specs = [trial_spec(t) for t in trials]
-                results = cluster.evaluate([(s, "val") for s in specs], lambda i, r: None)
+                results = evaluate_all(session, [(s, "val") for s in specs], cluster=cluster, on_result=on_result,
+                                       known=known)
                 for trial, spec, result in zip(trials, specs, results):
                     study.tell(trial, scored(spec, result))
         best = dict(study.best_params)
         lam = best.pop("lam", None)
         kw = {**chosen.kwargs, **({"lam": lam} if lam is not None else {})}
         spec = session.spec(m.name, experts=list(chosen.experts), task_weights=best, **kw)
-        test = evaluate_all(session, [(spec, "test")], cluster=cluster, on_result=on_result)[0]
+        test = evaluate_all(session, [(spec, "test")], cluster=cluster, on_result=on_result, known=known)[0]
     return {"spec": spec, "task_weights": best, "val_accuracy": study.best_value, "test_accuracy": test.average_accuracy,
             "test": test, "trials": len(study.trials), "history": history, "seed": int(seed)}
