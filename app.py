@@ -61,8 +61,7 @@ def main(argv=None) -> int:
         if args.ray:
             from merger.cluster import Cluster
 
-            cluster = Cluster(args.ray, pool.source, workers=args.workers,
-                              num_cpus=args.workers if args.ray == "local" else None)
+            cluster = Cluster(args.ray, pool.source, workers=args.workers, experts=list(pool.experts))
     except merger.MergerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

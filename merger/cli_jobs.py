@@ -80,10 +80,11 @@ def _cluster(args, pool):
         return None
     from merger.cluster import Cluster
 
-    return Cluster(args.ray, pool.source, workers=args.workers, num_cpus=args.workers if args.ray == "local" else None)
+    print(f"starting {args.workers} Ray workers ({args.ray}); each opens the pool once...", file=sys.stderr, flush=True)
+    return Cluster(args.ray, pool.source, workers=args.workers, experts=list(pool.experts))
 
 
-def _recording(args, session, counts: dict):
+def _recording(args, session, counts: dict, cluster=None):
     """(on_result, known) for the history of a job: one writer (this process), and a resumed job's
     lookups; ``counts`` says how many points were evaluated and how many came from the history."""
     counts.update(evaluated=0, reused=0)
@@ -110,8 +111,8 @@ def _recording(args, session, counts: dict):
         if row is None:
             return None
         counts["reused"] += 1
-        return Result(split, json.loads(row["accuracy"]), json.loads(row["loss"]),
-                      expert_accuracy=session.expert_accuracy(split))
+        experts = cluster.expert_accuracy(split) if cluster is not None else session.expert_accuracy(split)
+        return Result(split, json.loads(row["accuracy"]), json.loads(row["loss"]), expert_accuracy=experts)
 
     return on_result, (known if args.resume else None)
 
@@ -142,8 +143,8 @@ def cmd_sweep(args) -> int:
               else sorted({v for m in names for v in sweep_values(args.axis, m)}))
     experts = args.experts.split(",") if args.experts else None
     counts: dict = {}
-    on_result, known = _recording(args, session, counts)
     cluster = _cluster(args, session.pool)
+    on_result, known = _recording(args, session, counts, cluster)
     t0 = time.perf_counter()
     with progress_bar("sweep") as update:
         out = sweep(session, names, args.axis, values, args.split, experts, progress=update, cluster=cluster,
@@ -166,8 +167,8 @@ def cmd_tune(args) -> int:
     session = _open(args)
     experts = args.experts.split(",") if args.experts else None
     counts: dict = {}
-    on_result, known = _recording(args, session, counts)
     cluster = _cluster(args, session.pool)
+    on_result, known = _recording(args, session, counts, cluster)
     if args.weights:
         from merger.evaluation.tuning import tune_weights
 

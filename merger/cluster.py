@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Callable, Sequence
 
 from merger.errors import MergerError
 
 RAY_PIN = "ray==2.52.1"  # as requirements.txt
+RETRIES = 3  # a worker restarted, and its unfinished tasks retried, this often: a point that kills every
+# worker it meets (out of memory) then reaches the user as an error instead of looping
+START_S = 300  # the workers must have opened the pool by then (a cluster without the resources asked waits)
 _WORKER_CLASS = None
 
 
@@ -28,18 +32,19 @@ def _ray():
 
 def connect(address: str, num_cpus: int | None = None) -> None:
     """Join the Ray cluster at ``address`` ("auto": the one this machine belongs to, RAY_ADDRESS or
-    a running local instance; "local": start one in this process with ``num_cpus``; else host:port
-    or ray://host:port). Nothing leaves the machine for "local": no dashboard, no usage stats."""
+    a running local instance; "local": start one in this process with ``num_cpus``, all cores by
+    default; else host:port or ray://host:port). Nothing leaves the machine for "local": no dashboard, no usage stats."""
     ray = _ray()
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     if address not in ("auto", "local"):
         _reachable(address)
     try:
         if address == "local":
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            # address="local": a new instance, never one that RAY_ADDRESS or a running head names
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
         else:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
     except Exception as exc:  # ConnectionError, a timeout, a bad address: all mean "not reachable"
@@ -70,7 +75,7 @@ def _worker_class():
     if _WORKER_CLASS is None:
         ray = _ray()
 
-        @ray.remote(max_restarts=-1, max_task_retries=-1)
+        @ray.remote(max_restarts=RETRIES, max_task_retries=RETRIES)
         class PoolWorker:
             def __init__(self, pool_source: str, device: str):
                 import torch
@@ -90,7 +95,12 @@ def _worker_class():
                 return dataclasses.replace(result, per_image={})  # what the driver records, not per image
 
             def plane_row(self, plane, xs: Sequence[float], y: float, split: str):
+                device = self.session.pool.task_vectors.device
+                plane = dataclasses.replace(plane, origin=plane.origin.to(device), dirs=plane.dirs.to(device))
                 return [self.session.values_on_plane(plane, x, y, split) for x in xs]
+
+            def expert_accuracy(self, split: str) -> dict:
+                return self.session.expert_accuracy(split)
 
         _WORKER_CLASS = PoolWorker
     return _WORKER_CLASS
@@ -100,30 +110,61 @@ class Cluster:
     """``workers`` actors over one pool; ``evaluate`` and ``plane_rows`` spread work over them and
     hand each answer to a callback as it arrives (in completion order)."""
 
-    def __init__(self, address: str, pool_source: str, workers: int = 2, num_cpus: int | None = None):
+    def __init__(self, address: str, pool_source: str, workers: int = 2, num_cpus: int | None = None,
+                 experts: Sequence[str] = ()):
         if workers < 1:
             raise MergerError(f"--workers {workers}: at least one worker")
         connect(address, num_cpus)
         ray = _ray()
         self.address = address
-        gpus = ray.cluster_resources().get("GPU", 0)
-        per = 1 if gpus >= workers else 0  # a GPU per worker where the cluster has them
-        options = {"num_gpus": per, "num_cpus": 1} if per else {"num_cpus": 1}
-        device = "cuda" if per else "cpu"
-        self.workers = [_worker_class().options(**options).remote(pool_source, device) for _ in range(workers)]
+        self.experts = set(experts)  # the pool's own experts: a lab expert exists only in the app
+        resources = ray.cluster_resources()
+        gpus, cpus = resources.get("GPU", 0), resources.get("CPU", 1)
+        # a share of the GPUs (a fraction where workers outnumber them), else of the CPUs, per worker
+        options = {"num_cpus": max(1, int(cpus // workers))}
+        if gpus:
+            options["num_gpus"] = min(1.0, gpus / workers)
+        self.device = "cuda" if gpus else "cpu"
+        source = Path(pool_source)
+        source = str(source.resolve()) if source.exists() else pool_source  # workers may start elsewhere
+        self.workers = [_worker_class().options(**options).remote(source, self.device) for _ in range(workers)]
+        self._expert_acc: dict = {}
+        try:
+            ray.get([w.pid.remote() for w in self.workers], timeout=START_S)
+        except Exception as exc:  # the pool failed to open there, or the resources never came
+            self.close()
+            raise MergerError(f"--ray {address}: the workers did not start ({_reason(exc)}); the cluster has "
+                              f"{cpus:g} CPUs and {gpus:g} GPUs, and each worker asks for {options}") from None
 
     def _stream(self, refs: list, on_each: Callable[[int, object], None]) -> list:
         ray = _ray()
         index = {ref: i for i, ref in enumerate(refs)}
         out: list = [None] * len(refs)
         pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            for ref in done:
-                i = index[ref]
-                out[i] = ray.get(ref)
-                on_each(i, out[i])
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                for ref in done:
+                    i = index[ref]
+                    try:
+                        out[i] = ray.get(ref)
+                    except ray.exceptions.RayTaskError as exc:  # the worker's own error (a MergerError...)
+                        raise MergerError(_reason(exc)) from None
+                    on_each(i, out[i])
+        finally:  # an error, or a job given up: the rest would keep the workers busy
+            for ref in pending:
+                ray.cancel(ref)
         return out
+
+    def serves(self, spec) -> bool:
+        """Whether the workers have every expert of a spec (a lab expert exists only in the app)."""
+        return not self.experts or set(spec.experts) <= self.experts
+
+    def expert_accuracy(self, split: str) -> dict:
+        """The experts' accuracies on a split, from a worker (none of the driver's forwards)."""
+        if split not in self._expert_acc:
+            self._expert_acc[split] = _ray().get(self.workers[0].expert_accuracy.remote(split))
+        return self._expert_acc[split]
 
     def evaluate(self, items: Sequence[tuple], on_each: Callable[[int, object], None]) -> list:
         """Results of (spec, split) items. Contiguous blocks go to each worker, so a worker meets a
@@ -137,7 +178,7 @@ class Cluster:
                    on_each: Callable[[int, object], None]) -> list:
         """Per y, the (accuracy, loss) of every x on a plane; the plane is shipped once."""
         ray = _ray()
-        ref = ray.put(plane)
+        ref = ray.put(dataclasses.replace(plane, origin=plane.origin.cpu(), dirs=plane.dirs.cpu()))  # any node reads it
         refs = [self.workers[i % len(self.workers)].plane_row.remote(ref, list(xs), y, split) for i, y in enumerate(ys)]
         return self._stream(refs, on_each)
 
@@ -153,3 +194,10 @@ class Cluster:
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.workers = []
+
+
+def _reason(exc: Exception) -> str:
+    """The last line of a remote error that says what went wrong (Ray wraps it in tracebacks)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    named = [ln for ln in lines if "Error" in ln.split(":")[0] or ln.startswith("error")]
+    return (named[-1] if named else lines[-1] if lines else type(exc).__name__)[:300]

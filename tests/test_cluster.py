@@ -132,3 +132,26 @@ def test_a_resumed_weight_search_replays_its_trials_and_evaluates_only_the_rest(
     whole = subprocess.run(cmd + ["--budget", "6", "--history", str(tmp_path / "h2.sqlite")], capture_output=True,
                            text=True, timeout=300)
     assert again.stdout.split(";")[0] == whole.stdout.split(";")[0]  # the same search as one without a break
+
+
+def test_specs_naming_an_expert_the_workers_lack_are_evaluated_here(pool):
+    """A lab expert exists only in the app's process: its points stay local, the others go out."""
+    session = merger.PoolSession(pool)
+
+    class Workers:  # stands in for a Cluster: it serves specs over the pool's first two experts only
+        got = []
+
+        def serves(self, spec):
+            return set(spec.experts) <= set(pool.tasks[:2])
+
+        def evaluate(self, items, on_each):
+            self.got += [spec for spec, _ in items]
+            for i, (spec, split) in enumerate(items):
+                on_each(i, session.preview(spec, split))
+
+    items = [(session.spec("task_arithmetic", experts=pool.tasks[:2], lam=0.3), "live"),
+             (session.spec("task_arithmetic", lam=0.3), "live"),
+             (session.spec("task_arithmetic", experts=pool.tasks[:2], lam=0.5), "live")]
+    out = evaluate_all(session, items, cluster=Workers())
+    assert Workers.got == [items[0][0], items[2][0]]
+    assert [r.average_accuracy for r in out] == [session.preview(s, "live").average_accuracy for s, _ in items]

@@ -66,12 +66,13 @@ def evaluate_all(session, items: Sequence[tuple], progress: Progress = None, wha
         if progress:
             progress(done / max(1, len(items)), f"{what} {done}/{len(items)}: {items[i][0].label()}")
 
-    if cluster is not None:
-        cluster.evaluate([items[i] for i in todo], finished)
-    else:
-        for j, i in enumerate(todo):
-            spec, split = items[i]
-            finished(j, session.preview(spec, split=split))
+    # a spec naming an expert the workers lack (one added in the app's lab) is evaluated here
+    remote = [j for j, i in enumerate(todo) if cluster is not None and cluster.serves(items[i][0])]
+    if remote:
+        cluster.evaluate([items[todo[j]] for j in remote], lambda k, result: finished(remote[k], result))
+    for j in sorted(set(range(len(todo))) - set(remote)):
+        spec, split = items[todo[j]]
+        finished(j, session.preview(spec, split=split))
     return out
 
 
@@ -82,8 +83,15 @@ def auto_tune(session, method_names: Sequence[str], experts=None, progress: Prog
     _check_expert_counts(session, method_names, experts)
     with session.batch(chunks=sum(len(grid_points(m)) + 1 for m in method_names)):
         plans = [(m, [session.spec(m, experts=experts, **p) for p in grid_points(m)]) for m in method_names]
-        run = dict(progress=progress, cluster=cluster, on_result=on_result, known=known)
-        val = evaluate_all(session, [(s, "val") for _, specs in plans for s in specs], what="grid point", **run)
+        n_val = sum(len(specs) for _, specs in plans)
+        total = n_val + len(plans)
+
+        def stage(offset, n):  # one bar over both stages: validation grid, then test
+            return (lambda f, msg: progress((offset + f * n) / total, msg)) if progress else None
+
+        run = dict(cluster=cluster, on_result=on_result, known=known)
+        val = evaluate_all(session, [(s, "val") for _, specs in plans for s in specs], stage(0, n_val), "grid point",
+                           **run)
         rows, at = [], 0
         for m, specs in plans:
             scores = val[at:at + len(specs)]
@@ -91,7 +99,7 @@ def auto_tune(session, method_names: Sequence[str], experts=None, progress: Prog
             best = max(range(len(specs)), key=lambda i: (scores[i].average_accuracy, -i))  # the first of equals
             rows.append({"method": m, "spec": specs[best], "params": specs[best].kwargs, "grid_points": len(specs),
                          "val_accuracy": scores[best].average_accuracy})
-        tests = evaluate_all(session, [(r["spec"], "test") for r in rows], what="test", **run)
+        tests = evaluate_all(session, [(r["spec"], "test") for r in rows], stage(n_val, len(rows)), "test", **run)
         for r, test in zip(rows, tests):
             r.update(test_accuracy=test.average_accuracy, test_normalized=test.normalized_accuracy, test=test)
         return rows

@@ -45,7 +45,7 @@ def bench_cluster(args) -> int:
     rows.append((f"landscape {grid}×{grid}", "here", time.perf_counter() - t0))
 
     t0 = time.perf_counter()
-    cluster = Cluster("local", pool.source, workers=workers, num_cpus=workers)
+    cluster = Cluster("local", pool.source, workers=workers)
     cluster.worker_pids()  # every worker has opened the pool
     start = time.perf_counter() - t0
     try:
