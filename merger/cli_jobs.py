@@ -78,8 +78,9 @@ def add_job_commands(sub) -> None:
 def _cluster(args, pool):
     if not args.ray:
         return None
-    from merger.cluster import Cluster
+    from merger.cluster import Cluster, connect
 
+    connect(args.ray)  # an unreachable address is refused before anything is said about workers
     print(f"starting {args.workers} Ray workers ({args.ray}); each opens the pool once...", file=sys.stderr, flush=True)
     return Cluster(args.ray, pool.source, workers=args.workers, experts=list(pool.experts))
 
@@ -152,7 +153,8 @@ def cmd_sweep(args) -> int:
     for m, curve in out.items():
         print(f"{m}: " + "  ".join(f"{x:g}→{100 * a:.1f}" for x, a in zip(curve["x"], curve["average"])))
     where = f"on {args.workers} Ray workers ({args.ray})" if cluster else "here"
-    print(f"{sum(len(c['x']) for c in out.values())} points ({counts['evaluated']} evaluated, {counts['reused']} from "
+    n = sum(len(c['x']) for c in out.values())
+    print(f"{n} point{'s' if n != 1 else ''} ({counts['evaluated']} evaluated, {counts['reused']} from "
           f"the history) {where} in {time.perf_counter() - t0:.1f} s" + (f"; history: {args.history}" if args.history else ""))
     if args.out:
         from merger.io.checkpoints import write_text_atomic
@@ -203,5 +205,6 @@ def cmd_landscape(args) -> int:
                                    args.metric, task=args.task, tasks=[t for t in (args.tasks or "").split(",") if t],
                                    split=args.split, path_names=(args.paths or "").split(","), view=args.view,
                                    progress=update, cluster=cluster)
-    print(f"wrote {html} and {js} ({args.grid}×{args.grid}, {time.perf_counter() - t0:.1f} s)")
+    where = f" on {args.workers} Ray workers ({args.ray})" if cluster else ""
+    print(f"wrote {html} and {js} ({args.grid}×{args.grid}{where}, {time.perf_counter() - t0:.1f} s)")
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -38,6 +39,8 @@ def connect(address: str, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray's notice about a future default for GPU visibility: nothing the user can act on here
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"ray(\.|$)")
     if address not in ("auto", "local"):
         _reachable(address)
     try:

@@ -148,7 +148,7 @@ def test_slerp_with_other_than_two_experts_says_so(world, tmp_path):
     with pytest.raises(MethodError, match="slerp merges exactly 2 experts; 3 are selected: pick 2"):
         merged(world, "slerp", t=0.5)
     pool = merger.open_pool(write_pool(tmp_path, n_experts=3))
-    with pytest.raises(MethodError, match="slerp merges exactly 2 experts; 1 are selected"):
+    with pytest.raises(MethodError, match="slerp merges exactly 2 experts; 1 is selected"):
         merger.merge(pool, "slerp", experts=pool.tasks[:1])
 
 

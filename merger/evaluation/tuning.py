@@ -37,7 +37,7 @@ def _check_expert_counts(session, method_names, experts) -> None:
     for name in method_names:
         m = methods.get(name)
         if m.num_experts is not None and m.num_experts != n:
-            raise MergerError(f"{m.name} merges exactly {m.num_experts} experts; {n} are selected: pick "
+            raise MergerError(f"{m.name} merges exactly {m.num_experts} experts; {n} {'is' if n == 1 else 'are'} selected: pick "
                               f"{m.num_experts}, or leave {m.display_name} out")
 
 

@@ -11,6 +11,10 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from merger.errors import DataError, MergerError
+from merger.methods.registry import SEED, with_default
+
+# The seed of data-driven runs: which validation images they draw (RegMean's and Fisher's statistics)
+DRAW_SEED = with_default(SEED, 0, help="random seed of the validation images drawn")
 
 VISUAL = "visual."
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.func import grad, vmap
 
 from merger.errors import Cancelled
-from merger.methods.data import VISUAL, Run, calibration_set, normalized_features, static_unused
-from merger.methods.registry import FUSIONBENCH, SAMPLES, SEED, Method, Paper, Published, register, with_default
+from merger.methods.data import DRAW_SEED, VISUAL, Run, calibration_set, normalized_features, static_unused
+from merger.methods.registry import FUSIONBENCH, SAMPLES, Method, Paper, Published, register, with_default
 
 FLOOR = 1e-6  # every Fisher at least this (the authors' fisher_floor and FusionBench's minimal weight)
 
@@ -104,7 +104,7 @@ register(Method(
     paper=Paper("Merging models with Fisher-weighted averaging", "2111.09832"),
     description="θ = Σt Ft θt / Σt Ft per parameter, Ft the diagonal empirical Fisher of expert t on its task's "
                 "validation images (floor 1e-6).",
-    params=(with_default(SAMPLES, 256), SEED),
+    params=(with_default(SAMPLES, 256), DRAW_SEED),
     prepare=static_unused, apply=static_unused,
     run=run_fisher,
     objective="Fisher information",

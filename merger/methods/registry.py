@@ -185,7 +185,8 @@ class Method:
     def resolve(self, given: Mapping[str, Any], num_experts: int, strict: bool = True) -> dict[str, Any]:
         """Defaults filled in, every value checked; unknown names refused when ``strict``."""
         if self.num_experts is not None and num_experts != self.num_experts:
-            raise MethodError(f"{self.name} merges exactly {self.num_experts} experts; {num_experts} are selected: "
+            chosen = f"{num_experts} {'is' if num_experts == 1 else 'are'} selected"
+            raise MethodError(f"{self.name} merges exactly {self.num_experts} experts; {chosen}: "
                               f"pick {self.num_experts}")
         given = {k: v for k, v in given.items() if v is not None}
         unknown = [k for k in given if k not in self.param_names]

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from merger.errors import Cancelled, MethodError
-from merger.methods.data import VISUAL, Run, calibration_set, static_unused
+from merger.methods.data import DRAW_SEED, VISUAL, Run, calibration_set, static_unused
 from merger.methods.lowrank import MATRICES_NOTE
-from merger.methods.registry import FUSIONBENCH, SAMPLES, SEED, Method, Paper, Param, Published, register, with_default
+from merger.methods.registry import FUSIONBENCH, SAMPLES, Method, Paper, Param, Published, register, with_default
 
 ALPHA = Param("alpha", 0.9, 0.0, 1.0, 0.05, label="α (Gram off-diagonal scale)",
               help="RegMean: the off-diagonal entries of each Gram matrix are scaled by α (1: the exact least-squares "
@@ -155,7 +155,7 @@ REGMEAN = register(Method(
     paper=Paper("Dataless knowledge fusion by merging weights of language models", "2212.09849"),
     description="Per attention/MLP matrix, W = (Σt G̃t)⁻¹ Σt G̃t Wt, Gt the Gram matrix of the layer's inputs on task "
                 "t's validation images, off-diagonals scaled by α; the average elsewhere.",
-    params=(ALPHA, with_default(SAMPLES, 256), SEED),
+    params=(ALPHA, with_default(SAMPLES, 256), DRAW_SEED),
     prepare=static_unused, apply=static_unused,
     run=run_regmean,
     objective="least-squares fit of the experts' layer outputs",
