@@ -6,7 +6,6 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,7 +17,9 @@ def parse_args(argv=None):
     ap.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     ap.add_argument("--port", type=int, default=7860)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--history", default=str(Path.home() / ".merger" / "history.sqlite"),
+    from merger.io.history import DEFAULT_PATH
+
+    ap.add_argument("--history", default=str(DEFAULT_PATH),
                     help="SQLite file of evaluated specs ('' to turn history off)")
     ap.add_argument("--share", action="store_true", help="ask Gradio for a public share link (off by default)")
     ap.add_argument("--auth", default=None, help="user:password required to open the app")

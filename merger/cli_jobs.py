@@ -7,12 +7,10 @@ import contextlib
 import json
 import sys
 import time
-from pathlib import Path
 
 from merger import methods
 from merger.errors import MergerError
 
-DEFAULT_HISTORY = str(Path.home() / ".merger" / "history.sqlite")  # the app's default too
 
 
 @contextlib.contextmanager
@@ -48,7 +46,9 @@ def add_job_args(p, history: bool = True) -> None:
     p.add_argument("--workers", type=int, default=2, help="with --ray: workers, each opening the pool once")
     p.add_argument("--device", default="cpu", help="without --ray: where this process evaluates")
     if history:
-        p.add_argument("--history", default=DEFAULT_HISTORY, help="SQLite history the results go into ('' : none)")
+        from merger.io.history import DEFAULT_PATH
+
+        p.add_argument("--history", default=str(DEFAULT_PATH), help="SQLite history the results go into ('' : none)")
         p.add_argument("--resume", action="store_true", help="skip the points the history already holds")
 
 

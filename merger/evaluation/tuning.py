@@ -36,9 +36,7 @@ def _check_expert_counts(session, method_names, experts) -> None:
     n = len(experts) if experts else len(session.tasks)
     for name in method_names:
         m = methods.get(name)
-        if m.num_experts is not None and m.num_experts != n:
-            raise MergerError(f"{m.name} merges exactly {m.num_experts} experts; {n} {'is' if n == 1 else 'are'} selected: pick "
-                              f"{m.num_experts}, or leave {m.display_name} out")
+        m.check_expert_count(n, f", or leave {m.display_name} out")
 
 
 def evaluate_all(session, items: Sequence[tuple], progress: Progress = None, what: str = "point", *,
@@ -62,7 +60,7 @@ def evaluate_all(session, items: Sequence[tuple], progress: Progress = None, wha
         out[i] = result
         done += 1
         if on_result:
-            on_result(*items[i][:1], result)
+            on_result(items[i][0], result)
         if progress:
             progress(done / max(1, len(items)), f"{what} {done}/{len(items)}: {items[i][0].label()}")
 

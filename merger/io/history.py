@@ -11,6 +11,8 @@ from pathlib import Path
 
 from merger.io.checkpoints import write_text_atomic
 
+DEFAULT_PATH = Path.home() / ".merger" / "history.sqlite"  # the app's and the CLI jobs' history
+
 COLUMNS = ("id", "time", "pool", "method", "params", "experts", "split", "average_accuracy",
            "normalized_accuracy", "average_loss", "accuracy", "loss")
 

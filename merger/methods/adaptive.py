@@ -14,11 +14,11 @@ from typing import Callable
 import torch
 
 from merger.errors import Cancelled
-from merger.methods.data import (VISUAL, Context, Run, calibration_set, cross_entropy_objective,  # noqa: F401
+from merger.methods.data import (DRAW_SEED, VISUAL, Context, Run, calibration_set, cross_entropy_objective,  # noqa: F401
                                  entropy_objective, static_unused, subset_of)
 from merger.methods.lowrank import cart_task_parts, prepare_cart
 from merger.methods.registry import (ADAMERGING_LOGS, CART_README, INIT, LAM, LR, RANK_RATIO, SAMPLES, STEP_SIZE, STEPS,
-                                     TOP_K, Method, Paper, Param, Published, get, register, with_default)
+                                     TOP_K, Method, Paper, Published, get, register, with_default)
 
 class Combination:
     """θ(c) = anchor + Σt c[t, g(key)] · parts[key][t] over the merged keys (visual.* names)."""
@@ -222,8 +222,7 @@ def run_fw(ctx: Context, progress=None, cancel=None, *, soft: bool, steps: int, 
 ADA_PAPER = Paper("AdaMerging: adaptive model merging for multi-task learning", "2310.02575")
 ADA_CART_PAPER = Paper("Revisiting weight averaging for model merging (AdaMerging+CART)", "2412.12153")
 FW_PAPER = Paper("FW-Merging: scaling model merging with Frank-Wolfe optimization", "2503.12649")
-SEED = Param("seed", 0, 0, 2**31 - 1, 1, kind="int", help="random seed of the batch / calibration-set draws")
-ADA_PARAMS = (STEPS, LR, INIT, SAMPLES, SEED)
+ADA_PARAMS = (STEPS, LR, INIT, SAMPLES, DRAW_SEED)
 ADA_NOTE = ("Entropy on the unlabeled validation images (the paper adapts on unlabeled test images; the test split "
             "is kept for reporting here). Layer-wise: one coefficient per tensor of the image tower.")
 
@@ -255,7 +254,7 @@ register(Method(
     name="adamerging_cart", display_name="AdaMerging + CART", paper=ADA_CART_PAPER, objective="entropy", iterate="snapshot",
     weights=learned_weights,
     description="θavg + Σt λt,l SVD_k(θt − θavg), layer-wise λ learned by entropy minimisation (clamp [0, 3]).",
-    params=(RANK_RATIO, with_default(STEPS, 300), LR, with_default(INIT, 1.0), SAMPLES, SEED),
+    params=(RANK_RATIO, with_default(STEPS, 300), LR, with_default(INIT, 1.0), SAMPLES, DRAW_SEED),
     prepare=static_unused, apply=static_unused, run=_ada("layer", cart=True),
     conventions=ADA_NOTE + " Low rank k = ⌈rank_ratio · r⌉ per attention/MLP matrix, as CART.",
     published=(Published("ViT-B-32", 85.8, CART_README),)))
@@ -276,7 +275,7 @@ register(Method(
                 "each iteration moves γi = step_size · 2/(i+2) of the way to the expert the linearised "
                 "calibration loss prefers (the LMO).",
     params=(with_default(LAM, 0.0), with_default(STEPS, 10), with_default(SAMPLES, 100),
-            with_default(STEP_SIZE, 0.5), SEED),
+            with_default(STEP_SIZE, 0.5), DRAW_SEED),
     prepare=static_unused, apply=static_unused, run=_fw(False),
     conventions="LMO by the inner product ⟨∇ℓ, θt⟩ (the textbook rule; the authors' code scores per-tensor "
                 "cosines against full weights). Cross-entropy on a labelled calibration set from validation."))
@@ -287,7 +286,7 @@ FW_SOFT = register(Method(
                 "of Σj λj s̃j (projected gradient with backtracking), θ ← θ + Σj λ*j (s̃j − θ); start = TA with "
                 "λ = lam (0: the base); the result is the iterate with the lowest calibration loss.",
     params=(with_default(LAM, 0.0), with_default(STEPS, 15), with_default(SAMPLES, 100), with_default(TOP_K, None),
-            SEED),
+            DRAW_SEED),
     prepare=static_unused, apply=static_unused, run=_fw(True), defaults_for=lambda T: {"k": min(T, TOP_K.max)},
     conventions="λ* on the simplex Σλ = 1 as the paper's Theorem 1 (the authors' code learns unconstrained "
                 "layer-wise AdaMerging coefficients instead); k defaults to the number of experts, as the authors' "

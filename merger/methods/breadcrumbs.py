@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from merger.methods.registry import LAM, Method, Paper, Param, each, frange, register, sum_weights, with_default
+from merger.methods.registry import (LAM, Method, Paper, Param, each, frange, lam_times, register, sum_weights,
+                                     with_default)
 from merger.pool.task_vectors import TaskVectors
 
 BETA = Param("beta", 0.01, 0.0, 1.0, 0.01, max_open=True, label="β (largest entries dropped)",
@@ -74,41 +75,36 @@ def _kept_bounds(prepared: dict, key: str, beta: float, gamma: float):
 
 
 def breadcrumb_masks(prepared: dict, beta: float, gamma: float):
-    """(key, task, [rows, n] bool mask or None for a tensor kept whole) per merged tensor: entries
-    with lo ≤ |τ| ≤ hi, the ranks [⌊βn⌋, n − ⌊(1 − γ)n⌋) (ties with a bound are kept too)."""
+    """(key, task t, τt of that tensor in fp32, [rows, n] bool mask or None for a tensor kept whole) per
+    merged tensor and task: entries with lo ≤ |τ| ≤ hi, the ranks [⌊βn⌋, n − ⌊(1 − γ)n⌋) (ties with a bound
+    are kept too)."""
     tv = prepared["tv"]
     for k in tv.keys:
-        if tv.base[k].dim() == 0:
-            for t in range(tv.num_tasks):
-                yield k, t, None
-            continue
-        bounds = _kept_bounds(prepared, k, beta, gamma)
-        n = tv.base[k].shape[-1]
+        bounds = _kept_bounds(prepared, k, beta, gamma) if tv.base[k].dim() > 0 else None
+        n = tv.base[k].shape[-1] if tv.base[k].dim() > 0 else 1
         for t in range(tv.num_tasks):
-            if bounds is None:
-                yield k, t, torch.zeros((tv.base[k].numel() // n, n), dtype=torch.bool, device=tv.device)
-                continue
-            mags = tv.row(k, t).reshape(-1, n).abs()
-            yield k, t, (mags <= bounds[0][t, :, None].float()) & (mags >= bounds[1][t, :, None].float())
+            row = tv.row(k, t)
+            if tv.base[k].dim() == 0:
+                yield k, t, row, None
+            elif bounds is None:
+                yield k, t, row, torch.zeros((row.numel() // n, n), dtype=torch.bool, device=row.device)
+            else:
+                mags = row.reshape(-1, n).abs()
+                yield k, t, row, (mags <= bounds[0][t, :, None].float()) & (mags >= bounds[1][t, :, None].float())
 
 
 def breadcrumb_sum(prepared: dict, beta: float, gamma: float) -> dict:
     """Σ of the masked task vectors, one task at a time: λ is then one scale."""
     tv = prepared["tv"]
     out = {k: torch.zeros_like(b) for k, b in tv.base.items()}
-    for k, t, keep in breadcrumb_masks(prepared, beta, gamma):
-        row = tv.row(k, t)
+    for k, _, row, keep in breadcrumb_masks(prepared, beta, gamma):
         out[k] += row if keep is None else torch.where(keep, row.reshape(keep.shape), 0.0).reshape(row.shape)
     return out
 
 
-def apply_breadcrumbs(masked: dict, lam: float, beta: float, gamma: float) -> dict:
-    return {k: v * lam for k, v in masked.items()}
-
-
 def kept_by_breadcrumbs(tv: TaskVectors, beta: float, gamma: float, lam=None) -> torch.Tensor:
     rows: dict[int, list] = {t: [] for t in range(tv.num_tasks)}
-    for k, t, keep in breadcrumb_masks(prepare_breadcrumbs(tv), beta, gamma):
+    for _, t, _, keep in breadcrumb_masks(prepare_breadcrumbs(tv), beta, gamma):
         rows[t].append(torch.ones(1, dtype=torch.bool, device=tv.device) if keep is None else keep.reshape(-1))
     return torch.stack([torch.cat(rows[t]) for t in range(tv.num_tasks)])
 
@@ -136,7 +132,7 @@ register(Method(
     prepare=prepare_breadcrumbs,
     derive=breadcrumb_sum,
     derive_params=("beta", "gamma"),
-    apply=apply_breadcrumbs,
+    apply=lam_times(),
     note=breadcrumbs_note,
     tune_grid={"lam": frange(0.1, 1.0, 0.1), "beta": (0.0, 0.01), "gamma": (0.1, 0.16, 0.3)},
     weights=sum_weights("sum"),

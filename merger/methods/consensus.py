@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from merger.methods.registry import CART_README, LAM, Method, Paper, Param, Published, frange, register, sum_weights, with_default
+from merger.methods.registry import (CART_README, LAM, Method, Paper, Param, Published, frange, lam_times, register,
+                                     sum_weights, with_default)
 from merger.pool.task_vectors import TaskVectors
 
 MASK_LAMBDA = Param("mask_lambda", 0.4, 0.0, 5.0, 0.05, label="λ_mask (TALL mask threshold)",
@@ -13,10 +14,15 @@ AGREE = Param("agree", 2, 1, 64, 1, kind="int", label="tasks that must agree (k)
               help="Consensus keeps the entries that at least k tasks' TALL masks keep")
 
 
-def tall_masks(stack: torch.Tensor, mask_lambda: float) -> torch.Tensor:
-    """[T, ...] bool: mₜ = |τₜ| ≥ λ_mask · |τ_MTL − τₜ| with τ_MTL = Σ τ (one tensor's stack)."""
-    total = stack.sum(0)
-    return stack.abs() >= mask_lambda * (total - stack).abs()
+def votes_of(tv: TaskVectors, key: str, mask_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(τ_MTL = Σ τ, how many TALL masks mₜ = |τₜ| ≥ λ_mask · |τ_MTL − τₜ| keep each entry) of one tensor,
+    counted one task at a time (no [T, n] temporaries: 3.7 → 1.3 s a derive on ViT-B/32 × 8)."""
+    total = tv.stacked[key].sum(0, dtype=torch.float32)
+    votes = torch.zeros(total.shape, dtype=torch.int16, device=total.device)
+    for t in range(tv.num_tasks):
+        row = tv.row(key, t)
+        votes += row.abs() >= (total - row).abs_().mul_(mask_lambda)
+    return total, votes
 
 
 def prepare_consensus(tv: TaskVectors) -> dict:
@@ -24,26 +30,17 @@ def prepare_consensus(tv: TaskVectors) -> dict:
 
 
 def consensus_sum(prepared: dict, mask_lambda: float, agree: int) -> dict:
-    """Σ τ on the entries at least ``agree`` TALL masks keep (zero elsewhere): λ is then one scale.
-    Votes are counted one task at a time (no [T, n] temporaries: 3.7 → 1.3 s on ViT-B/32 × 8)."""
+    """Σ τ on the entries at least ``agree`` TALL masks keep (zero elsewhere): λ is then one scale."""
     tv, out = prepared["tv"], {}
     for k in tv.keys:
-        total = tv.stacked[k].sum(0, dtype=torch.float32)
-        votes = torch.zeros(total.shape, dtype=torch.int16, device=total.device)
-        for t in range(tv.num_tasks):
-            row = tv.row(k, t)
-            votes += row.abs() >= (total - row).abs_().mul_(mask_lambda)
+        total, votes = votes_of(tv, k, mask_lambda)
         out[k] = total.masked_fill_(votes < agree, 0.0)
     return out
 
 
-def apply_consensus(masked: dict, lam: float, mask_lambda: float, agree: int) -> dict:
-    return {k: v * lam for k, v in masked.items()}
-
-
 def kept_by_consensus(tv: TaskVectors, mask_lambda: float, agree: int, lam=None) -> torch.Tensor:
     """[T, P]: the consensus mask (the same entries for every task)."""
-    keep = torch.cat([(tall_masks(v, mask_lambda).sum(0) >= agree).reshape(-1) for _, v in tv.items32()])
+    keep = torch.cat([(votes_of(tv, k, mask_lambda)[1] >= agree).reshape(-1) for k in tv.keys])
     return keep[None, :].expand(tv.num_tasks, -1)
 
 
@@ -65,7 +62,7 @@ register(Method(
     prepare=prepare_consensus,
     derive=consensus_sum,
     derive_params=("mask_lambda", "agree"),
-    apply=apply_consensus,
+    apply=lam_times(),
     note=consensus_note,
     tune_grid={"lam": frange(0.1, 1.0, 0.1), "mask_lambda": (0.2, 0.4, 0.6)},
     weights=sum_weights("sum"),

@@ -3,6 +3,7 @@ validation data, statistics kept by the session), the Run they return, their obj
 seeded calibration draw. AdaMerging and FW live in adaptive.py, RegMean and Fisher in their own files."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -13,8 +14,10 @@ from torch.func import functional_call
 from merger.errors import DataError, MergerError
 from merger.methods.registry import SEED, with_default
 
-# The seed of data-driven runs: which validation images they draw (RegMean's and Fisher's statistics)
-DRAW_SEED = with_default(SEED, 0, help="random seed of the validation images drawn")
+# The seed of data-driven runs: which validation images they draw (AdaMerging's batches, FW's calibration
+# set, RegMean's and Fisher's statistics)
+DRAW_SEED = with_default(SEED, 0, help="random seed of the validation images drawn (batches, calibration set, "
+                                       "statistics)")
 
 VISUAL = "visual."
 
@@ -51,14 +54,14 @@ class Context:
         self.device = evaluator.device
         # Statistics of the experts' data that more than one run can use (RegMean's Gram matrices),
         # keyed by name and expert subset; the session hands in the store it owns.
-        self.statistics: dict = {}
+        self.statistics: OrderedDict = OrderedDict()
 
     def statistic(self, name: tuple, compute: Callable):
         """``compute()`` once per name and expert subset, kept in the session's store."""
         key = (*name, tuple(self.tasks))
         if key not in self.statistics:
             self.statistics[key] = compute()
-        elif hasattr(self.statistics, "move_to_end"):  # the session's store drops the least recently used
+        else:  # the session's store drops the least recently used
             self.statistics.move_to_end(key)
         return self.statistics[key]
 

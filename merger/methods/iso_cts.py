@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from merger.methods.lowrank import ISO_C, MATRICES_NOTE, _svd, per_matrix, spectral, unit_factors
-from merger.methods.registry import RECOLLECTION, Method, Param, Published, each, frange, register, with_default
-
+from merger.methods.registry import (RECOLLECTION, Method, Param, Published, each, frange, lam_times, register,
+                                     with_default)
 COMMON = Param("common_fraction", 0.8, 0.0, 1.0, 0.05, label="common subspace fraction",
                help="share of the rank r given to the common subspace of Σ τ; the rest is split evenly between the "
                     "tasks' own directions (1: Iso-C)")
@@ -52,10 +52,6 @@ def prepare_iso_cts(tv, common_fraction: float, progress=None, cancel=None) -> d
     return {"direction": direction}
 
 
-def apply_iso_cts(prepared: dict, lam: float, common_fraction: float) -> dict:
-    return {k: v * lam for k, v in prepared["direction"].items()}
-
-
 register(Method(
     name="iso_cts",
     slow_prepare=True,
@@ -66,7 +62,7 @@ register(Method(
     params=(with_default(ISO_C.param("lam"), 1.5), COMMON),
     prepare=prepare_iso_cts,
     prepare_params=("common_fraction",),
-    apply=apply_iso_cts,
+    apply=lam_times("direction"),
     tune_grid={"lam": frange(0.1, 3.0, 0.1)},  # the authors' grid (0, 3]
     weights=ISO_C.weights,
     conventions=MATRICES_NOTE + " Rank split as the authors' code: c = r − T·round((r − ⌊f·r⌋)/T) common, "

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from merger.methods.registry import (CART_README, LAM, RANK_RATIO, RECOLLECTION, Method, Paper, Published, each, frange,
-                                     kept_rank, register, sum_weights, with_default)
+from merger.methods.registry import (CART_README, LAM, RANK_RATIO, RECOLLECTION, Method, Paper, Published, each,
+                                     frange, kept_rank, lam_times, register, sum_weights, with_default)
 from merger.pool.task_vectors import TaskVectors
 
 MATRICES_NOTE = ("Matrices = the 2-D attention and MLP weights (in_proj, out_proj, c_fc, c_proj); "
@@ -251,10 +251,6 @@ def tsv_direction(prepared: dict, rank_ratio) -> dict:
     return out
 
 
-def apply_tsv(direction: dict, lam: float, rank_ratio) -> dict:
-    return {k: v * lam for k, v in direction.items()}
-
-
 TSV_M = register(Method(
     name="tsv_m",
     slow_prepare=True,
@@ -268,7 +264,7 @@ TSV_M = register(Method(
     prepare=prepare_tsv,
     derive=tsv_direction,
     derive_params=("rank_ratio",),
-    apply=apply_tsv,
+    apply=lam_times(),
     tune_grid={"lam": frange(0.5, 2.0, 0.1)},
     weights=sum_weights("mean"),
     limits_for=lambda T: {"rank_ratio": (1.0 / T, "TSV-M concatenates T·k singular vectors, which must not "
@@ -306,10 +302,6 @@ def prepare_iso(tv: TaskVectors, progress=None, cancel=None) -> dict:
     return {"direction": direction}
 
 
-def apply_iso(prepared: dict, lam: float) -> dict:
-    return {k: v * lam for k, v in prepared["direction"].items()}
-
-
 ISO_C = register(Method(
     name="iso_c",
     slow_prepare=True,
@@ -320,7 +312,7 @@ ISO_C = register(Method(
                 "θ0 + λ·that.",
     params=(with_default(LAM, 1.3),),
     prepare=prepare_iso,
-    apply=apply_iso,
+    apply=lam_times("direction"),
     tune_grid={"lam": frange(0.1, 3.0, 0.1)},  # the authors' grid (0, 3]
     weights=sum_weights("sum"),
     conventions=MATRICES_NOTE + " The Iso authors' code treats every 2-D tensor but the embeddings as a matrix "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from merger.methods.registry import LAM, Method, Paper, each, frange, register, with_default
+from merger.methods.registry import LAM, Method, Paper, each, frange, lam_times, register, with_default
 from merger.pool.task_vectors import TaskVectors
 
 
@@ -29,10 +29,6 @@ def prepare_magmax(tv: TaskVectors, progress=None, cancel=None) -> dict:
     return {"picked": picked, "owner": owner, "share": (counts / counts.sum()).tolist(), "T": T}
 
 
-def apply_magmax(prepared: dict, lam: float) -> dict:
-    return {k: v * lam for k, v in prepared["picked"].items()}
-
-
 def kept_by_magmax(tv: TaskVectors, lam=None) -> torch.Tensor:
     """[T, P]: entry p of task t is kept iff τt holds the largest magnitude there."""
     owner = torch.cat([o.reshape(-1).long() for o in prepare_magmax(tv)["owner"].values()])
@@ -53,7 +49,7 @@ register(Method(
     description="Per parameter, the task-vector entry of the largest magnitude across tasks; θ0 + λ · that.",
     params=(with_default(LAM, 0.5),),
     prepare=prepare_magmax,
-    apply=apply_magmax,
+    apply=lam_times("picked"),
     tune_grid={"lam": frange(0.1, 1.5, 0.1)},
     weights=picked_share,
     mask=kept_by_magmax,

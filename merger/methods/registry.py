@@ -182,12 +182,16 @@ class Method:
     def param_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
 
-    def resolve(self, given: Mapping[str, Any], num_experts: int, strict: bool = True) -> dict[str, Any]:
-        """Defaults filled in, every value checked; unknown names refused when ``strict``."""
+    def check_expert_count(self, num_experts: int, alternative: str = "") -> None:
+        """Refuse a count of experts other than the one the method merges (SLERP: two)."""
         if self.num_experts is not None and num_experts != self.num_experts:
             chosen = f"{num_experts} {'is' if num_experts == 1 else 'are'} selected"
             raise MethodError(f"{self.name} merges exactly {self.num_experts} experts; {chosen}: "
-                              f"pick {self.num_experts}")
+                              f"pick {self.num_experts}{alternative}")
+
+    def resolve(self, given: Mapping[str, Any], num_experts: int, strict: bool = True) -> dict[str, Any]:
+        """Defaults filled in, every value checked; unknown names refused when ``strict``."""
+        self.check_expert_count(num_experts)
         given = {k: v for k, v in given.items() if v is not None}
         unknown = [k for k in given if k not in self.param_names]
         if unknown and strict:
@@ -359,6 +363,14 @@ def sum_weights(scale: str):
             return [lam / num_experts] * num_experts, "λ/T per task (a mean of the task vectors, scaled by λ)"
         return [1.0 / num_experts] * num_experts, "1/T per task (the weight average is the anchor)"
     return weights
+
+
+def lam_times(field: str | None = None) -> Callable[..., dict]:
+    """The apply of a method whose λ only scales what it prepared or derived (``state[field]``, or the
+    state itself): Δ = λ · that, one multiply per tensor; the other parameters acted before."""
+    def apply(state, lam: float, **_) -> dict:
+        return {k: v * lam for k, v in (state[field] if field else state).items()}
+    return apply
 
 
 def kept_rank(rank_ratio: float, m: int, n: int) -> int:

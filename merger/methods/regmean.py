@@ -108,10 +108,12 @@ def gram_statistics(ctx, samples: int, seed: int, progress=None, cancel=None) ->
         if cancel is not None and cancel():
             raise Cancelled("run cancelled; nothing was cached")
         recorder = GramRecorder(ctx.model, tv.matrices)
+        params = ctx.expert_params(i)
+        dtype = next(iter(params.values())).dtype
         try:
             with torch.no_grad():
                 for x, _ in ctx.expert_batches(batches, i):
-                    functional_call(ctx.model, ctx.expert_params(i), (x.to(next(iter(tv.base.values())).dtype),))
+                    functional_call(ctx.model, params, (x.to(dtype),))
         finally:
             recorder.close()
         grams = recorder.grams()

@@ -15,8 +15,8 @@ import zlib
 import numpy as np
 import torch
 
-from merger.methods.registry import (CART_README, LAM, SEED, SPARSITY, Method, Paper, Published, each, frange, register,
-                                     sum_weights, with_default)
+from merger.methods.registry import (CART_README, LAM, SEED, SPARSITY, Method, Paper, Published, each, frange,
+                                     lam_times, register, sum_weights, with_default)
 from merger.pool.task_vectors import TaskVectors
 
 CHUNK = 1 << 14
@@ -193,11 +193,6 @@ def merged_at(apply):
     return derive
 
 
-def scaled(derived: dict, lam: float, **_) -> dict:
-    """λ times the derived merge (the apply of TIES and DARE)."""
-    return {k: v * lam for k, v in derived["merged"].items()}
-
-
 def apply_ties(prepared: dict, lam: float, sparsity: float, task_weights=None) -> dict:
     tv = prepared["tv"]
     thr = _thresholds(prepared, sparsity).to(tv.device)[:, None]
@@ -233,7 +228,7 @@ TIES = register(Method(
     prepare=prepare_ties,
     derive=merged_at(apply_ties),
     derive_params=("sparsity",),
-    apply=scaled,
+    apply=lam_times("merged"),
     task_weighted=True,
     tune_grid={"lam": frange(0.4, 1.5, 0.1), "sparsity": (0.5, 0.7, 0.8, 0.9)},
     weights=sum_weights("mean"),
@@ -332,7 +327,7 @@ register(Method(
     prepare=prepare_dare,
     derive=merged_at(apply_dare_linear),
     derive_params=("sparsity",),
-    apply=scaled,
+    apply=lam_times("merged"),
     task_weighted=True,
     prepare_params=("seed",),
     tune_grid={"lam": frange(0.1, 1.0, 0.1), "sparsity": (0.5, 0.7, 0.9)},
@@ -350,7 +345,7 @@ register(Method(
     prepare=prepare_dare,
     derive=merged_at(apply_dare_ties),
     derive_params=("sparsity",),
-    apply=scaled,
+    apply=lam_times("merged"),
     task_weighted=True,
     prepare_params=("seed",),
     tune_grid={"lam": frange(0.4, 1.5, 0.1), "sparsity": (0.5, 0.7, 0.9)},

@@ -7,7 +7,7 @@ import torch
 
 from merger.methods.lowrank import MATRICES_NOTE
 from merger.errors import Cancelled
-from merger.methods.registry import LAM, STEPS, Method, Paper, frange, register, sum_weights, with_default
+from merger.methods.registry import LAM, STEPS, Method, Paper, frange, lam_times, register, sum_weights, with_default
 from merger.pool.task_vectors import TaskVectors
 
 LR = 1e-5  # the paper's Adam learning rate (fixed: the task vectors' scale of fine-tuned CLIP)
@@ -73,10 +73,6 @@ def prepare_wudi(tv: TaskVectors, steps: int, progress=None, cancel=None) -> dic
     return {"direction": direction, "objective": objective}
 
 
-def apply_wudi(prepared: dict, lam: float, steps: int) -> dict:
-    return {k: v * lam for k, v in prepared["direction"].items()}
-
-
 def wudi_note(params, prepared) -> str | None:
     if not prepared or not prepared["objective"]:
         return None
@@ -96,7 +92,7 @@ register(Method(
     params=(with_default(LAM, 1.0), with_default(STEPS, 300)),
     prepare=prepare_wudi,
     prepare_params=("steps",),
-    apply=apply_wudi,
+    apply=lam_times("direction"),
     note=wudi_note,
     tune_grid={"lam": frange(0.5, 2.5, 0.1)},
     weights=sum_weights("sum"),
