@@ -421,11 +421,11 @@ def test_a_batch_with_slerp_over_three_experts_is_refused_before_it_starts(data_
 
 
 def test_a_preparation_on_disk_is_keyed_by_the_helpers_it_calls_too():
-    """Iso-CTS prepares through lowrank's spectra: an edit there must miss its disk entries."""
+    """Iso-CTS prepares through linalg's spectra: an edit there must miss its disk entries."""
     from merger.evaluation.merges import code_of
-    from merger.methods import iso_cts, lowrank
+    from merger.methods import iso_cts, linalg
 
-    assert {iso_cts, lowrank} <= set(code_of(merger.methods.get("iso_cts").prepare))
+    assert {iso_cts, linalg} <= set(code_of(merger.methods.get("iso_cts").prepare))
 
 
 def test_breadcrumbs_prepared_bounds_equal_a_sort_at_a_typed_value(world):

@@ -352,9 +352,9 @@ def test_cart_rank_move_from_a_nearby_rank_equals_the_sum_from_scratch(world):
 
 
 def test_per_matrix_solves_each_matrix_and_gives_the_threads_back():
-    """LAPACK one matrix per thread (lowrank.per_matrix): the same factorisations as the batched
+    """LAPACK one matrix per thread (linalg.per_matrix): the same factorisations as the batched
     call, and torch's thread count restored afterwards, also when the routine fails."""
-    from merger.methods.lowrank import per_matrix
+    from merger.methods.linalg import per_matrix
 
     threads = torch.get_num_threads()
     g = torch.randn(5, 40, 30, generator=torch.Generator().manual_seed(0))

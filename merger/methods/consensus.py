@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from merger.methods import compiled
 from merger.methods.registry import (CART_README, LAM, Method, Paper, Param, Published, frange, lam_times, register,
                                      sum_weights, with_default)
 from merger.pool.task_vectors import TaskVectors
@@ -25,13 +26,33 @@ def votes_of(tv: TaskVectors, key: str, mask_lambda: float) -> tuple[torch.Tenso
     return total, votes
 
 
+def _kernel(tau, mask_lambda, agree):
+    """Σ τ [T, n] where at least ``agree`` TALL masks keep the entry, in one pass."""
+    t = tau.float()
+    total = t.sum(0)
+    votes = (t.abs() >= (total - t).abs() * mask_lambda).sum(0)
+    return total * (votes >= agree).to(torch.float32)  # a product, not a select (see ties._kernel)
+
+
+def _fused(tv: TaskVectors):
+    # λ_mask and k as 0-dim tensors: a Python number in the compiled graph is a guard (a recompile per value)
+    example = (torch.zeros((2, 8), dtype=tv.dtype, device=tv.device), torch.tensor(0.4), torch.tensor(2))
+    return compiled.for_stack(tv, _kernel, example)
+
+
 def prepare_consensus(tv: TaskVectors) -> dict:
+    _fused(tv)  # compiled with the preparation (large stacks: seconds, once per process), not in a λ_mask move
     return {"tv": tv}
 
 
 def consensus_sum(prepared: dict, mask_lambda: float, agree: int) -> dict:
     """Σ τ on the entries at least ``agree`` TALL masks keep (zero elsewhere): λ is then one scale."""
     tv, out = prepared["tv"], {}
+    kernel = _fused(tv)
+    if kernel is not None:
+        level, k = torch.tensor(float(mask_lambda)), torch.tensor(int(agree))
+        return {key: kernel(v.reshape(tv.num_tasks, -1), level, k).reshape(v.shape[1:])
+                for key, v in tv.stacked.items()}
     for k in tv.keys:
         total, votes = votes_of(tv, k, mask_lambda)
         out[k] = total.masked_fill_(votes < agree, 0.0)

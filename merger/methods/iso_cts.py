@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from merger.methods.lowrank import ISO_C, MATRICES_NOTE, _svd, per_matrix, spectral, unit_factors
-from merger.methods.registry import (RECOLLECTION, Method, Param, Published, each, frange, lam_times, register,
+from merger.methods.linalg import each_matrix, polar_extending, polar_rows, top_eigh
+from merger.methods.lowrank import ISO_C, MATRICES_NOTE
+from merger.methods.registry import (RECOLLECTION, Method, Param, Published, frange, lam_times, register,
                                      with_default)
 COMMON = Param("common_fraction", 0.8, 0.0, 1.0, 0.05, label="common subspace fraction",
                help="share of the rank r given to the common subspace of Σ τ; the rest is split evenly between the "
@@ -19,36 +20,66 @@ def split_rank(r: int, T: int, common_fraction: float) -> tuple[int, int]:
     return r - per_task * T, per_task
 
 
-def _polar(x: torch.Tensor) -> torch.Tensor:
-    """The orthogonal factor U·Vᵀ of x = U S Vᵀ (the authors' orthogonalisation)."""
-    u, _, vh = per_matrix(_svd, x[None])
-    return u[0] @ vh[0]
+def _divide(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return x * torch.where(s > 0, 1.0 / s.clamp(min=1e-30), 0.0)
 
 
-def iso_cts_matrix(stack: torch.Tensor, total_svd, common_fraction: float) -> torch.Tensor:
-    """One matrix's merged direction from its task vectors [T, m, n] and the SVD of their sum."""
-    u, s, vh = total_svd
+def common_subspace(total: torch.Tensor, c: int):
+    """Σ τ's full spectrum from the fp64 Gram of its smaller side: (singular values [r], U_c [m, c],
+    Vh_c [c, n], the Gram's eigenvectors [r, r]; on a wide matrix these are U, whose last r − c
+    columns span the complement of U_c)."""
+    t64 = total.double()
+    m, n = t64.shape
+    s2, vecs = top_eigh((t64 @ t64.mT if m < n else t64.mT @ t64)[None], min(m, n))
+    s, vecs = s2[0].clamp(min=0).sqrt(), vecs[0]
+    if m < n:
+        u_c = vecs[:, :c]
+        return s, u_c, _divide(u_c.mT @ t64, s[:c, None]), vecs
+    v_c = vecs[:, :c]
+    return s, _divide(t64 @ v_c, s[:c]), v_c.mT, vecs
+
+
+def task_directions(stack: torch.Tensor, u_c: torch.Tensor, vecs: torch.Tensor, q: int):
+    """Each τt's top q singular triplets once the common subspace is projected out of its columns,
+    (I − U_c U_cᵀ) τt, from a Gram: (U_t [T, m, q], s_t [T, q], Vh_t [T, q, n])."""
+    T, m, n = stack.shape
+    c = u_c.shape[1]
+    if m < n:  # U is a basis of R^m: the residual lives on its last m − c columns, a [m − c]² problem
+        rest = vecs[:, c:].float()
+        b = rest.mT @ stack  # [T, m − c, n]
+        s2, w = top_eigh(b @ b.mT, q)
+        s_t = s2.clamp(min=0).sqrt().float()
+        return rest @ w.float(), s_t, _divide(w.float().mT @ b, s_t[..., None])
+    b = u_c.mT @ stack  # [T, c, n]
+    s2, v = top_eigh(stack.mT @ stack - b.mT @ b, q)  # the residuals' Grams [T, n, n]
+    s_t = s2.clamp(min=0).sqrt().float()
+    return _divide(stack @ v - u_c @ (b @ v), s_t[:, None, :]), s_t, v.mT
+
+
+def iso_cts_matrix(stack: torch.Tensor, common_fraction: float) -> torch.Tensor:
+    """One matrix's merged direction from its task vectors [T, m, n] (fp32).
+
+    The authors take an SVD of each residual and two more to orthogonalise [U_c, U_1..U_T] and
+    [Vh_c; Vh_1..Vh_T]. Here the residuals are orthogonal to U_c by construction, so the U side is
+    [U_c, polar(U_1..U_T)] (a [T·q]² problem), and the V side extends Vh_c's orthonormal rows
+    (``polar_extending``): the same factors up to rounding, with eighs of at most r² and most of q²."""
     T, m, n = stack.shape
     c, q = split_rank(min(m, n), T, common_fraction)
-    us, ss, vs = [u[:, :c]], [s[:c]], [vh[:c]]
-    if q > 0:
-        common = u[:, :c]
-        residual = stack - common @ (common.T @ stack)  # each τt with the common subspace projected out
-        left, right, st = spectral(residual, q, precise=True)
-        ut, vt = unit_factors(left, right, st)  # [T, m, q], [T, q, n]
-        us.append(ut.permute(1, 0, 2).reshape(m, T * q))
-        ss.append(st.reshape(-1))
-        vs.append(vt.reshape(T * q, n))
-    flat = torch.cat(ss).mean()
-    return flat * (_polar(torch.cat(us, 1)) @ _polar(torch.cat(vs, 0)))
+    s, u_c, vh_c, vecs = common_subspace(stack.sum(0), c)
+    if q == 0:  # Iso-C
+        return (s[:c].mean() * (u_c @ polar_rows(vh_c))).float()
+    u_c = u_c.float()
+    u_t, s_t, vh_t = task_directions(stack, u_c, vecs, q)
+    u_t = polar_rows(u_t.permute(0, 2, 1).reshape(T * q, m)).mT.float()  # [m, T·q]
+    v_c, v_t = polar_extending(vh_c, vh_t.reshape(T * q, n))
+    flat = torch.cat([s[:c].float(), s_t.reshape(-1)]).mean()
+    return flat * (u_c @ v_c.float() + u_t @ v_t.float())
 
 
 def prepare_iso_cts(tv, common_fraction: float, progress=None, cancel=None) -> dict:
     direction = {k: v.mean(0) for k, v in tv.items32()}  # off the matrices: the mean task vector, as Iso-C
-    for k in each(tv.matrices, progress, cancel, "subspaces of matrix"):
-        stack = tv.fp32(k)
-        u, s, vh = per_matrix(_svd, stack.sum(0)[None])
-        direction[k] = iso_cts_matrix(stack, (u[0], s[0], vh[0]), common_fraction)
+    direction.update(each_matrix(lambda k: iso_cts_matrix(tv.fp32(k), common_fraction), tv.matrices,
+                                 progress, cancel, "subspaces of matrix"))
     return {"direction": direction}
 
 

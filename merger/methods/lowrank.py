@@ -5,89 +5,16 @@ Each SVD is taken once in prepare, so a rank change is a slice and a λ change i
 from __future__ import annotations
 
 import math
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from merger.methods.registry import (CART_README, LAM, RANK_RATIO, RECOLLECTION, Method, Paper, Published, each,
                                      frange, kept_rank, lam_times, register, sum_weights, with_default)
+from merger.methods.linalg import each_matrix, inverse_sqrt, spectral, thin_svd, unit_factors
 from merger.pool.task_vectors import TaskVectors
 
 MATRICES_NOTE = ("Matrices = the 2-D attention and MLP weights (in_proj, out_proj, c_fc, c_proj); "
                  "every other tensor (biases, norms, embeddings, conv1, visual projection) is 'other'.")
-
-
-_LAPACK_LOCK = threading.Lock()
-_LAPACK_POOL: ThreadPoolExecutor | None = None
-
-
-def per_matrix(fn, x: torch.Tensor):
-    """``fn`` (a LAPACK routine: eigh, svd) on each matrix of a batch [B, ...], each single-
-    threaded on a worker thread, as many at once as torch has threads; the results stacked as
-    ``fn`` returns them.
-
-    LAPACK's syevd and gesdd fork and join their OpenMP team many times per matrix. Once a second
-    thread of this process has run torch work (the model thread's forwards always have), libgomp
-    has more threads than cores and throttles its spin-wait, and each join pays a sleep: a batched
-    eigh of 8 Grams of 768² then took 0.80 s instead of 0.17 s on this 2-core machine. One matrix
-    per worker, single-threaded, takes 0.13 s in either state. A worker's thread count is its own,
-    but setting it also sets the count new threads start with: that is put back to the caller's
-    afterwards, under a lock."""
-    global _LAPACK_POOL
-    if x.device.type != "cpu":  # a GPU solves the batch at once
-        return tuple(fn(x))
-    with _LAPACK_LOCK:
-        threads = torch.get_num_threads()
-        if _LAPACK_POOL is None:
-            _LAPACK_POOL = ThreadPoolExecutor(max(1, threads), thread_name_prefix="merger-lapack")
-        try:
-            parts = list(_LAPACK_POOL.map(lambda m: _single_threaded(fn, m), x.unbind(0)))
-        finally:
-            torch.set_num_threads(threads)
-    return tuple(torch.stack(p) for p in zip(*parts))
-
-
-def _single_threaded(fn, m: torch.Tensor):
-    torch.set_num_threads(1)
-    return fn(m)
-
-
-def _svd(x: torch.Tensor):
-    return torch.linalg.svd(x, full_matrices=False)
-
-
-def spectral(x: torch.Tensor, keep: int | None = None, dtype: torch.dtype = torch.float32, precise: bool = False):
-    """Batched SVD of x [T, m, n] through the Gram matrix of its smaller side (one batched eigh:
-    4× faster than a batched SVD on this CPU): (left [T, m, q], right [T, q, n], s [T, q]) with
-    the top q = keep directions, largest first, and x ≈ left @ right.
-
-    One factor is exact given the other (left = x·V, or right = Uᵀ·x), so at q = min(m, n) the
-    product is x itself up to rounding; the split of S between them is the Gram's side (read ``s``
-    for the singular values). Factors are stored in ``dtype`` (the task vectors' storage dtype)."""
-    T, m, n = x.shape
-    r = min(m, n)
-    q = r if keep is None else max(0, min(r, keep))
-    tall = m >= n
-    # fp64 Gram and eigh: squaring x squares its condition number, which fp32 cannot carry.
-    x64 = x.double() if precise else x
-    gram = x64.mT @ x64 if tall else x64 @ x64.mT  # [T, r, r]
-    evals, evecs = per_matrix(torch.linalg.eigh, gram)  # ascending
-    top = evecs[..., r - q:].flip(-1).float()  # [T, r, q]
-    s = evals[..., r - q:].flip(-1).clamp(min=0).sqrt().float()
-    if tall:  # x ≈ (x V)(Vᵀ)
-        left, right = x @ top, top.mT
-    else:  # x ≈ (U)(Uᵀ x)
-        left, right = top, top.mT @ x
-    return left.to(dtype), right.to(dtype), s
-
-
-def unit_factors(left: torch.Tensor, right: torch.Tensor, s: torch.Tensor):
-    """(U, Vh) of ``spectral``'s factors: the singular vectors with S divided out of its side."""
-    inv = torch.where(s > 0, 1.0 / s.clamp(min=1e-30), 0.0)
-    if left.shape[1] >= right.shape[2]:  # S sits in left
-        return left.float() * inv[:, None, :], right.float()
-    return left.float(), right.float() * inv[:, :, None]
 
 
 # ---- CART ---------------------------------------------------------------------------------
@@ -96,9 +23,10 @@ def prepare_cart(tv: TaskVectors, progress=None, cancel=None) -> dict:
     """Mean task vector τ̄, and per matrix every direction of each centred θt − θavg = τt − τ̄."""
     mean = {k: v.mean(0) for k, v in tv.items32()}
     factors = {}
+    # A matrix at a time (its matmuls on every core, its T eighs side by side): whole matrices side
+    # by side were slower here (16.7 s against 13.4 s for ViT-B/32 × 8), two working sets of T·m·n.
     for k in each(tv.matrices, progress, cancel, "spectrum of matrix"):
-        left, right, _ = spectral(tv.fp32(k) - mean[k], dtype=tv.dtype)  # [T,m,r], [T,r,n]
-        factors[k] = (left, right)
+        factors[k] = spectral(tv.fp32(k) - mean[k], dtype=tv.dtype)[:2]  # [T,m,r], [T,r,n]
     return {"mean": mean, "factors": factors, "T": tv.num_tasks}
 
 
@@ -194,15 +122,24 @@ CART = register(Method(
 # ---- TSV-M --------------------------------------------------------------------------------
 
 def prepare_tsv(tv: TaskVectors, progress=None, cancel=None) -> dict:
-    """The mean τ, and per matrix each τt's top ⌊r/T⌋ singular triplets (the most any rank the
-    slider reaches keeps: T·k ≤ r); the default rank's direction is derived here too."""
+    """The mean τ, and per matrix each τt's top K = ⌊r/T⌋ singular triplets (the most any rank the
+    slider reaches keeps: T·k ≤ r) with the Grams of their concatenations at K, of which every
+    rank's Grams are submatrices; the default rank's direction is derived here too."""
     mean = {k: v.mean(0) for k, v in tv.items32()}
-    factors = {}
-    for k in each(tv.matrices, progress, cancel, "spectrum of matrix"):
-        shape = tv.base[k].shape
-        factors[k] = spectral(tv.fp32(k), min(shape) // tv.num_tasks, dtype=tv.dtype)
-    prepared = {"mean": mean, "factors": factors, "T": tv.num_tasks}
+    prepared = {"mean": mean, "factors": {}, "grams": {}, "T": tv.num_tasks}
+    for k in each(tv.matrices, progress, cancel, "spectrum of matrix"):  # a matrix at a time, as CART
+        left, right, s = spectral(tv.fp32(k), min(tv.base[k].shape) // tv.num_tasks, dtype=tv.dtype)
+        prepared["factors"][k], prepared["grams"][k] = (left, right, s), _concatenated_grams(left, right, s)
     return {**prepared, "auto": tsv_direction(prepared, "auto")}
+
+
+def _concatenated_grams(left, right, s) -> torch.Tensor:
+    """[G_U, G_V] of one matrix's unit factors concatenated task by task ([2, T·K, T·K], fp32)."""
+    T, m, K = left.shape
+    u, vh = unit_factors(left, right, s)
+    u_cat = u.permute(1, 0, 2).reshape(m, T * K).double()
+    vh_cat = vh.reshape(T * K, -1).double()
+    return torch.stack([u_cat.T @ u_cat, vh_cat @ vh_cat.T]).float()
 
 
 def tsv_rank(rank_ratio, m: int, n: int, T: int) -> int:
@@ -214,41 +151,34 @@ def tsv_rank(rank_ratio, m: int, n: int, T: int) -> int:
     return min(r // T, math.floor(rank_ratio * r + 1e-9))
 
 
-def _inverse_sqrt(gram: torch.Tensor) -> torch.Tensor:
-    """G^(-1/2) of each PSD Gram matrix of a batch [B, q, q] (a pseudo-inverse on a null space), in
-    fp64: the Gram of the concatenated singular vectors can be ill-conditioned (tasks sharing
-    directions)."""
-    gram = gram.double()
-    evals, evecs = per_matrix(torch.linalg.eigh, gram)
-    top = evals.max(-1, keepdim=True).values.clamp(min=1e-30)
-    floor = top * gram.shape[-1] * torch.finfo(gram.dtype).eps
-    inv = torch.where(evals > floor, evals.clamp(min=1e-30).rsqrt(), 0.0)
-    return (evecs * inv[..., None, :]) @ evecs.mT
-
-
 def tsv_direction(prepared: dict, rank_ratio) -> dict:
     """The merged direction at one rank (TSV-M's derive step: cached per rank by the session).
 
     The orthogonal factors P = U (UᵀU)^(-1/2), Q = V (VᵀV)^(-1/2) of the concatenated singular
     vectors (what an SVD X = P S Qᵀ → P Qᵀ gives) meet in a [T·k, T·k] core, so the direction
-    P S Qᵀ = U (G_U^(-1/2) S G_V^(-1/2)) Vᵀ costs two small eighs and two products."""
+    P S Qᵀ = U (G_U^(-1/2) S G_V^(-1/2)) Vᵀ costs two small eighs and two products; the Grams at
+    rank k are read off those prepared at K (the first k of each task's K directions)."""
     if rank_ratio == "auto" and "auto" in prepared:
         return prepared["auto"]
     out = dict(prepared["mean"])
-    for key, (left, right, s) in prepared["factors"].items():
-        T, m, _ = left.shape
-        k = tsv_rank(rank_ratio, m, right.shape[2], T)
-        if k == 0:  # fewer dimensions than tasks: no task keeps a singular vector here
-            out[key] = torch.zeros_like(prepared["mean"][key])
-            continue
-        u, vh = unit_factors(left[:, :, :k], right[:, :k], s[:, :k])
-        u_cat = u.permute(1, 0, 2).reshape(m, T * k)
-        vh_cat = vh.reshape(T * k, -1)
-        u64, vh64 = u_cat.double(), vh_cat.double()
-        left_isqrt, right_isqrt = _inverse_sqrt(torch.stack([u64.T @ u64, vh64 @ vh64.T]))  # both at once
-        core = (left_isqrt * s[:, :k].reshape(-1).double()) @ right_isqrt
-        out[key] = (u_cat @ core.float()) @ vh_cat
+    out.update(each_matrix(lambda key: _tsv_matrix(prepared, key, rank_ratio), prepared["factors"]))
     return out
+
+
+def _tsv_matrix(prepared: dict, key: str, rank_ratio) -> torch.Tensor:
+    left, right, s = prepared["factors"][key]
+    T, m, K = left.shape
+    k = tsv_rank(rank_ratio, m, right.shape[2], T)
+    if k == 0:  # fewer dimensions than tasks: no task keeps a singular vector here
+        return torch.zeros_like(prepared["mean"][key])
+    kept = (torch.arange(T)[:, None] * K + torch.arange(k)).reshape(-1)  # task-major, as the concatenation
+    grams = prepared["grams"][key][:, kept][:, :, kept]
+    u, vh = unit_factors(left[:, :, :k], right[:, :k], s[:, :k])
+    # fp64: with T·k = r the concatenation is square and its Gram near singular (an fp32 eigh was
+    # 0.05 off the authors' SVDs on a test pool)
+    left_isqrt, right_isqrt = inverse_sqrt(grams)  # both at once
+    core = (left_isqrt * s[:, :k].reshape(-1).double()) @ right_isqrt
+    return (u.permute(1, 0, 2).reshape(m, T * k) @ core.float()) @ vh.reshape(T * k, -1)
 
 
 TSV_M = register(Method(
@@ -281,24 +211,13 @@ def prepare_iso(tv: TaskVectors, progress=None, cancel=None) -> dict:
     # The mean task vector off the matrices, as the authors' code and FusionBench do: with a λ
     # near 1.3 a sum would move biases, norms and embeddings T times too far.
     direction = {k: v.mean(0) for k, v in tv.items32()}
-    pending: list[str] = []
 
-    def flatten_spectra():
+    def flat_spectrum(key):
         # An SVD, not a Gram eigh: every direction gets unit weight here, the smallest included.
-        u, s, vh = per_matrix(_svd, torch.stack([tv.fp32(k).sum(0) for k in pending]))
-        for i, k in enumerate(pending):
-            direction[k] = (u[i] @ vh[i]) * s[i].mean()  # flatten the spectrum of Σ τt: Σ → σ̄ I
-        pending.clear()
+        u, s, vh = thin_svd(tv.fp32(key).sum(0))
+        return (u @ vh) * s.mean()  # flatten the spectrum of Σ τt: Σ → σ̄ I
 
-    # same-shaped matrices side by side, as many at once as there are threads (see per_matrix)
-    for k in each(sorted(tv.matrices, key=lambda k: tuple(tv.base[k].shape)), progress, cancel, "SVD of matrix"):
-        if pending and tv.base[k].shape != tv.base[pending[0]].shape:
-            flatten_spectra()
-        pending.append(k)
-        if len(pending) >= torch.get_num_threads():
-            flatten_spectra()
-    if pending:
-        flatten_spectra()
+    direction.update(each_matrix(flat_spectrum, tv.matrices, progress, cancel, "SVD of matrix"))
     return {"direction": direction}
 
 

@@ -1,0 +1,74 @@
+"""The linear algebra the spectral merges share (methods/linalg.py): the structured polar factor
+against an SVD's, and matrices side by side in order, cancellable, with the threads given back."""
+import time
+
+import pytest
+import torch
+
+from merger.errors import Cancelled
+from merger.methods.linalg import each_matrix, polar_extending, polar_rows, side_by_side, thin_svd
+
+
+def _svd_polar(rows):
+    u, _, vh = torch.linalg.svd(rows.double(), full_matrices=False)
+    return u @ vh
+
+
+def test_polar_extending_an_orthonormal_block_is_the_svd_polar_factor():
+    g = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(50, 12, generator=g, dtype=torch.float64))[0].T  # 12 orthonormal rows
+    extra = torch.randn(7, 50, generator=g, dtype=torch.float64)
+    extra = extra + 3 * torch.randn(7, 12, generator=g, dtype=torch.float64) @ basis  # leaning on the basis
+    top, bottom = polar_extending(basis, extra)
+    expected = _svd_polar(torch.cat([basis, extra]))
+    assert torch.allclose(torch.cat([top, bottom]), expected, atol=1e-10)
+    assert torch.allclose(polar_rows(extra), _svd_polar(extra), atol=1e-10)
+
+
+def test_polar_extending_drops_a_row_inside_the_basis_as_the_pseudo_inverse_does():
+    g = torch.Generator().manual_seed(1)
+    basis = torch.linalg.qr(torch.randn(30, 6, generator=g, dtype=torch.float64))[0].T
+    extra = torch.cat([torch.randn(3, 30, generator=g, dtype=torch.float64), basis[:1] * 2.0])  # a repeated direction
+    top, bottom = polar_extending(basis, extra)
+    rows = torch.cat([top, bottom])
+    full = torch.cat([basis, extra])
+    gram = full @ full.T
+    evals, evecs = torch.linalg.eigh(gram)
+    inv = torch.where(evals > 1e-9 * evals.max(), evals.clamp(min=1e-30).rsqrt(), 0.0)
+    assert torch.allclose(rows, (evecs * inv) @ evecs.T @ full, atol=1e-9)
+    assert torch.isfinite(rows).all()
+
+
+def test_thin_svd_of_a_wide_matrix_goes_through_its_transpose():
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(2))
+    u, s, vh = thin_svd(x)
+    assert u.shape == (6, 6) and vh.shape == (6, 40)
+    assert torch.allclose(u @ torch.diag(s) @ vh, x, atol=1e-5)
+    assert torch.allclose(vh @ vh.T, torch.eye(6), atol=1e-5)
+
+
+def test_matrices_side_by_side_come_back_in_order_on_single_threaded_workers():
+    threads = torch.get_num_threads()
+    out = list(side_by_side(lambda i: (i, torch.get_num_threads()), range(7)))
+    assert [i for i, _ in out] == list(range(7))
+    assert all(n == 1 for _, n in out)
+    assert torch.get_num_threads() == threads
+    # nested (a worker asking for more side-by-side work) runs inline instead of waiting on itself
+    inner = list(side_by_side(lambda i: list(side_by_side(lambda j: i * 10 + j, range(2))), range(3)))
+    assert inner == [[0, 1], [10, 11], [20, 21]]
+
+
+def test_a_cancel_stops_the_matrices_not_yet_started():
+    started = []
+
+    def work(key):
+        started.append(key)
+        time.sleep(0.02)
+        return key
+
+    keys = [f"m{i}" for i in range(40)]
+    with pytest.raises(Cancelled, match=r"cancelled at spectrum \d+ of 40: nothing was cached"):
+        for _ in each_matrix(work, keys, cancel=lambda: len(started) >= 2, what="spectrum"):
+            pass
+    time.sleep(0.1)  # the calls already running finish; none after them starts
+    assert len(started) < 10
