@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from merger.methods.linalg import each_matrix, polar_extending, polar_rows, top_eigh
+from merger.methods.linalg import divided, each_matrix, polar_extending, polar_rows, top_eigh
 from merger.methods.lowrank import ISO_C, MATRICES_NOTE
 from merger.methods.registry import (RECOLLECTION, Method, Param, Published, frange, lam_times, register,
                                      with_default)
@@ -20,10 +20,6 @@ def split_rank(r: int, T: int, common_fraction: float) -> tuple[int, int]:
     return r - per_task * T, per_task
 
 
-def _divide(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    return x * torch.where(s > 0, 1.0 / s.clamp(min=1e-30), 0.0)
-
-
 def common_subspace(total: torch.Tensor, c: int):
     """Σ τ's full spectrum from the fp64 Gram of its smaller side: (singular values [r], U_c [m, c],
     Vh_c [c, n], the Gram's eigenvectors [r, r]; on a wide matrix these are U, whose last r − c
@@ -34,9 +30,9 @@ def common_subspace(total: torch.Tensor, c: int):
     s, vecs = s2[0].clamp(min=0).sqrt(), vecs[0]
     if m < n:
         u_c = vecs[:, :c]
-        return s, u_c, _divide(u_c.mT @ t64, s[:c, None]), vecs
+        return s, u_c, divided(u_c.mT @ t64, s[:c, None]), vecs
     v_c = vecs[:, :c]
-    return s, _divide(t64 @ v_c, s[:c]), v_c.mT, vecs
+    return s, divided(t64 @ v_c, s[:c]), v_c.mT, vecs
 
 
 def task_directions(stack: torch.Tensor, u_c: torch.Tensor, vecs: torch.Tensor, q: int):
@@ -49,11 +45,11 @@ def task_directions(stack: torch.Tensor, u_c: torch.Tensor, vecs: torch.Tensor, 
         b = rest.mT @ stack  # [T, m − c, n]
         s2, w = top_eigh(b @ b.mT, q)
         s_t = s2.clamp(min=0).sqrt().float()
-        return rest @ w.float(), s_t, _divide(w.float().mT @ b, s_t[..., None])
+        return rest @ w.float(), s_t, divided(w.float().mT @ b, s_t[..., None])
     b = u_c.mT @ stack  # [T, c, n]
     s2, v = top_eigh(stack.mT @ stack - b.mT @ b, q)  # the residuals' Grams [T, n, n]
     s_t = s2.clamp(min=0).sqrt().float()
-    return _divide(stack @ v - u_c @ (b @ v), s_t[:, None, :]), s_t, v.mT
+    return divided(stack @ v - u_c @ (b @ v), s_t[:, None, :]), s_t, v.mT
 
 
 def iso_cts_matrix(stack: torch.Tensor, common_fraction: float) -> torch.Tensor:

@@ -81,7 +81,7 @@ def thin_svd(x: torch.Tensor):
     return uh.mT, s, v.mT
 
 
-def spectral(x: torch.Tensor, keep: int | None = None, dtype: torch.dtype = torch.float32, precise: bool = False):
+def spectral(x: torch.Tensor, keep: int | None = None, dtype: torch.dtype = torch.float32):
     """Batched SVD of x [T, m, n] through the Gram matrix of its smaller side (one batched eigh:
     4× faster than a batched SVD on this CPU): (left [T, m, q], right [T, q, n], s [T, q]) with
     the top q = keep directions, largest first, and x ≈ left @ right.
@@ -93,12 +93,8 @@ def spectral(x: torch.Tensor, keep: int | None = None, dtype: torch.dtype = torc
     r = min(m, n)
     q = r if keep is None else max(0, min(r, keep))
     tall = m >= n
-    # fp64 Gram and eigh: squaring x squares its condition number, which fp32 cannot carry.
-    x64 = x.double() if precise else x
-    gram = x64.mT @ x64 if tall else x64 @ x64.mT  # [T, r, r]
-    evals, evecs = per_matrix(torch.linalg.eigh, gram)  # ascending
-    top = evecs[..., r - q:].flip(-1).float()  # [T, r, q]
-    s = evals[..., r - q:].flip(-1).clamp(min=0).sqrt().float()
+    evals, top = top_eigh(x.mT @ x if tall else x @ x.mT, q)  # of the Grams [T, r, r]: [T, q], [T, r, q]
+    top, s = top.float(), evals.clamp(min=0).sqrt().float()
     if tall:  # x ≈ (x V)(Vᵀ)
         left, right = x @ top, top.mT
     else:  # x ≈ (U)(Uᵀ x)
@@ -106,13 +102,16 @@ def spectral(x: torch.Tensor, keep: int | None = None, dtype: torch.dtype = torc
     return left.to(dtype), right.to(dtype), s
 
 
+def divided(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x / s with a zero singular value's direction set to zero (not inf or NaN); s broadcasts."""
+    return x * torch.where(s > 0, 1.0 / s.clamp(min=1e-30), 0.0)
+
+
 def unit_factors(left: torch.Tensor, right: torch.Tensor, s: torch.Tensor):
     """(U, Vh) of ``spectral``'s factors: the singular vectors with S divided out of its side."""
-    inv = torch.where(s > 0, 1.0 / s.clamp(min=1e-30), 0.0)
     if left.shape[1] >= right.shape[2]:  # S sits in left
-        return left.float() * inv[:, None, :], right.float()
-    return left.float(), right.float() * inv[:, :, None]
-
+        return divided(left.float(), s[:, None, :]), right.float()
+    return left.float(), divided(right.float(), s[:, :, None])
 
 
 def inverse_sqrt(gram: torch.Tensor) -> torch.Tensor:
@@ -127,12 +126,11 @@ def inverse_sqrt(gram: torch.Tensor) -> torch.Tensor:
     return (evecs * inv[..., None, :]) @ evecs.mT
 
 
-
 def top_eigh(gram: torch.Tensor, q: int):
-    """The top q eigenpairs of each symmetric matrix of a batch [..., r, r], largest first:
-    (values [..., q], vectors [..., r, q]). Run it single-threaded (``side_by_side``) on a CPU."""
+    """The top q eigenpairs of each symmetric matrix of a batch [B, r, r], largest first:
+    (values [B, q], vectors [B, r, q]); one matrix per worker (``per_matrix``)."""
     r = gram.shape[-1]
-    evals, evecs = torch.linalg.eigh(gram)
+    evals, evecs = per_matrix(torch.linalg.eigh, gram)  # ascending
     return evals[..., r - q:].flip(-1), evecs[..., r - q:].flip(-1)
 
 
