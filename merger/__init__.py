@@ -15,6 +15,10 @@ import os
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
+from merger import allocator  # noqa: E402
+
+allocator.configure()  # before torch and the app's threads allocate (merger/allocator.py)
+
 __version__ = "0.1.0"
 
 from merger import methods  # noqa: E402

@@ -345,3 +345,30 @@ def test_the_derived_states_kept_shrink_with_the_size_of_a_merge(tmp_path):
     session.merges.derived_bytes = 4 * session.pool.task_vectors.numel()  # one Δ's worth
     session.merges.delta(session.spec("ties", lam=0.5, sparsity=0.55))
     assert len(session.merges._derived) == 1
+
+
+def test_a_move_frees_the_oldest_delta_before_it_computes_its_own(tmp_path, monkeypatch):
+    """A full Δ cache drops its oldest entry before the next apply runs, so the new Δ can take that
+    memory (merger/allocator.py) rather than fresh pages; the other cached Δ stays."""
+    import dataclasses
+    import weakref
+
+    session = ui_controller(tmp_path).session
+    merges = session.merges
+    first = merges.delta(session.spec("task_arithmetic", lam=0.1))
+    second = merges.delta(session.spec("task_arithmetic", lam=0.2))
+    alive = {"first": weakref.ref(next(iter(first.values()))), "second": weakref.ref(next(iter(second.values())))}
+    del first, second
+    seen = {}
+    registered = merger.methods.get
+    method = registered("task_arithmetic")
+
+    def watching(*args, **kw):
+        seen.update({name: ref() is not None for name, ref in alive.items()})
+        return method.apply(*args, **kw)
+
+    watched = dataclasses.replace(method, apply=watching)
+    monkeypatch.setattr(merger.methods, "get", lambda name: watched if name == method.name else registered(name))
+    merges.delta(session.spec("task_arithmetic", lam=0.3))
+    assert seen == {"first": False, "second": True}
+    assert len(merges._deltas) == merges.delta_size == 2

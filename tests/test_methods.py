@@ -119,6 +119,24 @@ def test_dare_is_seeded(world):
     assert not all(torch.equal(a[k], c[k]) for k in keys)
 
 
+def test_dare_draws_are_ordered_normal_bf16_numbers(world):
+    """DARE's draws are bf16 numbers whose bits are the draw (compiled kernels vectorise a bf16
+    compare): every one positive, normal and finite, and the keep rule draw ≥ level(p) keeps
+    1 − p of them at every rate."""
+    from merger.methods.ties import dare_level, prepare_dare
+
+    base, experts, keys, _ = world
+    tv = TaskVectors(base, {str(i): e for i, e in enumerate(experts)})
+    draws = torch.cat([d.reshape(-1) for d in prepare_dare(tv, 5)["draws"].values()])
+    assert draws.dtype == torch.bfloat16
+    assert bool(torch.isfinite(draws).all()) and float(draws.min()) >= torch.finfo(torch.bfloat16).tiny
+    assert bool((draws >= dare_level(0.0)).all())
+    for p in (0.1, 0.5, 0.9, 0.99):
+        assert abs(float((draws >= dare_level(p)).float().mean()) - (1 - p)) < 0.01, p
+    levels = [dare_level(p).float().item() for p in (0.0, 0.25, 0.5, 0.75, 0.999)]
+    assert levels == sorted(levels) and len(set(levels)) == 5
+
+
 def test_dare_preserves_the_expectation_of_tau(world):
     base, experts, keys, taus = world
     k = next(k for k in keys if k.endswith("mlp.c_fc.weight"))
@@ -331,24 +349,30 @@ def test_ties_grid_lookup_equals_direct_trimming(world):
 
 def test_cart_rank_move_from_a_nearby_rank_equals_the_sum_from_scratch(world):
     """CART's derive may start from a rank derived before (a large pool's rank move costs the
-    directions in between): up and down, across half the rank, it matches the sum from scratch."""
+    directions in between): up and down, across half the rank, and from a sum that was itself
+    updated, it matches the sum from scratch; a chain of updates stops at CHAIN."""
+    from merger.methods import lowrank
     from merger.methods.lowrank import apply_cart, cart_sums
 
     base, experts, keys, _ = world
     tv = TaskVectors(base, {str(i): e for i, e in enumerate(experts)})
     prepared = prepare_cart(tv)
     start = cart_sums(prepared, 0.3)
-    assert start["exact"]
-    for ratio in (0.32, 0.25, 0.55, 0.08):
-        moved = cart_sums(prepared, ratio, near=[start])
+    matrix = next(iter(prepared["factors"]))
+    assert start["chains"][matrix] == 0
+    previous = start
+    for ratio, chain in ((0.32, 1), (0.34, 2), (0.3, 3), (0.55, 4), (0.08, 0), (0.1, 1)):
+        moved = cart_sums(prepared, ratio, near=[previous])  # a far jump (0.55 → 0.08) starts over
+        assert moved["chains"][matrix] == chain, ratio
         scratch = cart_sums(prepared, ratio)
-        assert not moved["exact"] or ratio in (0.08,)  # a far jump starts over
         for k in keys:
             a, b = apply_cart(moved, 1.5, ratio)[k], apply_cart(scratch, 1.5, ratio)[k]
             assert torch.allclose(a, b, atol=1e-5), (ratio, k)
-    # a sum derived from another is never a starting point (no drift accumulates)
-    second = cart_sums(prepared, 0.35, near=[cart_sums(prepared, 0.32, near=[start])])
-    assert second["exact"]
+        previous = moved
+    # a sum at the end of a chain is never a starting point (drift stays bounded)
+    chained = cart_sums(prepared, 0.31, near=[start])
+    chained["chains"] = {k: lowrank.CHAIN for k in chained["chains"]}
+    assert cart_sums(prepared, 0.315, near=[chained])["chains"][matrix] == 0
 
 
 def test_per_matrix_solves_each_matrix_and_gives_the_threads_back():

@@ -62,25 +62,30 @@ def cart_task_parts(prepared: dict, rank_ratio: float) -> dict:
     return out
 
 
+CHAIN = 16  # a rank-k sum is updated from one updated before at most this many times, then recomputed
+
+
 def cart_sums(prepared: dict, rank_ratio: float, near=()) -> dict:
     """CART's derive step: Σt SVD_k(τt − τ̄) per matrix at one rank (None where it is zero: k = 0
     or full rank), so that a λ move is one axpy. ``near``: sums derived before from the same
     preparation; one whose rank is closer than the cost of starting over is updated by the
-    directions in between (a slider step of 0.01 is 8 directions per task, not k)."""
-    bases = [d for d in near if d.get("exact")]  # only sums computed from scratch: no drift piles up
-    out = {"mean": prepared["mean"], "ranks": {}, "sums": {}, "exact": True}
+    directions in between (a slider step of 0.01 is 8 directions per task, not k; a jump from 0.16
+    to 0.32 is 123, not 246). Updates chain up to CHAIN deep per matrix (``chains``: 0 = computed
+    from scratch); each adds one fp32 rounding of the sum (about 1e-7 of it), so a long drag cannot
+    pile drift up."""
+    out = {"mean": prepared["mean"], "ranks": {}, "sums": {}, "chains": {}}
     for key, (us, vh) in prepared["factors"].items():
         m, n = us.shape[1], vh.shape[2]
         k, r = kept_rank(rank_ratio, m, n), min(m, n)
-        out["ranks"][key] = k
-        usable = [d for d in bases if d["sums"][key] is not None] if 0 < k < r else []
-        base = min(usable, key=lambda d: abs(d["ranks"][key] - k), default=None)
+        out["ranks"][key], out["chains"][key] = k, 0
+        usable = [d for d in near if d["sums"][key] is not None and d["chains"][key] < CHAIN] if 0 < k < r else []
+        base = min(usable, key=lambda d: (abs(d["ranks"][key] - k), d["chains"][key]), default=None)
         if base is not None and abs(base["ranks"][key] - k) < min(k, r - k):
             k0 = base["ranks"][key]
             lo, hi = sorted((k0, k))
             out["sums"][key] = torch.addmm(base["sums"][key], *_factors(us, vh, hi, start=lo),
                                            alpha=1.0 if k > k0 else -1.0)
-            out["exact"] = False
+            out["chains"][key] = base["chains"][key] + 1
         else:
             out["sums"][key] = rank_k_sum(us, vh, k)
     return out

@@ -2,6 +2,7 @@
 architecture, the naive per-move evaluation a tool without caches does, the featured methods."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +26,32 @@ def rss_gb() -> tuple[float, float]:
             name, value = line.split(":")
             fields[name] = int(value.split()[0]) / 2**20
     return fields.get("VmRSS", float("nan")), fields.get("VmHWM", float("nan"))
+
+
+def page_faults() -> int:
+    """Minor page faults of this process so far: pages it touched for the first time (a VM pays
+    several µs for each)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def fresh_memory_cost(gb: int = 1) -> tuple[float, float]:
+    """(s per GB to touch memory the process never had, s per GB to rewrite it): what a move that
+    grows the process pays per "faulted GB" on this machine (a VM backs pages lazily)."""
+    import mmap
+
+    import numpy as np
+
+    with mmap.mmap(-1, gb << 30) as block:  # anonymous, outside the heap: fresh whatever it holds
+        view = np.frombuffer(block, dtype=np.uint8)
+        t0 = time.perf_counter()
+        view[:] = 1
+        t1 = time.perf_counter()
+        view[:] = 2
+        t2 = time.perf_counter()
+        del view
+    return (t1 - t0) / gb, (t2 - t1) / gb
 
 
 def reset_peak_rss() -> None:
