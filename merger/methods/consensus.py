@@ -27,16 +27,19 @@ def votes_of(tv: TaskVectors, key: str, mask_lambda: float) -> tuple[torch.Tenso
 
 
 def _kernel(tau, mask_lambda, agree):
-    """Σ τ [T, n] where at least ``agree`` TALL masks keep the entry, in one pass."""
-    t = tau.float()
-    total = t.sum(0)
-    votes = (t.abs() >= (total - t).abs() * mask_lambda).sum(0)
+    """Σ τ [T, n] where at least ``agree`` TALL masks keep the entry, in one pass, task by task and
+    votes counted in fp32 (exact to 2²⁴): see ties._kernel for why."""
+    rows = [tau[i].float() for i in range(tau.shape[0])]
+    total = sum(rows)
+    votes = sum((t.abs() >= (total - t).abs() * mask_lambda).to(torch.float32) for t in rows)
     return total * (votes >= agree).to(torch.float32)  # a product, not a select (see ties._kernel)
 
 
 def _fused(tv: TaskVectors):
-    # λ_mask and k as 0-dim tensors: a Python number in the compiled graph is a guard (a recompile per value)
-    example = (torch.zeros((2, 8), dtype=tv.dtype, device=tv.device), torch.tensor(0.4), torch.tensor(2))
+    # λ_mask and k as 0-dim tensors: a Python number in the compiled graph is a guard (a recompile per
+    # value); the example has the pool's task count, which the task-by-task graph is specialised on
+    example = (torch.zeros((tv.num_tasks, 64), dtype=tv.dtype, device=tv.device), torch.tensor(0.4),
+               torch.tensor(2.0))
     return compiled.for_stack(tv, _kernel, example)
 
 
@@ -50,7 +53,7 @@ def consensus_sum(prepared: dict, mask_lambda: float, agree: int) -> dict:
     tv, out = prepared["tv"], {}
     kernel = _fused(tv)
     if kernel is not None:
-        level, k = torch.tensor(float(mask_lambda)), torch.tensor(int(agree))
+        level, k = torch.tensor(float(mask_lambda)), torch.tensor(float(agree))
         return {key: kernel(v.reshape(tv.num_tasks, -1), level, k).reshape(v.shape[1:])
                 for key, v in tv.stacked.items()}
     for k in tv.keys:
