@@ -188,13 +188,13 @@ class Merges:
                     self._derived.move_to_end(dkey)
                     state = self._derived[dkey]
                 else:
+                    if self._derived_size() > 1:  # one is kept, as the base a CART rank move may start from
+                        lru_make_room(self._derived, self._derived_size())
                     near = {}
                     if m.derive_near and self.pool.task_vectors.numel() * len(spec.experts) > self.inline_entries:
                         # large pools only: small ones recompute in milliseconds and stay path-independent
                         near = {"near": [v for (p, _), v in self._derived.items() if p == pkey]}
                     self.counts["derives"] += 1
-                    if self._derived_size() > 1:  # one is kept, as the base a CART rank move may start from
-                        lru_make_room(self._derived, self._derived_size())
                     state = lru_put(self._derived, dkey, m.derive(state, **dict(dargs), **near), self._derived_size())
             self.counts["applies"] += 1
             lru_make_room(self._deltas, self.delta_size)

@@ -34,8 +34,9 @@ def _factors(us: torch.Tensor, vh: torch.Tensor, k: int, start: int = 0):
     """Factors start..k of every task side by side, so Σt Σ_{start ≤ i < k} σi ui viᵀ is one matmul."""
     T, m, _ = us.shape
     w = k - start
-    return (us[:, :, start:k].float().permute(1, 0, 2).reshape(m, T * w),
-            vh[:, start:k, :].float().reshape(T * w, vh.shape[-1]))
+    # laid out in the stored dtype first: one bf16 copy and one fp32, not two fp32 ones
+    return (us[:, :, start:k].permute(1, 0, 2).reshape(m, T * w).float(),
+            vh[:, start:k, :].reshape(T * w, vh.shape[-1]).float())
 
 
 def low_rank_sum(us: torch.Tensor, vh: torch.Tensor, k: int) -> torch.Tensor:
