@@ -72,16 +72,15 @@ class Merges:
         """A preparation from the disk cache, else computed (and written there when worth it)."""
         tv = self._task_vectors(experts, scale)
         store = self._disk_key(method, experts, prepare_args, scale, tv)
-        if store is not None:
-            hit = self.disk.get(store)
-            if hit is not None:
-                self.counts["disk hits"] += 1
-                self._reserve_moves(method, tv)
-                return disk_cache.unflatten(hit[1], hit[0], tv, tv.device)
-        state = method.prepare_with(tv, progress, cancel, **prepare_args)
-        if store is not None:
-            tensors, structure = disk_cache.flatten(state)
-            self.disk.put(store, f"{method.name} over {', '.join(experts)}", tensors, structure)
+        hit = None if store is None else self.disk.get(store)
+        if hit is not None:
+            self.counts["disk hits"] += 1
+            state = disk_cache.unflatten(hit[1], hit[0], tv, tv.device)
+        else:
+            state = method.prepare_with(tv, progress, cancel, **prepare_args)
+            if store is not None:
+                tensors, structure = disk_cache.flatten(state)
+                self.disk.put(store, f"{method.name} over {', '.join(experts)}", tensors, structure)
         self._reserve_moves(method, tv)
         return state
 

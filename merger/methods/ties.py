@@ -136,31 +136,17 @@ def _kernel(tau, score, level, scale, w, disjoint: bool):
 
 
 def _ties_kernel(tau, thr, w):
-    terms = []
-    for i in range(tau.shape[0]):
-        t = tau[i].float()
-        terms.append(t * (t.abs() >= thr[i]).to(torch.float32) * w[i])
-    return _combined(terms, w, True)
+    return _kernel(tau, tau.abs(), thr, 1.0, w, True)  # |bf16| widens exactly: the fp32 magnitude's order
 
 
 def _combined(terms: list, w, disjoint: bool):
-    total = _sum(terms)
+    total = sum(terms)
     if not disjoint:
         return total
     elected = total.sign()
     agree = [((t * elected) > 0).to(torch.float32) for t in terms]
-    return _sum([t * a for t, a in zip(terms, agree)]) / _nonzero(_sum([wi * a for wi, a in zip(w, agree)]))
-
-
-def _sum(terms: list):
-    out = terms[0]
-    for t in terms[1:]:
-        out = out + t
-    return out
-
-
-def _nonzero(divisor):
-    return torch.where(divisor == 0, 1.0, divisor)
+    divisor = sum(wi * a for wi, a in zip(w, agree))
+    return sum(t * a for t, a in zip(terms, agree)) / torch.where(divisor == 0, 1.0, divisor)
 
 
 def _examples(tv: TaskVectors, name: str) -> tuple:
