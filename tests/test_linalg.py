@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from merger.errors import Cancelled
-from merger.methods.linalg import each_matrix, polar_extending, polar_rows, side_by_side, thin_svd
+from merger.methods.linalg import (each_matrix, gram_rows, inverse_sqrt, polar_extending, polar_rows, side_by_side,
+                                   spectral, thin_svd)
 
 
 def _svd_polar(rows):
@@ -72,3 +73,36 @@ def test_a_cancel_stops_the_matrices_not_yet_started():
             pass
     time.sleep(0.1)  # the calls already running finish; none after them starts
     assert len(started) < 10
+
+
+def _gram_with_condition(n, cond, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))[0]
+    return (q * torch.logspace(0, -torch.log10(torch.tensor(cond)).item(), n, dtype=torch.float64)) @ q.T
+
+
+def test_inverse_sqrt_keeps_fp32_only_where_the_gram_is_well_conditioned():
+    exact = inverse_sqrt(_gram_with_condition(60, 1e2, 3)[None])[0]  # fp64
+    fast = inverse_sqrt(_gram_with_condition(60, 1e2, 3)[None], max_cond=1e3)[0]
+    assert exact.dtype == torch.float64 and fast.dtype == torch.float32
+    assert torch.allclose(fast.double(), exact, rtol=0, atol=1e-5 * exact.abs().max().item())
+    # above max_cond it is solved again in fp64: the same numbers as without max_cond
+    ill = _gram_with_condition(60, 1e6, 4)[None]
+    again = inverse_sqrt(ill, max_cond=1e3)
+    assert again.dtype == torch.float64 and torch.equal(again, inverse_sqrt(ill))
+
+
+def test_a_bf16_gram_is_within_5e_6_of_the_exact_product():
+    a = (torch.randn(96, 3072, generator=torch.Generator().manual_seed(5)) * 1e-3).bfloat16()
+    exact = a.double() @ a.double().T  # products of bf16 numbers, summed in fp64
+    got = gram_rows(a)
+    assert got.dtype == torch.float32
+    assert (got.double() - exact).abs().max() <= 5e-6 * exact.abs().max()
+
+
+def test_spectral_of_stored_bf16_task_vectors_matches_its_fp32_copy():
+    x = (torch.randn(3, 40, 24, generator=torch.Generator().manual_seed(6)) * 0.05).bfloat16()
+    (l16, r16, s16), (l32, r32, s32) = spectral(x, 6), spectral(x.float(), 6)
+    assert torch.allclose(s16, s32, rtol=1e-5)
+    assert torch.allclose(l16 @ r16, l32 @ r32, atol=1e-6)
+    assert torch.allclose(s16, torch.linalg.svdvals(x.double())[:, :6].float(), rtol=1e-5)

@@ -82,24 +82,51 @@ def thin_svd(x: torch.Tensor):
 
 
 def spectral(x: torch.Tensor, keep: int | None = None, dtype: torch.dtype = torch.float32):
-    """Batched SVD of x [T, m, n] through the Gram matrix of its smaller side (one batched eigh:
-    4× faster than a batched SVD on this CPU): (left [T, m, q], right [T, q, n], s [T, q]) with
-    the top q = keep directions, largest first, and x ≈ left @ right.
+    """Batched SVD of x [T, m, n] through the Gram matrix of its smaller side (an eigh: 4× faster
+    than an SVD on this CPU): (left [T, m, q], right [T, q, n], s [T, q]) with the top q = keep
+    directions, largest first, and x ≈ left @ right.
 
     One factor is exact given the other (left = x·V, or right = Uᵀ·x), so at q = min(m, n) the
     product is x itself up to rounding; the split of S between them is the Gram's side (read ``s``
-    for the singular values). Factors are stored in ``dtype`` (the task vectors' storage dtype)."""
+    for the singular values). x is fp32, or the stored bf16 task vectors (see ``gram_rows``).
+    Factors are stored in ``dtype`` (the task vectors' storage dtype). On a CPU each matrix's whole
+    work runs on one single-threaded worker (``side_by_side``), its Gram included."""
     T, m, n = x.shape
     r = min(m, n)
     q = r if keep is None else max(0, min(r, keep))
     tall = m >= n
-    evals, top = top_eigh(x.mT @ x if tall else x @ x.mT, q)  # of the Grams [T, r, r]: [T, q], [T, r, q]
-    top, s = top.float(), evals.clamp(min=0).sqrt().float()
-    if tall:  # x ≈ (x V)(Vᵀ)
-        left, right = x @ top, top.mT
-    else:  # x ≈ (U)(Uᵀ x)
-        left, right = top, top.mT @ x
-    return left.to(dtype), right.to(dtype), s
+
+    def one(xt):
+        evals, top = top_eigh(gram_rows(xt.mT if tall else xt)[None], q)  # [1, q], [1, r, q]
+        top, s, xt = top[0].float(), evals[0].clamp(min=0).sqrt().float(), xt.float()
+        left, right = (xt @ top, top.mT) if tall else (top, top.mT @ xt)  # x ≈ (x V)(Vᵀ), or (U)(Uᵀ x)
+        return left.to(dtype), right.to(dtype), s
+
+    run = side_by_side if x.device.type == "cpu" else map
+    left, right, s = (torch.stack(p) for p in zip(*run(one, x.unbind(0))))
+    return left, right, s
+
+
+def gram_rows(a: torch.Tensor) -> torch.Tensor:
+    """a · aᵀ in fp32. A bf16 ``a`` on a CPU with AMX takes two bf16 products with fp32
+    accumulation: the product rounded to bf16, then its rounding error (a · aᵀ − that, rounded
+    again); their sum is within 5e-6 of the fp32 product, relative, and 2.7× faster single-threaded
+    (6.6 against 17.6 ms for 768 × 3072). Elsewhere: the fp32 product."""
+    if a.dtype == torch.bfloat16 and a.device.type == "cpu" and _AMX:
+        hi = a @ a.mT
+        return hi.float().add_(torch.addmm(hi, a, a.mT, beta=-1))
+    a = a.float()
+    return a @ a.mT
+
+
+def _amx() -> bool:
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):  # a torch without the probe: the fp32 product
+        return False
+
+
+_AMX = _amx()
 
 
 def divided(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -114,10 +141,18 @@ def unit_factors(left: torch.Tensor, right: torch.Tensor, s: torch.Tensor):
     return left.float(), divided(right.float(), s[:, :, None])
 
 
-def inverse_sqrt(gram: torch.Tensor) -> torch.Tensor:
+def inverse_sqrt(gram: torch.Tensor, max_cond: float | None = None) -> torch.Tensor:
     """G^(-1/2) of each PSD Gram matrix of a batch [B, q, q] (a pseudo-inverse on a null space), in
     fp64: the Gram of the concatenated singular vectors can be ill-conditioned (tasks sharing
-    directions)."""
+    directions).
+
+    ``max_cond``: the batch is first solved in fp32 (an eigh half the time of fp64's), and that is
+    kept (an fp32 result) where every matrix's condition number is at most max_cond; else the batch
+    is solved again in fp64."""
+    if max_cond is not None:
+        evals, evecs = per_matrix(torch.linalg.eigh, gram.float())  # ascending
+        if bool(((evals[:, -1] > 0) & (evals[:, 0] * max_cond >= evals[:, -1])).all()):
+            return (evecs * evals.rsqrt()[..., None, :]) @ evecs.mT
     gram = gram.double()
     evals, evecs = per_matrix(torch.linalg.eigh, gram)
     top = evals.max(-1, keepdim=True).values.clamp(min=1e-30)
