@@ -185,28 +185,6 @@ def test_the_session_owns_the_caches_and_prepared_state_never_changes(ctl):
     assert merger.session_for(ctl.pool) is session  # one session per pool, not an attribute of the pool
 
 
-def test_a_replaced_session_is_freed_at_once_with_its_caches(tiny_pool):
-    """A pool's new session replaces the old as its shared one; the old, with the GBs of its
-    prepared state and Δs on a real pool, must go then, not at some later garbage collection."""
-    import gc
-    import weakref
-
-    from merger.evaluation.session import PoolSession
-
-    pool = merger.open_pool(tiny_pool)
-    old = PoolSession(pool)
-    old.merges.delta(old.spec("cart", lam=1.0))
-    gone = weakref.ref(old)
-    del old
-    gc.disable()
-    try:
-        new = PoolSession(pool)
-        assert gone() is None  # no reference cycle kept it
-        assert merger.session_for(pool) is new
-    finally:
-        gc.enable()
-
-
 def test_adding_an_expert_invalidates_nothing(ctl):
     session = ctl.session
     spec = session.spec("task_arithmetic", lam=0.5)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-import weakref
 from collections import OrderedDict
 
 import torch
@@ -44,9 +43,7 @@ class LinearEstimate:
     """Owned by the session: the base's and experts' image features per split, the estimates made."""
 
     def __init__(self, session):
-        # A proxy, not a reference: a cycle with its owner would keep a replaced session, and the
-        # GBs of its caches, alive until the next garbage collection.
-        self.session = weakref.proxy(session)
+        self.session = session
         self._features: dict[tuple[str, str], list[torch.Tensor]] = {}  # (model, split) -> per input group
         self._shown: OrderedDict[tuple, Result] = OrderedDict()  # (rounded spec, split) -> the estimate shown
         self._fingerprints: dict[str, str] = {}
