@@ -23,8 +23,9 @@ def prepare_cart(tv: TaskVectors, progress=None, cancel=None) -> dict:
     """Mean task vector τ̄, and per matrix every direction of each centred θt − θavg = τt − τ̄."""
     mean = {k: v.mean(0) for k, v in tv.items32()}
     factors = {}
-    # A matrix at a time (its matmuls on every core, its T eighs side by side): whole matrices side
-    # by side were slower here (16.7 s against 13.4 s for ViT-B/32 × 8), two working sets of T·m·n.
+    # A matrix at a time (its T tasks side by side, each task's Gram, eigh and products on one
+    # worker): whole matrices side by side were slower here (16.7 s against 13.4 s for ViT-B/32 × 8),
+    # two working sets of T·m·n.
     for k in each(tv.matrices, progress, cancel, "spectrum of matrix"):
         factors[k] = spectral(tv.fp32(k) - mean[k], dtype=tv.dtype)[:2]  # [T,m,r], [T,r,n]
     return {"mean": mean, "factors": factors, "T": tv.num_tasks}
@@ -188,15 +189,17 @@ def _tsv_matrix(prepared: dict, key: str, rank_ratio) -> torch.Tensor:
     dtype = torch.promote_types(left_isqrt.dtype, right_isqrt.dtype)
     core = (left_isqrt.to(dtype) * s[:, :k].reshape(-1).to(dtype)) @ right_isqrt.to(dtype)
     u, vh, core = u.permute(1, 0, 2).reshape(m, T * k), vh.reshape(T * k, -1), core.float()
-    # The shorter side first where the Grams are well conditioned. Near singular ones (T·k = r)
-    # keep the one order they always had: their rounding shows (the order moved the default merge
-    # of ViT-B/32's in_proj by 5e-4 and out_proj by 9%, random experts).
+    # The shorter side first where both Grams were solved in fp32. Otherwise (T·k = r, or a Gram
+    # above TSV_FP32_COND) the one order they always had: their rounding shows there (the order
+    # moved the default merge of ViT-B/32's in_proj by 5e-4 and out_proj by 9%, random experts).
     return u @ (core @ vh) if conditioned and m > n else (u @ core) @ vh
 
 
 # The Gram of one side's concatenated singular vectors is solved in fp32 when its condition number
-# is at most this (at rank 0.1 on a ViT-B/32 × 8 pool, every one: the direction within 5e-6 of
-# fp64's, relative; 2.3 → 1.4 s a move), else in fp64. Where T·k equals that side's dimension (the
+# is at most this, else in fp64. At rank 0.1 on a ViT-B/32 × 8 pool every Gram passed (condition
+# up to about 300) and the direction was within 5e-6 of fp64's, relative (2.3 → 1.4 s a move); at
+# a condition near the cap the fp32 G^(-1/2) is about 1e-5 off (largest entry), below the 2e-3 that
+# bf16 storage of the singular vectors already carries. Where T·k equals that side's dimension (the
 # default rank's r side) the concatenation is square and its Gram near singular: fp64 at once (an
 # fp32 eigh there was 0.05 off the authors' SVDs on a test pool).
 TSV_FP32_COND = 1e3

@@ -55,13 +55,12 @@ def bench_merge(args) -> int:
     failed = []
     for name in names:
         m = methods.get(name)
-        gc.collect()
-        reset_peak_rss()
         session = PoolSession(pool)  # empty caches for each method
         # The previous method's session was the pool's shared one until this one replaced it; it
         # is held in a cycle (its LinearEstimate), so collect it now, or the next preparation
         # faults fresh pages in beside its GBs (TSV-M after CART: 18.5 s instead of 14).
         gc.collect()
+        reset_peak_rss()
         experts = m.experts_for(pool.tasks)
         moves = slider_moves(m, len(experts))
         t0 = time.perf_counter()
