@@ -141,12 +141,17 @@ def prepare_tsv(tv: TaskVectors, progress=None, cancel=None) -> dict:
 
 
 def _concatenated_grams(left, right, s) -> torch.Tensor:
-    """[G_U, G_V] of one matrix's unit factors concatenated task by task ([2, T·K, T·K], fp32)."""
+    """[G_U, G_V] of one matrix's unit factors concatenated task by task ([2, T·K, T·K], fp32):
+    summed in fp64 on a side where the concatenation is square (T·K = its dimension: near singular,
+    see _tsv_matrix), in fp32 on a longer one (well conditioned; 0.4 s less for ViT-B/32 × 8)."""
     T, m, K = left.shape
     u, vh = unit_factors(left, right, s)
-    u_cat = u.permute(1, 0, 2).reshape(m, T * K).double()
-    vh_cat = vh.reshape(T * K, -1).double()
-    return torch.stack([u_cat.T @ u_cat, vh_cat @ vh_cat.T]).float()
+
+    def gram(rows):  # rows [T·K, side]
+        rows = rows.double() if T * K >= rows.shape[1] else rows
+        return (rows @ rows.mT).float()
+
+    return torch.stack([gram(u.permute(0, 2, 1).reshape(T * K, m)), gram(vh.reshape(T * K, -1))])
 
 
 def tsv_rank(rank_ratio, m: int, n: int, T: int) -> int:
