@@ -146,8 +146,8 @@ def unit_factors(left: torch.Tensor, right: torch.Tensor, s: torch.Tensor):
 
 def inverse_sqrt(gram: torch.Tensor, max_cond: float | None = None) -> torch.Tensor:
     """G^(-1/2) of each PSD Gram matrix of a batch [B, q, q] (a pseudo-inverse on a null space), in
-    fp64 unless ``max_cond`` allows fp32: the Gram of the concatenated singular vectors can be ill-conditioned (tasks sharing
-    directions).
+    fp64 unless ``max_cond`` allows fp32: the Gram of the concatenated singular vectors can be
+    ill-conditioned (tasks sharing directions).
 
     ``max_cond``: the batch is first solved in fp32 (an eigh half the time of fp64's), and that is
     kept (an fp32 result) where every matrix's condition number is at most max_cond; else the batch

@@ -148,10 +148,16 @@ def _concatenated_grams(left, right, s) -> torch.Tensor:
     u, vh = unit_factors(left, right, s)
 
     def gram(rows):  # rows [T·K, side]
-        rows = rows.double() if T * K >= rows.shape[1] else rows
+        rows = rows.double() if _square(T * K, rows.shape[1]) else rows
         return (rows @ rows.mT).float()
 
     return torch.stack([gram(u.permute(0, 2, 1).reshape(T * K, m)), gram(vh.reshape(T * K, -1))])
+
+
+def _square(width: int, side: int) -> bool:
+    """Whether T·k concatenated singular vectors fill a side of this dimension (T·k ≤ r, so only
+    equal): the concatenation is then square and its Gram near singular, solved in fp64 at once."""
+    return width >= side
 
 
 def tsv_rank(rank_ratio, m: int, n: int, T: int) -> int:
@@ -187,8 +193,7 @@ def _tsv_matrix(prepared: dict, key: str, rank_ratio) -> torch.Tensor:
     kept = (torch.arange(T)[:, None] * K + torch.arange(k)).reshape(-1)  # task-major, as the concatenation
     grams = prepared["grams"][key][:, kept][:, :, kept]
     u, vh = unit_factors(left[:, :, :k], right[:, :k], s[:, :k])
-    # A square concatenation (T·k = m or n) is near singular: fp64 without a try in fp32.
-    left_isqrt, right_isqrt = (inverse_sqrt(g[None], max_cond=TSV_FP32_COND if T * k < side else None)[0]
+    left_isqrt, right_isqrt = (inverse_sqrt(g[None], max_cond=None if _square(T * k, side) else TSV_FP32_COND)[0]
                                for g, side in zip(grams, (m, n)))
     conditioned = left_isqrt.dtype == right_isqrt.dtype == torch.float32
     dtype = torch.promote_types(left_isqrt.dtype, right_isqrt.dtype)
