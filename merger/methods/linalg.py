@@ -113,13 +113,35 @@ def gram_rows(a: torch.Tensor) -> torch.Tensor:
     (a · aᵀ − that, rounded again); their sum is within about 2^-17 (8e-6) of the exact product,
     relative to its largest entry, and 2.7× faster single-threaded (6.6 against 17.6 ms for
     768 × 3072). That holds for entries between about 1e-18 and 1e18 (task vectors are near 1e-3):
-    AMX flushes subnormal products to zero. Elsewhere: the fp32 product."""
+    AMX flushes subnormal products to zero. Elsewhere: the fp32 product. On a CPU only the blocks
+    on and above the diagonal are multiplied (``_upper_blocks``)."""
     if a.dtype == torch.bfloat16 and a.device.type == "cpu" and _AMX:
-        hi = a @ a.mT
-        return hi.float().add_(torch.addmm(hi, a, a.mT, beta=-1))
-    if a.dtype == torch.bfloat16:
-        a = a.float()
-    return a @ a.mT
+        def product(x, y):
+            hi = x @ y
+            return hi.float().add_(torch.addmm(hi, x, y, beta=-1))
+    else:
+        product = torch.mm
+        if a.dtype == torch.bfloat16:
+            a = a.float()
+    return _upper_blocks(a, product) if a.device.type == "cpu" else product(a, a.mT)
+
+
+def _upper_blocks(a: torch.Tensor, product, blocks: int = 4) -> torch.Tensor:
+    """a · aᵀ from the 10 of its 16 blocks on and above the diagonal (each block row of a against
+    the rows from its own on), mirrored below: the same sums, 0.7 of the time of the whole product
+    on this CPU (12.1 against 16.9 ms for 768 × 3072, fp32, single-threaded)."""
+    m = a.shape[0]
+    if m < 64 * blocks:  # small blocks multiply slower than they save
+        return product(a, a.mT)
+    edges = [m * i // blocks for i in range(blocks + 1)]
+    out = None
+    for lo, hi in zip(edges, edges[1:]):
+        row = product(a[lo:hi], a[lo:].mT)  # [hi - lo, m - lo]
+        if out is None:
+            out = row.new_empty(m, m)
+        out[lo:hi, lo:] = row
+        out[hi:, lo:hi] = row[:, hi - lo:].mT
+    return out
 
 
 def _amx() -> bool:

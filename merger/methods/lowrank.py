@@ -10,7 +10,7 @@ import torch
 
 from merger.methods.registry import (CART_README, LAM, RANK_RATIO, RECOLLECTION, Method, Paper, Published, each,
                                      frange, kept_rank, lam_times, register, sum_weights, with_default)
-from merger.methods.linalg import each_matrix, inverse_sqrt, spectral, thin_svd, unit_factors
+from merger.methods.linalg import each_matrix, gram_rows, inverse_sqrt, spectral, thin_svd, unit_factors
 from merger.pool.task_vectors import TaskVectors
 
 MATRICES_NOTE = ("Matrices = the 2-D attention and MLP weights (in_proj, out_proj, c_fc, c_proj); "
@@ -148,8 +148,7 @@ def _concatenated_grams(left, right, s) -> torch.Tensor:
     u, vh = unit_factors(left, right, s)
 
     def gram(rows):  # rows [T·K, side]
-        rows = rows.double() if _square(T * K, rows.shape[1]) else rows
-        return (rows @ rows.mT).float()
+        return gram_rows(rows.double() if _square(T * K, rows.shape[1]) else rows).float()
 
     return torch.stack([gram(u.permute(0, 2, 1).reshape(T * K, m)), gram(vh.reshape(T * K, -1))])
 
