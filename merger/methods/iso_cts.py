@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from merger.methods.linalg import divided, each_matrix, polar_extending, polar_rows, top_eigh
+from merger.methods.linalg import divided, each_matrix, gram_rows, polar_extending, polar_rows, top_eigh
 from merger.methods.lowrank import ISO_C, MATRICES_NOTE
 from merger.methods.registry import (RECOLLECTION, Method, Param, Published, frange, lam_times, register,
                                      with_default)
@@ -26,7 +26,7 @@ def common_subspace(total: torch.Tensor, c: int):
     columns span the complement of U_c)."""
     t64 = total.double()
     m, n = t64.shape
-    s2, vecs = top_eigh((t64 @ t64.mT if m < n else t64.mT @ t64)[None], min(m, n))
+    s2, vecs = top_eigh(gram_rows(t64 if m < n else t64.mT)[None], min(m, n))
     s, vecs = s2[0].clamp(min=0).sqrt(), vecs[0]
     if m < n:
         u_c = vecs[:, :c]
@@ -47,7 +47,7 @@ def task_directions(stack: torch.Tensor, u_c: torch.Tensor, vecs: torch.Tensor, 
         s_t = s2.clamp(min=0).sqrt().float()
         return rest @ w.float(), s_t, divided(w.float().mT @ b, s_t[..., None])
     b = u_c.mT @ stack  # [T, c, n]
-    s2, v = top_eigh(stack.mT @ stack - b.mT @ b, q)  # the residuals' Grams [T, n, n]
+    s2, v = top_eigh(torch.stack([gram_rows(x.mT) - gram_rows(y.mT) for x, y in zip(stack, b)]), q)  # residuals' Grams
     s_t = s2.clamp(min=0).sqrt().float()
     return divided(stack @ v - u_c @ (b @ v), s_t[:, None, :]), s_t, v.mT
 

@@ -197,7 +197,7 @@ def top_eigh(gram: torch.Tensor, q: int):
 def polar_rows(rows: torch.Tensor) -> torch.Tensor:
     """The orthogonal factor of a [p, n] matrix (U·Vᵀ of its SVD; rows on a null space → 0), in fp64."""
     rows = rows.double()
-    return inverse_sqrt((rows @ rows.mT)[None])[0] @ rows
+    return inverse_sqrt(gram_rows(rows)[None])[0] @ rows
 
 
 def polar_extending(basis: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from merger.methods.linalg import gram_rows
 from merger.methods.lowrank import MATRICES_NOTE
 from merger.errors import Cancelled
 from merger.methods.registry import LAM, STEPS, Method, Paper, frange, lam_times, register, sum_weights, with_default
@@ -23,11 +24,17 @@ def wudi_objective(tau: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:
 
 def quadratic_terms(stack: torch.Tensor):
     """(A, B, c) with the objective = tr(τ A τᵀ) − 2 tr(τ Bᵀ) + c: A = Σt τtᵀτt / ‖τt‖², B = Σt τt τtᵀτt / ‖τt‖²,
-    c = Σt ‖τtᵀτt‖² / ‖τt‖², so each step costs one product τA, not T of them."""
-    norms = stack.square().sum((1, 2)).clamp(min=1e-30)
-    grams = stack.mT @ stack / norms[:, None, None]  # [T, n, n]
-    const = float((grams.double().square().sum((1, 2)) * norms.double()).sum())
-    return grams.sum(0), (stack @ grams).sum(0), const
+    c = Σt ‖τtᵀτt‖² / ‖τt‖², so each step costs one product τA, not T of them. Summed a task at a
+    time: the T Grams at once, with their fp64 squares, held 1.7 GB for a ViT-B/32 c_proj (n = 3072)."""
+    n = stack.shape[-1]
+    a, b, const = stack.new_zeros(n, n), torch.zeros_like(stack[0]), 0.0
+    for t in stack:
+        norm = t.square().sum().clamp(min=1e-30)
+        gram = gram_rows(t.mT).div_(norm)  # τtᵀτt / ‖τt‖²
+        a += gram
+        b.addmm_(t, gram)
+        const += float(gram.double().square().sum() * norm.double())
+    return a, b, const
 
 
 def _objective(tau: torch.Tensor, a: torch.Tensor, b: torch.Tensor, const: float) -> float:
