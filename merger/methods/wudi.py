@@ -24,8 +24,9 @@ def wudi_objective(tau: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:
 
 def quadratic_terms(stack: torch.Tensor):
     """(A, B, c) with the objective = tr(τ A τᵀ) − 2 tr(τ Bᵀ) + c: A = Σt τtᵀτt / ‖τt‖², B = Σt τt τtᵀτt / ‖τt‖²,
-    c = Σt ‖τtᵀτt‖² / ‖τt‖², so each step costs one product τA, not T of them. Summed a task at a
-    time: the T Grams at once, with their fp64 squares, held 1.7 GB for a ViT-B/32 c_proj (n = 3072)."""
+    c = Σt ‖τtᵀτt‖² / ‖τt‖², so each step costs one product τA, not T of them; ``stack`` [T, m, n] in
+    fp32. Summed a task at a time: the T Grams at once, with their fp64 squares, held 1.7 GB for a
+    ViT-B/32 c_proj (n = 3072, T = 8)."""
     n = stack.shape[-1]
     a, b, const = stack.new_zeros(n, n), torch.zeros_like(stack[0]), 0.0
     for t in stack:
