@@ -47,7 +47,8 @@ def task_directions(stack: torch.Tensor, u_c: torch.Tensor, vecs: torch.Tensor, 
         s_t = s2.clamp(min=0).sqrt().float()
         return rest @ w.float(), s_t, divided(w.float().mT @ b, s_t[..., None])
     b = u_c.mT @ stack  # [T, c, n]
-    s2, v = top_eigh(torch.stack([gram_rows(x.mT) - gram_rows(y.mT) for x, y in zip(stack, b)]), q)  # residuals' Grams
+    residual_grams = torch.stack([gram_rows(x.mT) - gram_rows(y.mT) for x, y in zip(stack, b)])  # [T, n, n]
+    s2, v = top_eigh(residual_grams, q)
     s_t = s2.clamp(min=0).sqrt().float()
     return divided(stack @ v - u_c @ (b @ v), s_t[:, None, :]), s_t, v.mT
 
