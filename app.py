@@ -11,11 +11,21 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
+    return port
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="merger: interactive model-merging explorer")
     ap.add_argument("--pool", default="demo", help='pool YAML, or "demo" (the built-in pool)')
     ap.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
-    ap.add_argument("--port", type=int, default=7860)
+    ap.add_argument("--port", type=_port, default=7860, help="TCP port, 1-65535 (default 7860)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     from merger.io.history import DEFAULT_PATH
 
@@ -83,8 +93,12 @@ def main(argv=None) -> int:
         auth = (user, password)
     app = build_app(session, history, cluster=cluster)
     app.queue(default_concurrency_limit=1)
-    app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
-               footer_links=["api"], css=None)
+    try:
+        app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
+                   footer_links=["api"], css=None)
+    except OSError as exc:  # the port is taken, or the host is not this machine's
+        print(f"error: --host {args.host} --port {args.port}: cannot serve there ({exc})", file=sys.stderr)
+        return 2
     return 0
 
 

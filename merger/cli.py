@@ -80,8 +80,12 @@ def cmd_merge(args) -> int:
         check_hashes(pool, record, args.spec)
         params = dict(record.get("params") or {})
         params.update(method_params(args))
-        spec = pool.make_spec(args.method or record["method"], params, args.experts or record.get("experts"),
-                              **weights_args(args, record))
+        try:
+            spec = pool.make_spec(args.method or record["method"], params, args.experts or record.get("experts"),
+                                  **weights_args(args, record))
+        except MergerError as exc:  # a value that came from the file: name it
+            overridden = method_params(args) or args.method or args.experts or any(weights_args(args).values())
+            raise MergerError(f"{args.spec}{' with the flags given' if overridden else ''}: {exc}") from exc
     else:
         if not args.pool or not args.method:
             raise MergerError("merge: give --pool and --method, or --spec FILE")

@@ -41,7 +41,8 @@ def accuracy_bars(result, base=None, experts: Mapping[str, float] | None = None,
     margins = result.margins() if result.counts else {}
     traces = [go.Bar(x=tasks, y=_pct(result.accuracy[t] for t in tasks), name="merged",
                      marker_color=PALETTE[0], text=[f"{100 * result.accuracy[t]:.1f}" for t in tasks],
-                     textposition="outside",
+                     # the value at the foot of its bar: above it, it overlaps the interval and the marks
+                     textposition="auto", insidetextanchor="start",
                      error_y=dict(type="data", array=_pct(margins[t] for t in tasks), visible=True,
                                   color="#555", thickness=1) if margins else None,
                      hovertemplate="%{x}: %{y:.1f} % ± %{error_y.array:.1f} (95 % binomial)<extra></extra>")]

@@ -62,11 +62,10 @@ def test_presets(ctl):
 def test_out_of_range_weights_and_parameters_name_their_field():
     """A typed value outside a slider's range is refused with the slider's label (Gradio's own
     check names no field), and the browser still draws Gradio's slider and number box."""
-    from merger.ui.controls import param_control
-    from merger.ui.ranged import RangedSlider
+    from merger.ui.controls import param_control  # importing merger.ui names the fields
 
-    w = RangedSlider(-3, 3, value=1.0, step=0.01, label="w · size")
-    assert isinstance(w, gr.Slider) and w.get_block_name() == "slider" and w.preprocess(2.5) == 2.5
+    w = gr.Slider(-3, 3, value=1.0, step=0.01, label="w · size")
+    assert w.get_block_name() == "slider" and w.preprocess(2.5) == 2.5
     for value, shown in ((5, "5"), (-9, "-9"), (float("nan"), "nan")):
         with pytest.raises(gr.Error, match=rf"w · size: {shown} is outside \[-3, 3\]"):
             w.preprocess(value)
@@ -74,6 +73,30 @@ def test_out_of_range_weights_and_parameters_name_their_field():
     assert seed.get_block_name() == "number"
     with pytest.raises(gr.Error, match=r"seed: -1 is outside \[0, 2.14748e\+09\]"):
         seed.preprocess(-1)
+
+
+def test_a_slider_names_its_field_after_a_listener_updated_it():
+    """A method switch updates the controls' props, and Gradio then rebuilds each one for that
+    browser session from its class: the rebuilt λ slider still names itself (it once fell back to
+    "Value 7 is greater than maximum value 3.")."""
+    import asyncio
+
+    from gradio.state_holder import SessionState
+
+    from merger.ui.controls import param_control
+
+    with gr.Blocks() as app:
+        lam = param_control("lam", 3)  # the Merge tab's λ
+        switch, shown = gr.Button(), gr.Number()
+        switch.click(lambda: gr.update(info="another method's help"), None, lam)
+        lam.change(lambda v: v, lam, shown)
+    relabel, move = app.fns.values()
+    state = SessionState(app)  # one browser session
+    assert asyncio.run(app.process_api(move, [2.5], state=state))["data"] == [2.5]
+    asyncio.run(app.process_api(relabel, [], state=state))
+    assert state[lam._id] is not lam  # Gradio's rebuilt copy, the one the next move goes through
+    with pytest.raises(gr.Error, match=r"λ \(merge coefficient\): 7 is outside \[-3, 3\]"):
+        asyncio.run(app.process_api(move, [7], state=state))
 
 
 def test_start_from_learned_sets_the_sliders_to_what_the_run_learned(ctl):

@@ -158,6 +158,23 @@ def test_cli_catalogue(tmp_path, args, message):
     assert not any(tmp_path.glob("out*"))
 
 
+def test_app_refuses_a_bad_or_taken_port_in_one_line(tmp_path):
+    import socket
+
+    app = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "app.py")
+    res = subprocess.run([sys.executable, app, "--port", "99999"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "argument --port: '99999' is not a TCP port (1-65535)" in res.stderr
+    pool = write_pool(tmp_path, n_experts=2, demo_data=True)
+    with socket.socket() as taken:  # another program holds the port
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run([sys.executable, app, "--pool", str(pool), "--port", str(port), "--history", ""],
+                             capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and f"error: --host 127.0.0.1 --port {port}: cannot serve there" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
 # ---- a live server ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -193,6 +210,7 @@ def test_api_catalogue_and_the_server_stays_up(server, call, message):
         client.predict(*call, api_name="/evaluate")
     ok = client.predict("task_arithmetic", 0.3, None, None, None, None, "live", api_name="/evaluate")
     assert 0 <= ok["average_accuracy"] <= 1
+    assert "Traceback" not in browser.server_log(server["proc"])  # a person's bad input is no fault of the app
 
 
 @pytest.mark.parametrize("token, shown", [("NaN", "nan"), ("Infinity", "inf"), ("-Infinity", "-inf")])

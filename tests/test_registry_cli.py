@@ -91,6 +91,18 @@ def test_replay_refuses_a_changed_expert(tiny_pool, tmp_path):
     assert not (tmp_path / "x.safetensors").exists()
 
 
+def test_replay_names_the_spec_file_a_bad_value_came_from(tiny_pool, tmp_path):
+    out = tmp_path / "m.safetensors"
+    assert run_cli("merge", "--pool", str(tiny_pool), "--method", "ties", "--out", str(out)).returncode == 0
+    spec = tmp_path / "m.yaml"
+    spec.write_text(spec.read_text().replace("lam: 1.0", "lam: abc"))
+    res = run_cli("merge", "--spec", str(spec), "--out", str(tmp_path / "x.safetensors"))
+    assert res.returncode == 2 and f"error: {spec}: ties: parameter lam='abc' is not a number" in res.stderr
+    res = run_cli("merge", "--spec", str(spec), "--sparsity", "2", "--lam", "1", "--out", str(tmp_path / "x.safetensors"))
+    assert res.returncode == 2 and f"{spec} with the flags given: ties: parameter sparsity='2' is out of range" in res.stderr
+    assert not (tmp_path / "x.safetensors").exists()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--method", "cart", "--rank-ratio", "2"], "rank_ratio='2' is out of range"),
     (["--method", "ties", "--sparsity", "abc"], "sparsity='abc' is not a number"),

@@ -8,7 +8,6 @@ import gradio as gr
 from merger.errors import MergerError
 from merger.spec import WEIGHT_RANGE, WEIGHT_STEP
 from merger.ui.errors import warn
-from merger.ui.ranged import RangedSlider
 
 PRESETS = ("flat", "deeper blocks more", "shallower blocks more", "last k only")
 
@@ -71,12 +70,12 @@ def build_coefficients_panel(ctl) -> dict:
                     "in that block of the image tower. 1 everywhere is the plain method. Data-driven methods "
                     "learn their own coefficients: these sliders apply to static methods; **Start from learned** "
                     "loads what a run learned into them.")
-        tasks = [RangedSlider(lo, hi, value=1.0, step=WEIGHT_STEP, label=f"w · {e}", elem_id=f"w-task-{i}")
+        tasks = [gr.Slider(lo, hi, value=1.0, step=WEIGHT_STEP, label=f"w · {e}", elem_id=f"w-task-{i}")
                  for i, e in enumerate(ctl.weight_experts)]
         with gr.Row():
             reset = gr.Button("Reset task weights", size="sm")
             learned = gr.Button("Start from learned", size="sm", elem_id="start-learned")
-        blocks = [RangedSlider(lo, hi, value=1.0, step=WEIGHT_STEP, label=f"b · {b}", elem_id=f"w-block-{b}")
+        blocks = [gr.Slider(lo, hi, value=1.0, step=WEIGHT_STEP, label=f"b · {b}", elem_id=f"w-block-{b}")
                   for b in ctl.weight_blocks]
         with gr.Row():
             preset = gr.Dropdown(list(PRESETS), value="flat", label="block preset")

@@ -13,7 +13,6 @@ from merger import methods
 from merger.errors import MergerError, MethodError
 from merger.methods import PARAM_NAMES
 from merger.methods.registry import param_record
-from merger.ui.ranged import RangedNumber, RangedSlider
 
 
 def by_name(values) -> dict:
@@ -34,9 +33,9 @@ def param_control(name: str, num_experts: int, method=None):
     visible = method is None or name in method.param_names
     label = p.label or name
     if p.kind == "int":
-        return RangedNumber(value=value, label=label, precision=0, minimum=p.min, maximum=p.max,
+        return gr.Number(value=value, label=label, precision=0, minimum=p.min, maximum=p.max,
                          elem_id=f"ctl-{name}", info=p.help, visible=visible)
-    return RangedSlider(minimum=p.min, maximum=p.max, step=p.step, value=value, label=label,
+    return gr.Slider(minimum=p.min, maximum=p.max, step=p.step, value=value, label=label,
                      elem_id=f"ctl-{name}", info=p.help, visible=visible)
 
 

@@ -15,8 +15,9 @@ def notice(problem) -> str:
 
 
 def fail(problem) -> NoReturn:
-    """Stop a listener with a message for the person who pressed the button."""
-    raise gr.Error(str(problem))
+    """Stop a listener with a message for the person who pressed the button. Gradio would also print
+    a traceback to the server's log for it: not for a person's input, which is no fault of the app."""
+    raise gr.Error(str(problem), print_exception=False)
 
 
 def warn(problem) -> None:

@@ -2,14 +2,20 @@
 
 Gradio checks a Slider's or Number's bounds before any listener runs, with a message that names
 no field ("Value 5 is greater than maximum value 3.0."): with a dozen weight boxes on screen a
-person cannot tell which one. ``named_range`` makes that check's message name the label and the
-range. It wraps the instance's preprocess rather than subclassing: Gradio writes a ``.pyi`` stub
+person cannot tell which one. Here that check names the label and the range.
+
+The check sits on the classes' ``preprocess``, not on each instance: when a listener updates a
+component's props (a method switch shows, hides and relabels the controls), Gradio rebuilds the
+component for that browser session from its class and constructor arguments, which drops any
+attribute set on the instance. Subclassing is no way out either: Gradio writes a ``.pyi`` stub
 beside the source of every component subclass, and the package must not write into itself."""
 from __future__ import annotations
 
 import math
 
 import gradio as gr
+
+from merger.ui.errors import fail
 
 
 def _check(label: str, value, minimum, maximum) -> None:
@@ -21,24 +27,20 @@ def _check(label: str, value, minimum, maximum) -> None:
     if not math.isfinite(number) or below or above:
         lo = "-∞" if minimum is None else f"{minimum:g}"
         hi = "∞" if maximum is None else f"{maximum:g}"
-        raise gr.Error(f"{label or 'value'}: {number:g} is outside [{lo}, {hi}]")
+        fail(f"{label or 'value'}: {number:g} is outside [{lo}, {hi}]")
 
 
-def named_range(component):
-    """The component, its out-of-range values refused with its label (Slider or Number)."""
-    original = component.preprocess
+def _naming(preprocess):
+    def named(self, payload):
+        _check(self.label, payload, self.minimum, self.maximum)
+        return preprocess(self, payload)
 
-    def preprocess(payload):
-        _check(component.label, payload, component.minimum, component.maximum)
-        return original(payload)
-
-    component.preprocess = preprocess
-    return component
+    named.names_its_field = True
+    return named
 
 
-def RangedSlider(*args, **kwargs) -> gr.Slider:  # noqa: N802  (reads like the component it makes)
-    return named_range(gr.Slider(*args, **kwargs))
-
-
-def RangedNumber(*args, **kwargs) -> gr.Number:  # noqa: N802
-    return named_range(gr.Number(*args, **kwargs))
+def name_out_of_range_values() -> None:
+    """Make every Slider's and Number's range check name its label (once; ``merger.ui`` does it)."""
+    for cls in (gr.Slider, gr.Number):
+        if not getattr(cls.preprocess, "names_its_field", False):
+            cls.preprocess = _naming(cls.preprocess)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 
 import gradio as gr
 
@@ -81,6 +82,8 @@ class RunController:
                     box["prepared"] = time.perf_counter() - t0
             except Exception as exc:  # reported to the user below; the server stays up
                 box["error"] = exc
+                if not isinstance(exc, MergerError):  # not the input's fault: the log keeps where it arose
+                    traceback.print_exc()
 
         worker = threading.Thread(target=work, daemon=True)
         worker.start()

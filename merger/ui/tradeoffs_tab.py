@@ -16,7 +16,6 @@ from merger.methods.adaptive import ADAMERGING_TASK
 from merger.methods.basic import TASK_ARITHMETIC
 from merger.ui.errors import fail
 from merger.ui.merge_events import session_of
-from merger.ui.ranged import RangedNumber
 from merger.ui.scheduling import BATCH_EVENT
 
 
@@ -146,8 +145,8 @@ def build_tradeoffs_tab(ctl, merge: dict, events, batch) -> TradeoffsTab:
         up_plot = gr.Plot(label="turn one up")
         gr.Markdown("### Tuned search of the per-task weights (validation, then test)")
         with gr.Row():
-            budget = RangedNumber(value=100, precision=0, minimum=1, maximum=400, label="evaluations (budget)")
-            seed = RangedNumber(value=0, precision=0, minimum=0, label="seed")
+            budget = gr.Number(value=100, precision=0, minimum=1, maximum=400, label="evaluations (budget)")
+            seed = gr.Number(value=0, precision=0, minimum=0, label="seed")
             with_lam = gr.Checkbox(value=False, label="tune λ too")
             with_ada = gr.Checkbox(value=False, label="compare with AdaMerging task-wise (a run)")
             tune_btn = gr.Button("Tune weights")
