@@ -428,6 +428,20 @@ def test_a_preparation_on_disk_is_keyed_by_the_helpers_it_calls_too():
     assert {iso_cts, linalg} <= set(code_of(merger.methods.get("iso_cts").prepare))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_breadcrumbs_rows_sorted_as_integers_are_the_float_sort(dtype):
+    """numpy sorts the magnitudes' bits (vectorised); the order must be the floats' own, ties and zeros too."""
+    from merger.methods.breadcrumbs import _sorted_rows
+
+    torch.manual_seed(0)
+    stack = (torch.randn(3, 5, 257) * 1e-3).to(dtype)
+    stack[0, 0, :100] = 0.0
+    stack[1, 2, ::3] = -stack[1, 2, 1]  # ties across signs
+    ranked = _sorted_rows(stack)
+    assert ranked.dtype == dtype and ranked.shape == (3, 5, 257)
+    assert torch.equal(ranked, stack.abs().sort(dim=-1, descending=True).values)
+
+
 def test_breadcrumbs_prepared_bounds_equal_a_sort_at_a_typed_value(world):
     on_grid = merged(world, "breadcrumbs", lam=1.0, beta=0.1, gamma=0.6)
     typed = merged(world, "breadcrumbs", lam=1.0, beta=0.1 + 1e-9, gamma=0.6 - 1e-9)  # off the 0.01 steps

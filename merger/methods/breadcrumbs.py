@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from merger.methods import compiled
@@ -34,13 +35,16 @@ _SAME_ORDER = {torch.bfloat16: torch.int16, torch.float32: torch.int32}  # on ma
 def _sorted_rows(stack: torch.Tensor) -> torch.Tensor:
     """|τ| of each task's rows (the last dimension), largest first: [T, rows, n] in the stack's dtype.
 
-    Sorted as integers: a non-negative float's bits order as the float does, and an int16 sort of
-    8 × 3072 × 768 entries takes 0.31 s where the bf16 sort takes 0.51 s."""
+    Sorted as integers: a non-negative float's bits order as the float does. On a CPU by numpy,
+    whose sort of 16- and 32-bit integers is vectorised: 8 × 3072 × 768 entries as int16 take
+    0.027 s there, 0.31 s in torch (two threads), and 0.51 s as bf16."""
     n = stack.shape[-1]
     mags = stack.reshape(stack.shape[0], -1, n).abs()
     bits = _SAME_ORDER.get(mags.dtype)
     if bits is None:
         return mags.sort(dim=-1, descending=True).values
+    if mags.device.type == "cpu":
+        return torch.from_numpy(np.sort(mags.view(bits).numpy(), axis=-1)).flip(-1).view(mags.dtype)
     return mags.view(bits).sort(dim=-1, descending=True).values.view(mags.dtype)
 
 
