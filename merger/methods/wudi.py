@@ -52,16 +52,17 @@ def solve_matrix(stack: torch.Tensor, steps: int, progress=None, cancel=None) ->
     a, b, const = quadratic_terms(stack)
     tau = torch.nn.Parameter(stack.sum(0).clone())
     before = _objective(tau.detach(), a, b, const)
-    # fused: Adam's update in one pass over τ instead of several (with the gradient from one addmm,
-    # 13 % of a ViT-B/32 step; the same numbers within 1e-8 of the per-op Adam).
+    # fused: Adam's update in one pass over τ instead of several; with the gradient from one addmm
+    # into one buffer, a ViT-B/32 step takes 13 % less (the same numbers within 1e-8 of per-op Adam).
     opt = torch.optim.Adam([tau], lr=LR, fused=True)
+    tau.grad = torch.empty_like(tau)
     for step in range(steps):
         if step % CHECK_EVERY == 0:
             if cancel is not None and cancel():
                 raise Cancelled(f"cancelled at Adam step {step + 1} of {steps}: nothing was cached")
             if progress is not None:
                 progress(step / steps)
-        tau.grad = torch.addmm(b, tau.detach(), a, beta=-2, alpha=2)  # ∇ of the objective: 2 (τA − B)
+        torch.addmm(b, tau.detach(), a, beta=-2, alpha=2, out=tau.grad)  # ∇ of the objective: 2 (τA − B)
         opt.step()
     final = tau.detach()
     return final, before, _objective(final, a, b, const)

@@ -3,6 +3,7 @@ the scaling view of seed 000."""
 from __future__ import annotations
 
 import threading
+import traceback
 
 import gradio as gr
 
@@ -35,6 +36,8 @@ class LabController:
         except Cancelled:
             return None, True
         except (MergerError, ValueError) as exc:
+            if not isinstance(exc, MergerError):  # maybe no fault of the input: the log keeps where it arose
+                traceback.print_exc()
             fail(exc)
         finally:
             self._cancel.pop(key, None)

@@ -21,13 +21,19 @@ from merger.ui.errors import fail
 def _check(label: str, value, minimum, maximum) -> None:
     if value is None:
         return
-    number = float(value)
+    label = label or "value"
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):  # through the API: a string, a 10**400
+        fail(f"{label}: {str(value)[:40]!r} is not a number")
+    if not math.isfinite(number) and minimum is None and maximum is None:
+        fail(f"{label}: {number:g} is not a finite number")
     below = minimum is not None and number < minimum
     above = maximum is not None and number > maximum
     if not math.isfinite(number) or below or above:
         lo = "-∞" if minimum is None else f"{minimum:g}"
         hi = "∞" if maximum is None else f"{maximum:g}"
-        fail(f"{label or 'value'}: {number:g} is outside [{lo}, {hi}]")
+        fail(f"{label}: {number:g} is outside [{lo}, {hi}]")
 
 
 def _naming(preprocess):
