@@ -21,6 +21,9 @@ pio.templates.default = "merger"
 TEMPLATE = "merger"
 _LAYOUT = dict(template=TEMPLATE, margin=dict(l=50, r=20, t=40, b=40), height=340,
                legend=dict(orientation="h", y=-0.2))
+# Curves over a titled x axis: their legend at the right (long ones scroll), where a legend below
+# would sit on the axis title.
+_CURVES = {**_LAYOUT, "legend": dict(orientation="v", x=1.02, xanchor="left", y=1, yanchor="top")}
 
 
 def _figure(traces, **layout) -> go.Figure:
@@ -103,7 +106,7 @@ def sweep_curves(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]], 
             x=list(xs), y=_pct(ys), mode="lines+markers", name=label, visible="legendonly" if thin else True,
             line=dict(color=PALETTE[i % len(PALETTE)], dash="dot" if thin else "solid", width=1.5 if thin else 2.5),
             error_y=dict(type="data", array=_pct(err), visible=True) if err is not None else None))
-    fig.update_layout(title=title, xaxis=dict(title=x_title), yaxis=dict(title="accuracy %"), **_LAYOUT)
+    fig.update_layout(title=title, xaxis=dict(title=x_title), yaxis=dict(title="accuracy %"), **_CURVES)
     return fig
 
 
@@ -196,14 +199,14 @@ def trajectory_curves(curves: Mapping[str, dict], metric: str, x_title: str = "s
     title = f"{task + ' ' if task else 'Average '}{what} along trajectories"
     if missing:
         title += "<br><sub>not drawn: " + "; ".join(m[:80] for m in missing) + "</sub>"
-    fig.update_layout(title=title, xaxis=dict(title=x_title), yaxis=dict(title=what), **_LAYOUT)
+    fig.update_layout(title=title, xaxis=dict(title=x_title), yaxis=dict(title=what), **_CURVES)
     return fig
 
 
 def objective_curve(values: Sequence[float], title: str = "Objective", y_title: str = "objective") -> go.Figure:
     fig = go.Figure(go.Scatter(x=list(range(1, len(values) + 1)), y=list(values), mode="lines",
                                line=dict(color=PALETTE[0], width=2)))
-    fig.update_layout(title=title, xaxis=dict(title="step"), yaxis=dict(title=y_title), **{**_LAYOUT, "height": 260})
+    fig.update_layout(title=title, xaxis=dict(title="step"), yaxis=dict(title=y_title), **{**_CURVES, "height": 260})
     return fig
 
 
@@ -268,7 +271,7 @@ def lines(curves: Mapping[str, tuple], x_title: str, y_title: str, title: str, l
         fig.add_trace(go.Scatter(x=list(xs), y=list(ys), name=name, mode="lines" if name in dashed else "lines+markers",
                                  line=dict(color=PALETTE[i % len(PALETTE)], dash="dot" if name in dashed else "solid")))
     fig.update_layout(title=title, xaxis=dict(title=x_title, type="log" if log_x else "linear"),
-                      yaxis=dict(title=y_title), **_LAYOUT)
+                      yaxis=dict(title=y_title), **_CURVES)
     return fig
 
 
@@ -297,4 +300,5 @@ def pareto_scatter(points: Sequence[Mapping], front: Sequence[int], task_a: str,
                                  name="Pareto front", text=[p["label"] for p in fp], line=dict(color=PALETTE[1]),
                                  hovertemplate="%{text}<br>%{x:.1f} % · %{y:.1f} %<extra></extra>"))
     return _figure(traces, title=f"Every evaluated merge: {task_a} vs {task_b}",
-                   xaxis=dict(title=f"{task_a} accuracy %"), yaxis=dict(title=f"{task_b} accuracy %"))
+                   xaxis=dict(title=f"{task_a} accuracy %"), yaxis=dict(title=f"{task_b} accuracy %"),
+                   legend=_CURVES["legend"])

@@ -172,6 +172,17 @@ def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch)
     assert method["value"] == "iso_c" and by_name["lam"]["value"] == 1.25 and by_name["rank_ratio"]["visible"] is False
     with pytest.raises(gr.Error, match="no row with id 999999"):
         ctl.reload(999999)
+    # From the History tab: a warning, and every Merge-tab input as it was (an error would put a
+    # badge in place of each of them)
+    from types import SimpleNamespace
+
+    from merger.ui.merge_events import MergeTabEvents
+
+    events, inputs = MergeTabEvents(ctl, "task_arithmetic"), controls(ctl, lam=0.4)
+    for row_id, message in ((999999, "no row with id 999999"), (None, "type the id of a row")):
+        with pytest.warns(UserWarning, match=message):
+            out = events.reload(SimpleNamespace(session_hash="me"), row_id, *inputs)
+        assert len(out) == len(inputs) and all(u == gr.skip() for u in out)
     from merger.ui import merge_tab as callbacks
 
     monkeypatch.setattr(callbacks, "EXPORT_ROOT", tmp_path)
@@ -284,6 +295,11 @@ def test_analysis_tab_callbacks(ctl):
     assert len(lin.data) == 2
     with pytest.raises(gr.Error, match="epoch dynamics need per-epoch checkpoints"):
         ac.dynamics(ctl.pool.tasks[0])
+    _, method, *values = controls(ctl, "task_arithmetic", lam=0.3)
+    for compute in (lambda: ac.weights([], method, *values), lambda: ac.lowrank([], "all matrices (summed)"),
+                    lambda: ac.linearity([], method, *values)):  # nothing ticked: refused, not all of them
+        with pytest.raises(gr.Error, match="experts: empty subset, tick at least one expert"):
+            compute()
 
 
 def test_reference_guides_for_real_architectures():

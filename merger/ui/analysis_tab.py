@@ -29,6 +29,9 @@ class AnalysisController:
             fail(exc)
 
     def _tv(self, experts):
+        """The ticked experts' task vectors (all of them for None: a call that names none)."""
+        if experts is not None and not list(experts):
+            fail("experts: empty subset, tick at least one expert")
         return self.pool.task_vectors.subset([e for e in self.pool.experts if e in (experts or self.pool.tasks)])
 
     def weights(self, experts, method, *values):
@@ -112,7 +115,10 @@ class AnalysisController:
         return shares, cos, first, text
 
     def linearity(self, experts, method, *values):
-        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        try:
+            spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        except MergerError as exc:
+            fail(exc)
         tv = self.pool.task_vectors
         idx = [tv.tasks.index(t) for t in spec.experts]
         delta = self.ex.delta(spec)

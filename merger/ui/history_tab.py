@@ -41,7 +41,7 @@ def build_history_tab(ctl, events, merge: dict) -> HistoryTab:
             hist_refresh = gr.Button("Refresh")
         hist_table = gr.Dataframe(headers=HistoryTab.HISTORY_HEADERS, interactive=False)
         with gr.Row():
-            hist_id = gr.Number(label="row id to reload into the Merge tab", precision=0)
+            hist_id = gr.Number(None, label="row id to reload into the Merge tab", precision=0)
             hist_reload = gr.Button("Reload")
             hist_csv_btn = gr.Button("Export CSV")
         hist_file = gr.File(label="history CSV", interactive=False)

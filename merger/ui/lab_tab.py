@@ -47,7 +47,7 @@ class LabController:
         if flag is None:
             return "No lab run in progress."
         flag.set()
-        return "Cancelling… (the run stops at its next step; nothing is added)"
+        return "Cancelling… (the run stops at its next step; the expert in training is not added)"
 
     def visible(self, request) -> list[str]:
         """The experts this browser session may merge: the pool's, its own lab experts, and the

@@ -25,6 +25,7 @@ import gradio as gr
 from merger import methods
 from merger.errors import MergerError
 from merger.evaluation.work_queue import Superseded
+from merger.ui.errors import warn
 
 EXPIRY_S = 10.0  # a reload whose target never shows up stops guarding the session after this
 EVALUATED_PER_SESSION = 4096  # the merges a browser session remembers as its own (Trade-offs' Pareto)
@@ -98,11 +99,22 @@ class MergeTabEvents:
     # Gradio injects the request only among positional parameters: it comes first.
     def reload(self, request: gr.Request, row_id, experts, method, *values):
         """A History row into every Merge-tab input."""
-        return self.set_inputs(request, self.ctl.reload(row_id), experts, method, values)
+        return self._set_or_warn(request, lambda: self.ctl.reload(row_id), experts, method, values)
 
     def start_from_learned(self, request: gr.Request, experts, method, *values):
         """The current data-driven run's coefficients into the coefficient sliders (task arithmetic)."""
-        return self.set_inputs(request, self.ctl.learned_updates(experts, method, *values), experts, method, values)
+        return self._set_or_warn(request, lambda: self.ctl.learned_updates(experts, method, *values),
+                                 experts, method, values)
+
+    def _set_or_warn(self, request, updates, experts, method, values):
+        """``set_inputs`` of updates(), or, where those fail, their message as a warning and every
+        input as it was: raised, the error would replace each input it targets by an error badge."""
+        try:
+            got = updates()
+        except gr.Error as exc:
+            warn(exc.message)
+            return tuple(gr.skip() for _ in range(2 + len(values)))
+        return self.set_inputs(request, got, experts, method, values)
 
     def set_inputs(self, request, updates, experts, method, values):
         """Set every input at once; the change events that follow are read as one request (above)."""

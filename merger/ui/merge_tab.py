@@ -163,7 +163,11 @@ class Controller(ControlPanel):
 
     def reload(self, row_id):
         """Controls of the Merge tab set from a history row (method, parameters, experts, weights)."""
-        row = self.history.get(int(row_id)) if (self.history is not None and row_id not in (None, "")) else None
+        if self.history is None:
+            fail("history is off (the app was started with --history '')")
+        if row_id in (None, ""):
+            fail("history: type the id of a row (the table's first column)")
+        row = self.history.get(int(row_id))
         if row is None:
             fail(f"history: no row with id {row_id}")
         experts = [e for e in row["experts"].split(",") if e]
