@@ -1,4 +1,5 @@
-"""One real-browser test: drag λ in the Merge tab; the numbers shown equal merger.evaluate."""
+"""Real-browser tests: drag λ in the Merge tab (the numbers shown equal merger.evaluate), reload a
+History row, and the Landscape plot after a move made while its tab was hidden."""
 import os
 
 import pytest
@@ -76,3 +77,30 @@ def test_history_reload_restores_the_row_and_writes_nothing(server):
         b.close()
     assert shown["method"] == "ties" and shown["params"] == {"lam": 0.85, "sparsity": 0.65}
     assert db.execute("SELECT COUNT(*) FROM evaluations").fetchone()[0] == n
+
+
+def test_the_landscape_fills_its_tab_after_a_move_made_while_it_was_hidden(server):
+    """The live marker follows λ moves made in the Merge tab, and plotly lays out a plot redrawn in
+    a hidden tab at a default width (700 px): shown again, the plot must fill its tab as before."""
+    import time
+
+    from playwright.sync_api import sync_playwright
+
+    _, url, _ = server
+    with sync_playwright() as p:
+        b, page = browser.open_page(p, url)
+        page.get_by_role("tab", name="Landscape").click()
+        page.get_by_role("button", name="Compute landscape").click()
+        drawn = page.locator("#landscape-plot .main-svg").first
+        drawn.wait_for(timeout=120_000)
+        width = drawn.bounding_box()["width"]
+        page.get_by_role("tab", name="Merge").click()
+        before = browser.shown(page)
+        browser.drag_lambda(page, 0.7)
+        browser.wait_for_change(page, before)
+        time.sleep(2)  # the marker's redraw has arrived
+        page.get_by_role("tab", name="Landscape").click()
+        time.sleep(2)
+        again = page.locator("#landscape-plot .main-svg").first.bounding_box()["width"]
+        b.close()
+    assert width > 900 and again == pytest.approx(width, abs=2)

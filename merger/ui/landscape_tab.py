@@ -147,11 +147,14 @@ class LandscapeController:
         return plots.trajectory_curves(data, metric, task=task, missing=problems)
 
 
+RELAYOUT_JS = "() => { setTimeout(() => window.dispatchEvent(new Event('resize')), 100); }"
+
+
 def build_landscape_tabs(lc: LandscapeController, pins, inputs, batch):
     """Adds the two tabs; returns (state, plot) so the Merge tab's moves can move the live marker.
     ``batch`` wraps a listener so its work is batch work."""
     tasks = lc.pool.tasks
-    with gr.Tab("Landscape", id="landscape"):
+    with gr.Tab("Landscape", id="landscape") as landscape_tab:
         state = gr.State(None)
         with gr.Row():
             plane = gr.Radio(PLANE_CHOICES, value="pca", label="plane")
@@ -171,6 +174,9 @@ def build_landscape_tabs(lc: LandscapeController, pins, inputs, batch):
                     "tab's sliders). Hover a point for its off-plane distance: a projection is not the real location.")
         go_btn.click(batch(lc.compute), [pins, plane, task_a, task_b, three, metric, task, grid, view, paths, *inputs],
                      [state, plot], **BATCH_EVENT, api_visibility="private")
+        # A plot redrawn while its tab is hidden (the live marker follows the Merge tab's moves) is
+        # laid out at a default width; a resize once the tab shows lays it out again at the tab's.
+        landscape_tab.select(None, None, None, js=RELAYOUT_JS)
     with gr.Tab("Trajectories", id="trajectories"):
         chosen = gr.CheckboxGroup(lc.path_choices(), value=lc.path_choices()[:2], label="trajectories")
         with gr.Row():
