@@ -240,7 +240,8 @@ def fw_progress(weights: Sequence[Sequence[float]], labels: Sequence[str], gaps:
 def heatmap(matrix, xlabels, ylabels, title: str, zmid: float | None = None, fmt: str = ".2f") -> go.Figure:
     fig = go.Figure(go.Heatmap(z=matrix, x=list(xlabels), y=list(ylabels), colorscale="RdBu" if zmid is not None else "Viridis",
                                zmid=zmid, texttemplate="%{z:" + fmt + "}", hovertemplate="%{y} · %{x}: %{z:.4g}<extra></extra>"))
-    fig.update_layout(title=title, template=TEMPLATE, height=360, margin=dict(l=80, r=20, t=40, b=60))
+    fig.update_layout(title=title, template=TEMPLATE, height=360, margin=dict(l=80, r=20, t=40, b=60),
+                      xaxis=dict(automargin=True), yaxis=dict(automargin=True))  # long names ("positional_embedding")
     return fig
 
 

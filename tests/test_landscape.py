@@ -112,6 +112,16 @@ def test_pca_needs_three_distinct_points(land, names):
         pca_plane(pts)
 
 
+def test_a_point_that_names_nothing_and_a_repeated_point_are_refused_by_name(land):
+    from merger.landscape.figure import make_plane
+
+    task = land.pool.tasks[0]
+    with pytest.raises(MergerError, match=f"landscape point 'nosuchtask': not base, a task \\({task}, "):
+        land.named_points(["base", "nosuchtask", task])
+    with pytest.raises(MergerError, match=f"exactly three different points \\(got 2: base, {task}\\)"):
+        make_plane(land, "points", land.named_points(["base", task, task]))
+
+
 def test_collinear_points_are_refused(land):
     pts = land.named_points(["base", "ta:lam=0.5", "ta:lam=1.0"])
     with pytest.raises(MergerError, match="at least three distinct points"):

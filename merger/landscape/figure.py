@@ -27,7 +27,8 @@ def make_plane(land: Landscape, kind: str, points: dict, tasks: Sequence[str] = 
     if kind == "points":
         names = list(points)
         if len(names) != 3:
-            raise MergerError(f"the plane through points needs exactly three points (got {len(names)})")
+            raise MergerError(f"the plane through points needs exactly three different points (got {len(names)}: "
+                              f"{', '.join(names)})")
         return three_point_plane(*(points[n] for n in names), names=names)
     raise MergerError(f"unknown plane '{kind}'; one of {', '.join(PLANES)}")
 

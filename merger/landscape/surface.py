@@ -14,6 +14,7 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
+from merger import methods
 from merger.errors import MergerError
 from merger.io import checkpoints
 
@@ -209,6 +210,12 @@ class Landscape:
                 out[name[5:]] = self.file_point(name[5:])
             else:
                 method, *assignments = name.split(":")
+                try:
+                    methods.get(method)
+                except MergerError:
+                    raise MergerError(f"landscape point '{name}': not base, a task ({', '.join(self.pool.tasks)}), "
+                                      f"file:PATH, or a method ({', '.join(methods.names())}) as METHOD:param=value"
+                                      ) from None
                 params = {}
                 for a in assignments:
                     k, sep, v = a.partition("=")
