@@ -129,6 +129,22 @@ def test_cancel_stops_a_lab_run_and_adds_nothing(ex):
     assert msg[0].startswith("Cancelled") and ex.pool.tasks == before
 
 
+def test_a_blank_name_gives_each_session_its_own_numbered_expert(ex):
+    from types import SimpleNamespace
+
+    from merger.ui.lab_tab import LabController
+
+    lc = LabController(SimpleNamespace(pool=ex.pool, session=ex))
+    task = ex.pool.tasks[0]
+    added = []
+    for who in ("aaaaaa-1", "aaaaaa-1", "bbbbbb-2"):
+        msg = lc.run(SimpleNamespace(session_hash=who), task, "  ", 1e-3, 1, 64, 0.25, 0, "adamw", 0.9, 0.1,
+                     "constant", progress=lambda f, desc=None: None)
+        assert msg[0].startswith("Added expert"), msg[0]
+        added.append(msg[0].split("**")[1])
+    assert added == [f"{task}-lab-aaaaaa", f"{task}-lab-aaaaaa-2", f"{task}-lab-bbbbbb"]
+
+
 def test_gradio_gives_every_lab_and_run_callback_the_browser_session():
     """Gradio injects gr.Request (and gr.Progress) only among positional parameters: a request
     after *values is silently None, and Cancel then never finds the run it should stop."""

@@ -66,6 +66,13 @@ class LabController:
         (self._opted_in.add if everyone else self._opted_in.discard)(session_of(request))
         return self.choices(request)
 
+    def free_name(self, task, request) -> str:
+        """A name left blank: TASK-lab-<this session>, numbered past the ones taken (names are
+        shared by every session, so one default for all would refuse everyone's second run)."""
+        stem = f"{task}-lab-{session_of(request)[:6]}"
+        taken = self.pool.expert_info
+        return next(n for n in (stem, *(f"{stem}-{i}" for i in range(2, len(taken) + 3))) if n not in taken)
+
     def _train(self, task, name, settings, progress, flag, request):
         sd, traj, hp = finetune(self.ctl.session, task, settings, progress=lambda f, m: progress(f, desc=m),
                                 cancel=flag.is_set)
@@ -76,7 +83,7 @@ class LabController:
     # so the settings are spelled out (in SETTING_KEYS order) instead of *values.
     def run(self, request: gr.Request, task, name, lr, epochs, batch_size, data_fraction, seed, optimizer, momentum,
             weight_decay, schedule, progress=gr.Progress()):
-        name = str(name).strip()
+        name = str(name or "").strip() or self.free_name(task, request)
         settings = (lr, epochs, batch_size, data_fraction, seed, optimizer, momentum, weight_decay, schedule)
         hp, cancelled = self._guarded(request, lambda flag: self._train(task, name, check_settings(*settings),
                                                                          progress, flag, request))
@@ -140,7 +147,8 @@ def build_lab_tab(ctl, experts_box, dynamics_task) -> LabController:
                     "merge and compare as usual.")
         with gr.Row():
             task = gr.Dropdown(pool.tasks, value=pool.tasks[0], label="task")
-            name = gr.Textbox(label="name of the new expert", value=f"{pool.tasks[0]}-lab")
+            name = gr.Textbox(label="name of the new expert", value="",
+                              placeholder="blank: TASK-lab-… (numbered for you)")
         with gr.Row():
             lr = gr.Number(value=1e-3, label="learning rate")
             epochs = gr.Number(value=1, precision=0, label="epochs")
