@@ -189,6 +189,9 @@ def cmd_tune(args) -> int:
         setting = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["params"].items())
         print(f"{r['method']:<18}{setting[:43]:<44}{r['grid_points']:5d}{100 * r['val_accuracy']:7.1f}"
               f"{100 * r['test_accuracy']:8.1f}")
+    for r in rows:
+        if r["at_edge"]:
+            print(f"{r['method']}: {', '.join(r['at_edge'])} at the edge of its grid: the best may lie beyond it")
     print(f"{counts['evaluated']} points evaluated, {counts['reused']} from the history"
           + (f" (on {args.workers} Ray workers, {args.ray})" if cluster else ""))
     return 0

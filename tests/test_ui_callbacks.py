@@ -143,8 +143,19 @@ def test_auto_tune_picks_the_best_on_validation(ctl, monkeypatch):
     ex = ctl.session
     vals = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "val").average_accuracy for lam in (0.1, 0.5, 1.0)}
     best = max(vals, key=vals.get)
-    assert table[0][1] == f"lam={best:g}"
+    assert table[0][1] == f"lam={best:g}" + (" (at the grid's edge: lam)" if best in (0.1, 1.0) else "")
     assert table[0][4] == pytest.approx(round(100 * ex.preview(ex.spec("task_arithmetic", lam=best), "test").average_accuracy, 2))
+
+
+def test_a_best_setting_at_the_edge_of_its_grid_is_named():
+    from types import SimpleNamespace
+
+    from merger.evaluation.tuning import grid_edges
+
+    specs = [SimpleNamespace(kwargs={"lam": lam, "rank_ratio": r, "seed": 0}) for lam in (0.5, 1.0, 3.0) for r in (0.04, 0.08)]
+    assert grid_edges(specs, 5) == ["lam", "rank_ratio"]  # λ 3.0 and rank 0.08: both the largest tried
+    assert grid_edges(specs, 2) == ["rank_ratio"]  # λ 1.0 inside; rank 0.04 the smallest; one seed: no range
+    assert grid_edges(specs[2:3], 0) == []
 
 
 def test_sweeps(ctl):

@@ -96,11 +96,22 @@ def auto_tune(session, method_names: Sequence[str], experts=None, progress: Prog
             at += len(specs)
             best = max(range(len(specs)), key=lambda i: (scores[i].average_accuracy, -i))  # the first of equals
             rows.append({"method": m, "spec": specs[best], "params": specs[best].kwargs, "grid_points": len(specs),
-                         "val_accuracy": scores[best].average_accuracy})
+                         "val_accuracy": scores[best].average_accuracy, "at_edge": grid_edges(specs, best)})
         tests = evaluate_all(session, [(r["spec"], "test") for r in rows], stage(n_val, len(rows)), "test", **run)
         for r, test in zip(rows, tests):
             r.update(test_accuracy=test.average_accuracy, test_normalized=test.normalized_accuracy, test=test)
         return rows
+
+
+def grid_edges(specs: Sequence, best: int) -> list[str]:
+    """The parameters whose best value is the smallest or largest the grid tried: the optimum may
+    lie beyond the grid (or at a bound of the parameter's range, where the slider stops too)."""
+    out = []
+    for name, value in specs[best].kwargs.items():
+        tried = sorted({s.kwargs[name] for s in specs if isinstance(s.kwargs.get(name), (int, float))})
+        if len(tried) > 1 and value in (tried[0], tried[-1]):
+            out.append(name)
+    return out
 
 
 def sweep_axes() -> dict[str, tuple[str, list[str]]]:

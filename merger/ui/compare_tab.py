@@ -58,7 +58,8 @@ class CompareTab:
                              on_result=self._record)
         except MergerError as exc:
             fail(exc)
-        table = [[r["method"], ", ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items()) or "-",
+        table = [[r["method"], (", ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items()) or "-")
+                  + (f" (at the grid's edge: {', '.join(r['at_edge'])})" if r["at_edge"] else ""),
                   r["grid_points"], round(100 * r["val_accuracy"], 2), round(100 * r["test_accuracy"], 2),
                   round(100 * r["test_normalized"], 2)] for r in rows]
         results = {f"{r['method']} (best)": r["test"] for r in rows}
