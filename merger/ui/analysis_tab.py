@@ -8,6 +8,7 @@ from merger.analysis import diagnostics as analysis
 from merger.errors import MergerError
 from merger.landscape import trajectories
 from merger.methods import PARAM_NAMES
+from merger.ui.controls import ticked
 from merger.ui.errors import fail
 from merger.ui.lab_tab import build_lab_tab
 from merger.ui.scheduling import BATCH_EVENT, as_batch
@@ -30,9 +31,11 @@ class AnalysisController:
 
     def _tv(self, experts):
         """The ticked experts' task vectors (all of them for None: a call that names none)."""
-        if experts is not None and not list(experts):
-            fail("experts: empty subset, tick at least one expert")
-        return self.pool.task_vectors.subset([e for e in self.pool.experts if e in (experts or self.pool.tasks)])
+        try:
+            chosen = self.pool.tasks if experts is None else ticked(experts)
+        except MergerError as exc:
+            fail(exc)
+        return self.pool.task_vectors.subset([e for e in self.pool.experts if e in chosen])
 
     def weights(self, experts, method, *values):
         """Norms, cosines, sign conflicts, mass kept at the current sparsity."""

@@ -15,6 +15,14 @@ from merger.methods import PARAM_NAMES
 from merger.methods.registry import param_record
 
 
+def ticked(experts) -> list[str]:
+    """The experts ticked in a tab; none is refused (every tab that merges or analyses needs one)."""
+    experts = list(experts or [])
+    if not experts:
+        raise MergerError("experts: empty subset, tick at least one expert")
+    return experts
+
+
 def by_name(values) -> dict:
     """The controls' values keyed by parameter name."""
     return dict(zip(PARAM_NAMES, values))
@@ -117,8 +125,7 @@ class ControlPanel:
         tw, bw = self.weights_from_controls(experts, values)
         values = by_name(values)
         params = {k: values[k] for k in m.param_names if values.get(k) is not None}
-        if not experts:
-            raise MergerError("experts: empty subset, tick at least one expert")
+        experts = ticked(experts)
         for k, v in params.items():
             if m.param(k).auto and _at_auto(m, k, v, len(experts)):
                 params[k] = "auto"
