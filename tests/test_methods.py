@@ -324,6 +324,35 @@ def test_tsv_m_rank_is_not_one_short_where_rounding_1_over_T_was(wide):
     assert spec.kwargs["rank_ratio"] == "auto" and spec.rounded().kwargs["rank_ratio"] == "auto"
 
 
+def test_tsv_m_from_bf16_factors_is_their_exact_merge_to_1e_5(wide):
+    """With bf16 task vectors the two large products take the stored factors with S divided out in
+    the core: the direction is the fp64 merge of those same factors within 1e-5 (relative, per
+    matrix), below a rank where T·k fills a side; tall, wide and square matrices."""
+    from merger.methods.lowrank import prepare_tsv, tsv_direction, tsv_rank
+
+    base, experts, keys, _ = wide
+    tv = TaskVectors(base, {str(i): e for i, e in enumerate(experts[:3])}, dtype="bfloat16")
+    prepared = prepare_tsv(tv)
+    got = tsv_direction(prepared, 0.2)  # T·k = 99 < r = 168: both Grams solved in fp32
+    shapes = set()
+    for key, (left, right, s) in prepared["factors"].items():
+        T, m, _ = left.shape
+        n = right.shape[2]
+        k = tsv_rank(0.2, m, n, T)
+        u, vh, sk = left[:, :, :k].double(), right[:, :k].double(), s[:, :k].double()
+        u, vh = (u / sk[:, None, :], vh) if m >= n else (u, vh / sk[:, :, None])
+        u, vh = u.permute(1, 0, 2).reshape(m, T * k), vh.reshape(T * k, n)
+
+        def inverse_sqrt(g):
+            e, v = torch.linalg.eigh(g)
+            return (v * e.rsqrt()) @ v.mT
+
+        exact = u @ inverse_sqrt(u.mT @ u) @ (sk.reshape(-1, 1) * inverse_sqrt(vh @ vh.mT)) @ vh
+        assert (got[key].double() - exact).norm() <= 1e-5 * exact.norm(), key
+        shapes.add((m > n) - (m < n))
+    assert shapes == {-1, 0, 1}
+
+
 def test_iso_c_against_the_authors_formula_on_a_wide_tower(wide):
     base, experts, keys, taus = wide
     for T in (3, 8):

@@ -189,19 +189,34 @@ def _tsv_matrix(prepared: dict, key: str, rank_ratio) -> torch.Tensor:
     k = tsv_rank(rank_ratio, m, n, T)
     if k == 0:  # fewer dimensions than tasks: no task keeps a singular vector here
         return torch.zeros_like(prepared["mean"][key])
-    kept = (torch.arange(T)[:, None] * K + torch.arange(k)).reshape(-1)  # task-major, as the concatenation
-    grams = prepared["grams"][key][:, kept][:, :, kept]
-    u, vh = unit_factors(left[:, :, :k], right[:, :k], s[:, :k])
+    # the first k of each task's K directions, task-major as the concatenation (a copy of [2, T·k, T·k])
+    grams = prepared["grams"][key].view(2, T, K, T, K)[:, :, :k, :, :k].reshape(2, T * k, T * k)
     left_isqrt, right_isqrt = (inverse_sqrt(g[None], max_cond=None if _square(T * k, side) else TSV_FP32_COND)[0]
                                for g, side in zip(grams, (m, n)))
-    conditioned = left_isqrt.dtype == right_isqrt.dtype == torch.float32
-    dtype = torch.promote_types(left_isqrt.dtype, right_isqrt.dtype)
-    core = (left_isqrt.to(dtype) * s[:, :k].reshape(-1).to(dtype)) @ right_isqrt.to(dtype)
-    u, vh, core = u.permute(1, 0, 2).reshape(m, T * k), vh.reshape(T * k, -1), core.float()
-    # The shorter side first where both Grams were solved in fp32. Otherwise (T·k = r, or a Gram
-    # above TSV_FP32_COND) the one order they always had: their rounding shows there (the order
-    # moved the default merge of ViT-B/32's in_proj by 5e-4 and out_proj by 9%, random experts).
-    return u @ (core @ vh) if conditioned and m > n else (u @ core) @ vh
+    if left_isqrt.dtype == right_isqrt.dtype == torch.float32:
+        return _tsv_conditioned(left, right, s[:, :k], k, left_isqrt, right_isqrt)
+    # T·k = r, or a Gram above TSV_FP32_COND: fp64, and the one order this always had: its rounding
+    # shows there (the order moved the default merge of ViT-B/32's in_proj by 5e-4 and out_proj by
+    # 9%, random experts).
+    u, vh = unit_factors(left[:, :, :k], right[:, :k], s[:, :k])
+    core = (left_isqrt.double() * s[:, :k].reshape(-1).double()) @ right_isqrt.double()
+    u, vh = u.permute(1, 0, 2).reshape(m, T * k), vh.reshape(T * k, -1)
+    return (u @ core.float()) @ vh
+
+
+def _tsv_conditioned(left, right, s, k, left_isqrt, right_isqrt) -> torch.Tensor:
+    """U G_U^(-1/2) S G_V^(-1/2) Vᵀ with the stored factors taken as they are: S, which ``spectral``
+    left on one side, is divided out in the [T·k, T·k] core instead of across a [m, T·k] factor; the
+    shorter side first."""
+    T, m, _ = left.shape
+    n = right.shape[2]
+    s = s.reshape(-1)
+    core = (left_isqrt * s) @ right_isqrt
+    inv_s = torch.where(s > 0, 1.0 / s.clamp(min=1e-30), 0.0)  # as ``divided``: a zero direction stays zero
+    core = inv_s[:, None] * core if m >= n else core * inv_s  # S sits in left where m ≥ n (unit_factors)
+    u = left[:, :, :k].permute(1, 0, 2).reshape(m, T * k).float()
+    vh = right[:, :k].reshape(T * k, n).float()
+    return u @ (core @ vh) if m > n else (u @ core) @ vh
 
 
 # The Gram of one side's concatenated singular vectors is solved in fp32 when its condition number
