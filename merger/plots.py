@@ -117,6 +117,10 @@ def empty(message: str) -> go.Figure:
 
 MARKERS = {"base": ("square", "#222"), "expert": ("diamond", PALETTE[3]), "merge": ("circle", PALETTE[0]),
            "pinned": ("circle-open", PALETTE[2]), "live": ("star", "#FFD700")}
+# The 3-D view has no star: the live merge is a cross there (the Landscape tab's caption says so).
+SYMBOLS_3D = {"star": "x"}
+# Point names sit on the whole of Viridis, dark purple to yellow: dark text with a light halo.
+_LABEL_FONT = dict(color="#111", shadow="auto")
 
 
 def _hover(label, x, y, off):
@@ -147,7 +151,7 @@ def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), pa
         for label, (x, y, off, kind) in points.items():
             sym, col = MARKERS.get(kind, MARKERS["merge"])
             traces.append(go.Scatter3d(x=[x], y=[y], z=[heights[label]], mode="markers+text", text=[label],
-                                       name=label, marker=dict(size=5, color=col),
+                                       name=label, marker=dict(symbol=SYMBOLS_3D.get(sym, sym), size=6, color=col),
                                        hovertext=_hover(label, x, y, off) + f"<br>{metric_label} {heights[label]:.4g}"))
         for i, (name, (pxs, pys, labels)) in enumerate(paths.items()):
             traces.append(go.Scatter3d(x=list(pxs), y=list(pys), z=list(heights[name]), mode="lines+markers", name=name,
@@ -156,7 +160,8 @@ def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), pa
         if live is not None:
             label, x, y, off = live
             traces.append(go.Scatter3d(x=[x], y=[y], z=[heights["live"]], mode="markers", name="live merge",
-                                       marker=dict(size=8, color=MARKERS["live"][1]),
+                                       marker=dict(symbol=SYMBOLS_3D["star"], size=9, color=MARKERS["live"][1],
+                                                   line=dict(width=2, color="black")),
                                        hovertext=_hover(label, x, y, off) + f"<br>{metric_label} {heights['live']:.4g}"))
         return _figure(traces, title=title, scene=dict(zaxis_title=metric_label), height=560,
                        margin=dict(l=0, r=0, t=40, b=0))
@@ -173,7 +178,7 @@ def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), pa
     for kind, members in kinds.items():
         sym, col = MARKERS[kind]
         traces.append(go.Scatter(x=[m[1] for m in members], y=[m[2] for m in members], mode="markers+text",
-                                 text=[m[0] for m in members], textposition="top center", name=kind,
+                                 text=[m[0] for m in members], textposition="top center", textfont=_LABEL_FONT, name=kind,
                                  marker=dict(symbol=sym, size=13, color=col, line=dict(width=1, color="white")),
                                  hovertext=[_hover(*m) for m in members], hoverinfo="text", showlegend=False))
     if live is not None:
@@ -181,7 +186,9 @@ def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), pa
         traces.append(go.Scatter(x=[x], y=[y], mode="markers", name="live merge",
                                  marker=dict(symbol="star", size=20, color=MARKERS["live"][1], line=dict(width=1.5, color="black")),
                                  hovertext=_hover("live: " + label, x, y, off), hoverinfo="text"))
-    return _figure(traces, title=title, xaxis=dict(title="direction 1"),
+    # Equal scales on both directions (distances in weight space read the same either way): the x
+    # axis gives up width rather than stretching its range past the data.
+    return _figure(traces, title=title, xaxis=dict(title="direction 1", constrain="domain"),
                    yaxis=dict(title="direction 2", scaleanchor="x"), height=560, legend=dict(orientation="h", y=-0.15))
 
 

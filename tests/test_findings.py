@@ -85,6 +85,25 @@ def test_3d_landscape_draws_the_trajectories_at_their_values(ctl):
     assert path.z[5] == pytest.approx(ref.average_loss, rel=1e-5)
 
 
+def test_a_refused_landscape_keeps_the_one_shown_and_3d_markers_keep_their_shapes(ctl):
+    """A point that names nothing: a warning naming it, and the landscape on screen stays (raised as
+    an error, Gradio would cover the plot with an error badge). In 3-D the markers keep the shapes
+    of the caption (■ base, ◆ experts), the live merge a cross (3-D has no star)."""
+    import gradio as gr
+
+    from merger.ui.landscape_tab import LandscapeController
+
+    lc = LandscapeController(ctl)
+    with pytest.warns(UserWarning, match="landscape point 'nosuch': not base, a task"):
+        frames = list(lc.compute([], "points", None, None, "base, nosuch, ta:lam=0.3", "loss", "all tasks (mean)", 5,
+                                 "contour", [], *controls(ctl), progress=lambda *a, **k: None))
+    assert frames == [(gr.skip(), gr.skip())]
+    *_, (_, fig) = lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 5, "surface", [], *controls(ctl),
+                              progress=lambda *a, **k: None)
+    symbols = {t.name: t.marker.symbol for t in fig.data if t.type == "scatter3d"}
+    assert symbols == {"base": "square", **{t: "diamond" for t in ctl.pool.tasks}, "live merge": "x"}
+
+
 def test_lab_experts_belong_to_their_session(ctl):
     from merger.analysis import lab
     from merger.ui.lab_tab import LabController

@@ -1,6 +1,8 @@
 """The one way the UI reports a problem: ``fail`` for a button's job (Gradio shows the message
-as a toast, the app stays up, the outputs keep what they showed), ``notice`` where a result would
-be shown instead (a slider move, a run's status line: a toast per move would bury the page).
+as a toast, the app stays up, each output shows an error badge until closed), ``kept`` where the
+outputs must stay in view (a landscape that took minutes, the inputs a reload sets), ``notice``
+where a result would be shown instead (a slider move, a run's status line: a toast per move would
+bury the page).
 Both carry the engine's message, which names the file, field or parameter and the reason."""
 from __future__ import annotations
 
@@ -23,3 +25,11 @@ def fail(problem) -> NoReturn:
 def warn(problem) -> None:
     """A message that does not stop the listener (part of the job was done)."""
     gr.Warning(str(problem))
+
+
+def kept(problem, outputs: int) -> tuple:
+    """A refused request whose outputs must stay as they were: its message as a warning, and a skip
+    for each output. Raised as an error, it would cover each output (a landscape, every input a
+    reload sets) with an error badge until closed."""
+    warn(problem)
+    return tuple(gr.skip() for _ in range(outputs))

@@ -9,7 +9,7 @@ from merger.landscape import trajectories
 from merger.landscape.figure import landscape_figure, landscape_layers, make_plane
 from merger.landscape.surface import extent_of
 from merger.methods.registry import with_param
-from merger.ui.errors import fail, warn
+from merger.ui.errors import fail, kept, warn
 from merger.ui.scheduling import BATCH_EVENT
 
 PLANE_CHOICES = [("PCA of base, experts and pinned merges", "pca"), ("base + two task vectors", "tasks"),
@@ -61,7 +61,8 @@ class LandscapeController:
 
     def compute(self, pins, plane_kind, task_a, task_b, three, metric, task, grid, view, chosen_paths,
                 experts, method, *values, progress=gr.Progress()):
-        """Generator: the coarse surface first, then the full grid; the state keeps it for markers."""
+        """Generator: the coarse surface first, then the full grid; the state keeps it for markers.
+        Refused (a point that names nothing, a plane without its tasks): the landscape shown stays."""
         try:
             spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
             names = ["base", "experts"] if plane_kind != "points" else [n.strip() for n in (three or "").split(",")]
@@ -89,7 +90,7 @@ class LandscapeController:
                          "metric": metric, "task": task, "view": view}
                 yield state, self.figure(state, spec)
         except MergerError as exc:
-            fail(exc)
+            yield kept(exc, 2)
 
     def figure(self, state, spec=None):
         live = live_values = None
@@ -170,8 +171,9 @@ def build_landscape_tabs(lc: LandscapeController, pins, inputs, batch):
         paths = gr.CheckboxGroup(lc.path_choices(), value=[], label="trajectories to draw")
         go_btn = gr.Button("Compute landscape", variant="primary")
         plot = gr.Plot(elem_id="landscape-plot")
-        gr.Markdown("Markers: ■ base · ◆ experts · ● pinned merges · ★ the live merge (moves with the Merge "
-                    "tab's sliders). Hover a point for its off-plane distance: a projection is not the real location.")
+        gr.Markdown("Markers: ■ base · ◆ experts · ● pinned merges · ★ the live merge (✕ in the 3-D view; it moves "
+                    "with the Merge tab's sliders). Hover a point for its off-plane distance: a projection is not the "
+                    "real location.")
         go_btn.click(batch(lc.compute), [pins, plane, task_a, task_b, three, metric, task, grid, view, paths, *inputs],
                      [state, plot], **BATCH_EVENT, api_visibility="private")
         # A plot redrawn while its tab is hidden (the live marker follows the Merge tab's moves) is

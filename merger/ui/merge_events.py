@@ -25,7 +25,7 @@ import gradio as gr
 from merger import methods
 from merger.errors import MergerError
 from merger.evaluation.work_queue import Superseded
-from merger.ui.errors import warn
+from merger.ui.errors import kept
 
 EXPIRY_S = 10.0  # a reload whose target never shows up stops guarding the session after this
 EVALUATED_PER_SESSION = 4096  # the merges a browser session remembers as its own (Trade-offs' Pareto)
@@ -112,8 +112,7 @@ class MergeTabEvents:
         try:
             got = updates()
         except gr.Error as exc:
-            warn(exc.message)
-            return tuple(gr.skip() for _ in range(2 + len(values)))
+            return kept(exc.message, 2 + len(values))
         return self.set_inputs(request, got, experts, method, values)
 
     def set_inputs(self, request, updates, experts, method, values):
