@@ -81,7 +81,10 @@ def radar(results: Mapping[str, object], title: str = "Normalised accuracy (merg
         top = max(top, *(v + 10 for v in vals if v == v))
         traces.append(go.Scatterpolar(r=vals + vals[:1], theta=tasks + tasks[:1], name=label, fill="toself",
                                       opacity=0.55, line=dict(color=PALETTE[i % len(PALETTE)])))
-    return _figure(traces, title=title, polar=dict(radialaxis=dict(range=[0, top], ticksuffix="%")), height=380)
+    # the radial axis half-way between the first two tasks, its tick labels off the first task's name
+    half_step = 180.0 / max(1, len(tasks)) if results else 0.0
+    return _figure(traces, title=title, height=380,
+                   polar=dict(radialaxis=dict(range=[0, top], ticksuffix="%", angle=half_step, tickangle=half_step)))
 
 
 def grouped_bars(results: Mapping[str, object], title: str = "Pinned merges: accuracy per task") -> go.Figure:

@@ -177,6 +177,7 @@ def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch)
     ctl.preview(*controls(ctl, "iso_c", lam=1.25))
     rows = HistoryTab(ctl).history_rows("iso_c", "")
     assert rows and rows[0][2] == "iso_c" and '"lam": 1.25' in rows[0][3]
+    assert rows[0][4] == ", ".join(ctl.pool.tasks)  # a space after each comma: the table can wrap there
     experts, method, *values = ctl.reload(rows[0][0])
     from merger.methods import PARAM_NAMES
     by_name = dict(zip(PARAM_NAMES, values))
@@ -190,7 +191,8 @@ def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch)
     from merger.ui.merge_events import MergeTabEvents
 
     events, inputs = MergeTabEvents(ctl, "task_arithmetic"), controls(ctl, lam=0.4)
-    for row_id, message in ((999999, "no row with id 999999"), (None, "type the id of a row")):
+    for row_id, message in ((999999, "no row with id 999999"), ("", "type the id of a row"),
+                            (" 2.5", "row id '2.5' is not a row's id")):
         with pytest.warns(UserWarning, match=message):
             out = events.reload(SimpleNamespace(session_hash="me"), row_id, *inputs)
         assert len(out) == len(inputs) and all(u == gr.skip() for u in out)

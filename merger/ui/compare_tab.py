@@ -115,7 +115,7 @@ def build_compare_tab(ctl, pins, experts, batch) -> CompareTab:
         with gr.Row():
             cmp_split = gr.Dropdown(list(SPLITS_SHOWN), value="live", label="split")
             cmp_btn = gr.Button("Compare pinned merges")
-        cmp_table = gr.Dataframe(headers=tab.compare_headers(), interactive=False)
+        cmp_table = gr.Dataframe(headers=tab.compare_headers(), interactive=False, wrap=True)
         with gr.Row():
             cmp_bars = gr.Plot()
             cmp_radar = gr.Plot()
@@ -127,7 +127,8 @@ def build_compare_tab(ctl, pins, experts, batch) -> CompareTab:
                                         label="methods")
         tune_btn = gr.Button("Auto-tune")
         tune_table = gr.Dataframe(headers=["method", "best parameters", "grid points", "val acc %",
-                                           "test acc %", "test normalised %"], interactive=False)
+                                           "test acc %", "test normalised %"], interactive=False, wrap=True,
+                                  column_widths=["14%", "38%", "10%", "12%", "12%", "14%"])
         with gr.Row():
             tune_bars = gr.Plot(elem_id="tune-bars")
             tune_radar = gr.Plot()

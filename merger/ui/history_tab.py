@@ -15,12 +15,15 @@ class HistoryTab:
         self.ctl = ctl
 
     HISTORY_HEADERS = ["id", "time", "method", "params", "experts", "split", "avg acc %", "normalised %", "loss"]
+    # Set widths, or the table sizes each column to its longest text and scrolls sideways (7 experts)
+    COLUMN_WIDTHS = ["4%", "11%", "12%", "22%", "22%", "6%", "8%", "9%", "6%"]
 
     def history_rows(self, method_filter="", text=""):
         if self.ctl.history is None:
             return []
         rows = self.ctl.history.rows(method=method_filter or None, pool=self.ctl.pool_ref, text=text or None)
-        return [[r["id"], r["time"], r["method"], r["params"], r["experts"], r["split"],
+        # ", " between experts: the table wraps a long list there instead of scrolling sideways
+        return [[r["id"], r["time"], r["method"], r["params"], r["experts"].replace(",", ", "), r["split"],
                  round(100 * r["average_accuracy"], 2),
                  None if r["normalized_accuracy"] is None else round(100 * r["normalized_accuracy"], 2),
                  round(r["average_loss"], 4)] for r in rows]
@@ -39,9 +42,11 @@ def build_history_tab(ctl, events, merge: dict) -> HistoryTab:
             hist_method = gr.Dropdown([""] + methods.names(), value="", label="method")
             hist_text = gr.Textbox(label="filter (method, parameters or experts contain)")
             hist_refresh = gr.Button("Refresh")
-        hist_table = gr.Dataframe(headers=HistoryTab.HISTORY_HEADERS, interactive=False)
+        hist_table = gr.Dataframe(headers=HistoryTab.HISTORY_HEADERS, interactive=False, wrap=True,
+                                  column_widths=HistoryTab.COLUMN_WIDTHS)
         with gr.Row():
-            hist_id = gr.Number(None, label="row id to reload into the Merge tab", precision=0)
+            # A text box: Gradio's number box shows an empty value as 0, which is no row
+            hist_id = gr.Textbox(label="row id to reload into the Merge tab", placeholder="the table's first column")
             hist_reload = gr.Button("Reload")
             hist_csv_btn = gr.Button("Export CSV")
         hist_file = gr.File(label="history CSV", interactive=False)

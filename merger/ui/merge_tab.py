@@ -165,11 +165,14 @@ class Controller(ControlPanel):
         """Controls of the Merge tab set from a history row (method, parameters, experts, weights)."""
         if self.history is None:
             fail("history is off (the app was started with --history '')")
-        if row_id in (None, ""):
+        text = "" if row_id is None else str(row_id).strip()
+        if not text:
             fail("history: type the id of a row (the table's first column)")
-        row = self.history.get(int(row_id))
+        if not text.isdigit():
+            fail(f"history: row id {text!r} is not a row's id (a whole number: the table's first column)")
+        row = self.history.get(int(text))
         if row is None:
-            fail(f"history: no row with id {row_id}")
+            fail(f"history: no row with id {text}")
         experts = [e for e in row["experts"].split(",") if e]
         params = json.loads(row["params"])
         task_weights, block_weights = params.pop("task_weights", {}), params.pop("block_weights", {})

@@ -150,7 +150,8 @@ def build_tradeoffs_tab(ctl, merge: dict, events, batch) -> TradeoffsTab:
             with_lam = gr.Checkbox(value=False, label="tune λ too")
             with_ada = gr.Checkbox(value=False, label="compare with AdaMerging task-wise (a run)")
             tune_btn = gr.Button("Tune weights")
-        tune_table = gr.Dataframe(headers=TradeoffsTab.HEADERS, interactive=False)
+        tune_table = gr.Dataframe(headers=TradeoffsTab.HEADERS, interactive=False, wrap=True,
+                                  column_widths=["22%", "46%", "10%", "11%", "11%"])  # seven weights wrap
         tune_msg = gr.Markdown()
         tuned = gr.State(None)
         load_btn = gr.Button("Load into the sliders")
