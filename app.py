@@ -21,6 +21,13 @@ def _port(text: str) -> int:
     return port
 
 
+def _auth(text: str) -> tuple[str, str]:
+    user, sep, password = text.partition(":")
+    if not sep or not user or not password:
+        raise argparse.ArgumentTypeError("expected user:password")
+    return user, password
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="merger: interactive model-merging explorer")
     ap.add_argument("--pool", default="demo", help='pool YAML, or "demo" (the built-in pool)')
@@ -32,7 +39,7 @@ def parse_args(argv=None):
     ap.add_argument("--history", default=str(DEFAULT_PATH),
                     help="SQLite file of evaluated specs ('' to turn history off)")
     ap.add_argument("--share", action="store_true", help="ask Gradio for a public share link (off by default)")
-    ap.add_argument("--auth", default=None, help="user:password required to open the app")
+    ap.add_argument("--auth", type=_auth, default=None, help="user:password required to open the app")
     ap.add_argument("--ray", default=None, metavar="auto|local|ADDRESS",
                     help="send Sweep / Auto-tune / Landscape jobs to a Ray cluster (the sliders stay here)")
     ap.add_argument("--workers", type=int, default=2, help="with --ray: workers, each opening the pool once")
@@ -65,6 +72,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     try:
         roots = [r for r in args.roots.split(",") if r.strip()]
+        history = History(args.history) if args.history else None  # named before the pool's minutes
         pool = merger.open_pool(args.pool, device=args.device, roots=roots)
         session = merger.PoolSession(pool)
         forward_s = session.measure_live()  # decides whether moves answer progressively
@@ -83,18 +91,10 @@ def main(argv=None) -> int:
         else "moves answer on the whole live split at once"), flush=True)
     if session.partial_images:  # a slow pool: the linear estimate's forwards, as batch work behind the moves
         threading.Thread(target=_estimate_forwards, args=(session,), name="linear-estimate", daemon=True).start()
-    history = History(args.history) if args.history else None
-    auth = None
-    if args.auth:
-        user, sep, password = args.auth.partition(":")
-        if not sep or not user or not password:
-            print("error: --auth must be user:password", file=sys.stderr)
-            return 2
-        auth = (user, password)
     app = build_app(session, history, cluster=cluster)
     app.queue(default_concurrency_limit=1)
     try:
-        app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
+        app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=args.auth,
                    footer_links=["api"], css=None)
     except OSError as exc:  # the port is taken, or the host is not this machine's
         print(f"error: --host {args.host} --port {args.port}: cannot serve there ({exc})", file=sys.stderr)

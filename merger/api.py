@@ -74,5 +74,11 @@ def merge_state_dicts(
 
 
 def evaluate(pool, merged: Mapping[str, torch.Tensor] | None, split: str = "live") -> Result:
-    """Public entry: evaluate a merged state dict (as returned by ``merger.merge``) on a split."""
+    """Public entry: evaluate a merged state dict (as returned by ``merger.merge``) on a split. Weights
+    from elsewhere are checked against the base first (missing, unexpected, mis-shaped and non-finite
+    keys are named), as an expert is."""
+    if merged is not None:
+        if not isinstance(merged, Mapping):
+            raise MergerError(f"evaluate: expected a state dict (name → tensor), got {type(merged).__name__}")
+        merged = checkpoints.validate_expert(merged, pool.base, "evaluate: the weights")
     return session_for(pool).evaluate_weights(merged, split)

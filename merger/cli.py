@@ -76,7 +76,8 @@ def cmd_merge(args) -> int:
 
     if args.spec:
         record = read_spec_file(args.spec)
-        pool = open_pool(record["pool"], device=args.device)
+        # --pool: the same files opened from elsewhere (a moved pool); the hashes must still match
+        pool = open_pool(args.pool or record["pool"], device=args.device)
         check_hashes(pool, record, args.spec)
         params = dict(record.get("params") or {})
         params.update(method_params(args))
@@ -231,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("methods", help="list the registered merge methods").set_defaults(func=cmd_methods)
 
     p = sub.add_parser("merge", help="merge a pool's experts and write safetensors + spec YAML")
-    p.add_argument("--pool", help='pool YAML (or "demo")')
+    p.add_argument("--pool", help='pool YAML (or "demo"); with --spec, the same files opened from there')
     p.add_argument("--spec", help="replay a spec YAML written by an earlier merge")
     add_method_args(p)
     p.add_argument("--out", required=True, help="output .safetensors (the spec goes beside it as .yaml)")

@@ -10,6 +10,7 @@ import time
 
 from merger import methods
 from merger.errors import MergerError
+from merger.io import inputs
 
 
 
@@ -140,9 +141,13 @@ def cmd_sweep(args) -> int:
 
     session = _open(args)
     names = _methods(args, args.axis)
-    values = ([float(v) for v in args.values.split(",")] if args.values
-              else sorted({v for m in names for v in sweep_values(args.axis, m)}))
     experts = args.experts.split(",") if args.experts else None
+    if args.values:
+        values = _given_values(args.values, names, args.axis, len(experts) if experts else len(session.tasks))
+    else:
+        values = sorted({v for m in names for v in sweep_values(args.axis, m)})
+    if args.out:  # before a sweep that may take minutes
+        inputs.check_output_file(args.out, "--out", MergerError, keep=tuple(session.pool.input_files()))
     counts: dict = {}
     cluster = _cluster(args, session.pool)
     on_result, known = _recording(args, session, counts, cluster)
@@ -161,6 +166,34 @@ def cmd_sweep(args) -> int:
 
         write_text_atomic(args.out, json.dumps(out))
     return 0
+
+
+def _given_values(text: str, names, axis: str, n_experts: int) -> list[float]:
+    """--values as numbers, each inside at least one swept method's range; a value outside some
+    methods' ranges is named for them (those points are skipped), not dropped unsaid."""
+    import math
+
+    values = []
+    for item in text.split(","):
+        try:
+            v = float(item)
+        except ValueError:
+            raise MergerError(f"--values: {item.strip()!r} is not a number") from None
+        if not math.isfinite(v):
+            raise MergerError(f"--values: {item.strip()} is not a finite number")
+        values.append(v)
+    ranges = {m: methods.get(m).bounds(axis, n_experts) for m in names if axis in methods.get(m).param_names}
+    inside = lambda v, lo, hi: lo <= v <= hi + 1e-12  # noqa: E731  (as sweep_plan)
+    nowhere = [v for v in values if ranges and not any(inside(v, lo, hi) for lo, hi in ranges.values())]
+    if nowhere:
+        raise MergerError(f"--values: {', '.join(f'{v:g}' for v in nowhere)} outside every swept method's {axis} "
+                          f"range ({'; '.join(f'{m}: [{lo:g}, {hi:g}]' for m, (lo, hi) in ranges.items())})")
+    for m, (lo, hi) in ranges.items():
+        skipped = [v for v in values if not inside(v, lo, hi)]
+        if skipped:
+            print(f"{m}: {', '.join(f'{v:g}' for v in skipped)} skipped (its {axis} lies in [{lo:g}, {hi:g}] "
+                  f"with {n_experts} experts)")
+    return values
 
 
 def cmd_tune(args) -> int:

@@ -42,9 +42,16 @@ def zero_shot_head(
     if not templates:
         raise ValueError("zero_shot_head: no prompt templates")
     device = next(model.parameters()).device
+    vocab = getattr(getattr(model, "token_embedding", None), "num_embeddings", None)
+    context = getattr(model, "positional_embedding", None)
     rows = []
     for name in classnames:
         tokens = tokenizer([t.format(name) for t in templates]).to(device)
+        if vocab is not None and int(tokens.max()) >= vocab:  # else an IndexError deep in the embedding
+            raise ValueError(f"token id {int(tokens.max())} is outside the text tower's vocabulary ({vocab} entries)")
+        if context is not None and tokens.shape[-1] != context.shape[0]:
+            raise ValueError(f"prompts of {tokens.shape[-1]} tokens against the text tower's context of "
+                             f"{context.shape[0]}")
         emb = F.normalize(model.encode_text(tokens).float(), dim=-1)
         rows.append(F.normalize(emb.mean(dim=0), dim=-1))
     return torch.stack(rows)

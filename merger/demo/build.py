@@ -116,6 +116,7 @@ def build(out_dir: str | Path = "assets/demo", config: DemoConfig | None = None,
     config = config or DemoConfig()
     torch.set_num_threads(2)
     out = Path(out_dir)
+    _check_replaceable(out)  # before minutes of training
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     # progress in "units": one per pretraining epoch and one per fine-tuning epoch
@@ -189,6 +190,32 @@ def build(out_dir: str | Path = "assets/demo", config: DemoConfig | None = None,
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _check_replaceable(out: Path) -> None:
+    """A build replaces its folder: only a new or empty one, or a demo pool built before (every
+    file in it listed by its manifest.json) may be replaced; anything else would be deleted."""
+    from merger.errors import MergerError
+
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise MergerError(f"--out {out}: is a file; name a folder for the demo pool")
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if not p.is_dir())
+    if not files:
+        return
+    try:
+        listed = set(json.loads((out / "manifest.json").read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = None
+    if listed is None:
+        raise MergerError(f"--out {out}: holds {len(files)} file(s) ({', '.join(files[:3])}) and no demo manifest: "
+                          f"building there would delete them. Name a new or empty folder")
+    extra = [f for f in files if f not in listed and f != "manifest.json"]
+    if extra:
+        raise MergerError(f"--out {out}: holds file(s) the demo pool does not ({', '.join(extra[:3])}"
+                          f"{', ...' if len(extra) > 3 else ''}): building there would delete them. Move them, "
+                          f"or name another folder")
 
 
 # ------------------------------------------------------------------------------ checking

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from merger.data import heads as heads_mod
 from merger.data.splits import SPLITS
 from merger.data.tasks import TaskDataStore, preprocess
-from merger.errors import DataError
+from merger.errors import DataError, PoolError
 from merger.evaluation.model_thread import on_model_thread
 
 
@@ -137,7 +137,7 @@ class Evaluator:
         self.forwards = 0  # forwards of the resident model (counted: tests and benches)
 
     def _build_heads(self) -> dict[str, torch.Tensor]:
-        """Zero-shot heads, cached on disk keyed by the text tower's hash, classes and templates."""
+        """Zero-shot heads, cached on disk keyed by the text tower's hash, classes, templates and tokenizer."""
         from merger.io.checkpoints import save_safetensors, tensors_hash
 
         text = {k: v for k, v in self.pool.base.items() if not k.startswith("visual.")}
@@ -146,7 +146,8 @@ class Evaluator:
         out = {}
         for t in self.pool.tasks:
             classes, templates = self.data.classes(t), self.data.templates(t)
-            key = hashlib.sha256(json.dumps([tower, classes, templates]).encode()).hexdigest()[:32]
+            key = hashlib.sha256(json.dumps([tower, classes, templates, self.pool.tokenizer_name or "open_clip"])
+                                 .encode()).hexdigest()[:32]
             path = heads_cache_dir() / f"{key}.safetensors"
             head = None
             if path.exists():
@@ -158,7 +159,12 @@ class Evaluator:
                     head = None
             if head is None or head.shape[0] != len(classes):
                 tok = tok or tokenizer_for(self.pool)
-                head = heads_mod.zero_shot_head(self.model, tok, classes, templates).cpu()
+                try:
+                    head = heads_mod.zero_shot_head(self.model, tok, classes, templates).cpu()
+                except ValueError as exc:
+                    raise PoolError(f"{self.pool.source}: tokenizer {self.pool.tokenizer_name or 'open_clip'}: {exc}: "
+                                    f"it does not fit this base's text tower (the demo's tiny CLIP takes "
+                                    f"tokenizer: demo)") from None
                 try:
                     save_safetensors({"head": head}, path)
                 except OSError:

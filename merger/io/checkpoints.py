@@ -10,6 +10,7 @@ import hashlib
 import math
 import os
 import pickle
+import re
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -88,9 +89,29 @@ def _shards(index: Path) -> list[str]:
     return shards
 
 
+def _check_readable(path: Path) -> None:
+    """A file we may not read is said so, not reported as corrupt by the loader that tried."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
+
+
+def _looks_like_safetensors(path: Path) -> bool:
+    """A safetensors file opens with its header's length (8 bytes, little-endian) and then '{'."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(9)
+    except OSError:
+        return False
+    return len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < 100_000_000
+
+
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    _check_readable(path)
     try:
         return dict(load_file(str(path), device="cpu"))
     except Exception as exc:  # safetensors raises its own SafetensorError, OSError, ValueError...
@@ -98,14 +119,18 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _load_torch(path: Path) -> dict[str, torch.Tensor]:
+    _check_readable(path)
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
+        if _looks_like_safetensors(path):  # a safetensors file under a .pt/.bin name
+            return _load_safetensors(path)
+        reason = re.sub(r"\x1b\[[0-9;]*m", "", str(exc).splitlines()[0])  # torch colours its message
         raise CheckpointError(
             f"{path}: refused: the file holds pickled objects that are not plain tensors, and loading "
             "it would execute code. Convert it where you trust it, e.g. "
             "`safetensors.torch.save_file(torch.load(p).state_dict(), 'expert.safetensors')`. "
-            f"({str(exc).splitlines()[0]})"
+            f"({reason})"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: truncated or corrupt torch file ({exc})") from None

@@ -57,14 +57,16 @@ def export_merge(pool, spec: Spec, out: str | Path) -> tuple[Path, Path]:
     """Merge and write ``out`` (.safetensors) and its spec beside it. Both are written to temporary
     files first and then renamed together: on any failure the pair on disk is the old one (or
     none), never new weights beside an old spec."""
-    out = Path(inputs.check_path(str(out), "--out", MergerError))
+    out = Path(inputs.check_path(out, "--out", MergerError))
     if out.suffix != ".safetensors":
         raise MergerError(f"{out}: the output must end in .safetensors")
-    inputs.check_writable(out.parent, "--out", MergerError)  # before a merge that may take minutes
+    # before a merge that may take minutes: both files can be written, and neither is the pool's own
+    yaml_path = spec_path_for(out)
+    for path, what in ((out, "--out"), (yaml_path, "--out (its spec beside it)")):
+        inputs.check_output_file(path, what, MergerError, keep=tuple(pool.input_files()))
     delta = merge_delta(pool, spec)  # fails before anything is written
     record = spec_record(pool, spec, out)
     text = yaml.safe_dump(record, sort_keys=False)
-    yaml_path = spec_path_for(out)
     layout = {k: (v.dtype, tuple(v.shape)) for k, v in pool.base.items()}
     weights_tmp = checkpoints.save_safetensors_streamed(  # θ0 + Δ one tensor at a time
         layout, lambda k: merged_tensor(pool.base, pool.task_vectors, delta, k), _temporary(out),
@@ -103,9 +105,12 @@ def _replace_together(moves: list[tuple[Path, Path]]) -> None:
         for tmp, _ in moves:
             tmp.unlink(missing_ok=True)
         raise
-    for _, backup in backups:
+    for _, backup in backups:  # the new pair is in place: a backup left behind is only clutter
         if backup is not None:
-            backup.unlink(missing_ok=True)
+            try:
+                backup.unlink(missing_ok=True)
+            except OSError:
+                pass
 
 
 SPEC_TYPES = {"merger_version": str, "method": str, "params": dict, "experts": list, "pool": str, "base": dict,

@@ -9,6 +9,8 @@ import threading
 import time
 from pathlib import Path
 
+from merger.errors import MergerError
+from merger.io import inputs
 from merger.io.checkpoints import write_text_atomic
 
 DEFAULT_PATH = Path.home() / ".merger" / "history.sqlite"  # the app's and the CLI jobs' history
@@ -45,14 +47,20 @@ def params_of(spec) -> dict:
 
 class History:
     def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = inputs.check_path(path, "--history", MergerError).expanduser()
+        if self.path.is_dir():
+            raise MergerError(f"--history {self.path}: is a folder; name an SQLite file")
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=10)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute(SCHEMA)
-        self._db.commit()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=10)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute(SCHEMA)
+            self._db.commit()
+        except (OSError, sqlite3.Error) as exc:  # not a database, a damaged one, a folder we cannot write in
+            raise MergerError(f"--history {self.path}: cannot be used as the history ({exc}); name another "
+                              f"file, or '' to turn history off") from None
 
     def record(self, pool: str, spec, result) -> None:
         """Store (or refresh) one evaluated spec."""

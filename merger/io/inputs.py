@@ -98,6 +98,26 @@ def check_writable(folder: Path, what: str, error: type[Exception]) -> None:
         raise error(f"{what}: cannot write in {folder}: creating a file there failed ({exc.strerror})") from None
 
 
+def check_output_file(path: Any, what: str, error: type[Exception], keep: tuple = ()) -> Path:
+    """A file the program is about to write: a sane path, not an existing folder (or FIFO, device),
+    not one of ``keep`` (files the job reads: a pool's own base, experts, pool.yaml), in a folder
+    that takes a new file; said before any work is done. An existing regular file is replaced."""
+    out = check_path(path, what, error).expanduser()
+    if out.exists() or out.is_symlink():
+        st = os.stat(out) if out.exists() else None
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            raise error(f"{what}: {out} is a folder; name a file to write")
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise error(f"{what}: {out} is not a regular file (a FIFO, device or socket); name a file to write")
+        resolved = out.resolve()
+        for kept in keep:
+            if kept is not None and Path(kept).resolve() == resolved:
+                raise error(f"{what}: {out} is a file this job reads; writing there would replace it. "
+                            f"Name another file")
+    check_writable(out.parent, what, error)
+    return out
+
+
 # ---- documents ----------------------------------------------------------------------------
 
 def check_document(doc: Any, source: str, error: type[Exception]) -> Any:

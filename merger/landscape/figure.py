@@ -95,10 +95,13 @@ def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_nam
                     cluster=None) -> tuple[Path, Path]:
     if metric not in METRICS:
         raise MergerError(f"unknown metric '{metric}'; one of {', '.join(METRICS)}")
-    out = Path(inputs.check_path(str(out), "--out", MergerError))
+    out = Path(inputs.check_path(out, "--out", MergerError))
     if out.suffix != ".html":
         raise MergerError(f"{out}: the output must end in .html")
-    inputs.check_writable(out.parent, "--out", MergerError)  # before a grid that may take minutes
+    for path in (out, out.with_suffix(".json")):  # before a grid that may take minutes
+        inputs.check_output_file(path, "--out", MergerError, keep=tuple(land.pool.input_files()))
+    if task is not None and task not in land.pool.tasks:
+        raise MergerError(f"--task {task}: not a task of this pool ({', '.join(land.pool.tasks)})")
     points = land.named_points(point_names)
     plane = make_plane(land, plane_kind, points, tasks)
     paths = resolve_paths(land, path_names)

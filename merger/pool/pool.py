@@ -245,6 +245,14 @@ class Pool:
 
         return block_groups(self.task_vectors.keys)
 
+    def input_files(self) -> list[Path]:
+        """The files this pool was opened from (pool.yaml, its manifest, base, experts): what no
+        output may replace."""
+        files = [self.base_path, *(info.get("path") for info in self.expert_info.values())]
+        if Path(self.source).is_file():
+            files += [Path(self.source), Path(self.source).parent / "manifest.json"]
+        return [Path(f) for f in files if f is not None]
+
     def file_hashes(self) -> dict[str, str]:
         """Content hashes of the base and every expert file (computed once)."""
         if not self._hashes:
@@ -300,7 +308,10 @@ def pool_from_state_dicts(name: str, architecture, base, experts: Mapping[str, M
 
 
 def resolve_device(device) -> torch.device:
-    d = torch.device(device)
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise PoolError(f"device {device!r}: not a device (cpu, cuda or cuda:N)") from None
     if d.type == "cuda" and not torch.cuda.is_available():
         raise PoolError(f"device {device}: CUDA is not available on this machine (use --device cpu)")
     return d
@@ -350,7 +361,8 @@ def verify_manifest(root: Path) -> None:
     manifest = root / "manifest.json"
     if not manifest.exists():
         return
-    rebuild = "rebuild with `python -m merger demo build`"
+    rebuild = (f"rebuild with `python -m merger demo build --out {root}`, or delete {manifest} to open the folder "
+               f"as your own pool")
     doc = inputs.load_json(manifest, PoolError, "manifest")
     files = doc.get("files") if isinstance(doc, dict) else None
     if not isinstance(files, dict):
@@ -370,7 +382,8 @@ def verify_manifest(root: Path) -> None:
         if checkpoints.content_hash(path) != sha:
             raise PoolError(
                 f"{path}: sha256 differs from {manifest.name}: the zoo is corrupt or was modified; "
-                f"refusing to use it. Rebuild with `python -m merger demo build --out {root}`"
+                f"refusing to use it. Rebuild it with `python -m merger demo build --out {root}` (which replaces "
+                f"the folder), or, if you changed it on purpose, delete {manifest} to open it as your own pool"
             )
 
 

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 from merger.errors import PoolError
 from merger.io import inputs
 
+TOKENIZERS = ("open_clip", "demo")
 TOP_KEYS = {"name", "description", "architecture", "tokenizer", "preprocess", "base", "experts", "tasks"}
 ARCH_KEYS = {"model", "config"}
 EXPERT_KEYS = {"path", "trajectory", "hparams"}
@@ -43,6 +44,9 @@ def check(spec: Any, source: str, in_memory: bool = False) -> dict:
     out["architecture"] = _architecture(spec["architecture"], source)
     if spec.get("tokenizer") is not None:
         out["tokenizer"] = inputs.string(spec["tokenizer"], f"{source}: tokenizer", E)
+        if out["tokenizer"] not in TOKENIZERS:
+            raise E(f"{source}: tokenizer: {out['tokenizer']!r} unknown; one of {', '.join(TOKENIZERS)} (absent: "
+                    f"open_clip's, for real CLIP checkpoints; demo: the demo's tiny text tower)")
     if spec.get("preprocess") is not None:
         out["preprocess"] = _preprocess(spec["preprocess"], source)
     if not in_memory:

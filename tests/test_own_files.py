@@ -1,0 +1,191 @@
+"""A person's own files (from a fresh-eyes run of the CLI and the API on pools they brought): no
+output replaces a file the pool reads or a folder; a build never deletes what it did not make;
+heads follow the tokenizer; bad --values, --device, --history, --task and weights are named."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import write_pool
+
+import merger
+from merger.cli import main as cli_main
+from merger.errors import CheckpointError, MergerError, PoolError
+from merger.io import checkpoints
+from merger.io.export import export_merge
+
+APP = str(Path(__file__).resolve().parents[1] / "app.py")
+
+
+@pytest.fixture(scope="module")
+def pool_path(tmp_path_factory):
+    return write_pool(tmp_path_factory.mktemp("own"), n_experts=2, scale=0.2, demo_data=True)
+
+
+def _hashes(folder: Path) -> dict:
+    return {p: checkpoints.content_hash(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_an_export_never_replaces_a_file_the_pool_reads_nor_a_folder(pool_path, tmp_path):
+    pool = merger.open_pool(pool_path)
+    spec = pool.make_spec("task_arithmetic", {"lam": 0.3})
+    before = _hashes(pool_path.parent)
+    targets = [pool_path.with_suffix(".safetensors"), pool.base_path, pool.expert_info[pool.tasks[0]]["path"]]
+    for out in targets:  # pool.safetensors writes its spec onto pool.yaml
+        with pytest.raises(MergerError, match="is a file this job reads; writing there would replace it"):
+            export_merge(pool, spec, out)
+    (tmp_path / "m.safetensors").mkdir()
+    (tmp_path / "m.yaml").write_text("precious")
+    with pytest.raises(MergerError, match=r"--out: .*m.safetensors is a folder; name a file to write"):
+        export_merge(pool, spec, tmp_path / "m.safetensors")
+    (tmp_path / "n.yaml").mkdir()
+    with pytest.raises(MergerError, match=r"its spec beside it\): .*n.yaml is a folder"):
+        export_merge(pool, spec, tmp_path / "n.safetensors")
+    assert _hashes(pool_path.parent) == before
+    assert (tmp_path / "m.yaml").read_text() == "precious" and (tmp_path / "m.safetensors").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors", "m.yaml", "n.yaml"]  # nothing hidden left
+    # an earlier export of the same name is replaced, and no backup is left beside it
+    export_merge(pool, spec, tmp_path / "x.safetensors")
+    export_merge(pool, pool.make_spec("task_arithmetic", {"lam": 0.5}), tmp_path / "x.safetensors")
+    assert yaml.safe_load((tmp_path / "x.yaml").read_text())["params"] == {"lam": 0.5}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_demo_build_never_deletes_a_folder_it_did_not_build(tmp_path):
+    from merger.demo.build import DemoConfig, build
+
+    mine = tmp_path / "mydata"
+    mine.mkdir()
+    (mine / "results.txt").write_text("weeks of work")
+    with pytest.raises(MergerError, match=r"holds 1 file\(s\) \(results.txt\) and no demo manifest"):
+        build(mine, DemoConfig.small(), progress=False)  # refused before any training
+    assert (mine / "results.txt").read_text() == "weeks of work"
+    # a built pool (every file in its manifest) with a file added to it: the addition is named
+    built = tmp_path / "built"
+    (built / "experts").mkdir(parents=True)
+    (built / "pool.yaml").write_text("name: demo\n")
+    (built / "manifest.json").write_text(json.dumps({"files": {"pool.yaml": "0" * 64}}))
+    (built / "experts" / "shape2.safetensors").write_text("an expert of my own")
+    with pytest.raises(MergerError, match=r"holds file\(s\) the demo pool does not \(experts/shape2.safetensors\)"):
+        build(built, DemoConfig.small(), progress=False)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(MergerError, match="is a file; name a folder"):
+        build(tmp_path / "afile", DemoConfig.small(), progress=False)
+
+
+def test_an_edited_copy_of_a_built_pool_says_how_to_use_it(pool_path, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(pool_path.parent, copy)
+    files = {p.relative_to(copy).as_posix(): checkpoints.content_hash(p) for p in copy.rglob("*") if p.is_file()}
+    (copy / "manifest.json").write_text(json.dumps({"files": files}))
+    merger.open_pool(copy / "pool.yaml")  # as built: opens
+    (copy / "pool.yaml").write_text((copy / "pool.yaml").read_text() + "\n# my edit\n")
+    with pytest.raises(PoolError, match=r"sha256 differs .* or, if you changed it on purpose, delete .*manifest.json"):
+        merger.open_pool(copy / "pool.yaml")
+
+
+def test_heads_follow_the_tokenizer_and_a_wrong_one_is_named(pool_path, tmp_path, monkeypatch):
+    """The demo-vocabulary text tower with open_clip's tokenizer: refused by name, whether or not
+    the demo tokenizer's heads for the same classes are already cached (the key holds the tokenizer)."""
+    monkeypatch.setenv("MERGER_CACHE_DIR", str(tmp_path / "cache"))
+    merger.PoolSession(merger.open_pool(pool_path)).base()  # fills the cache with the demo tokenizer's heads
+    spec = yaml.safe_load(pool_path.read_text())
+    root = pool_path.parent
+    for name, value in (("absent", None), ("open_clip", "open_clip")):
+        if value is None:
+            spec.pop("tokenizer")
+        else:
+            spec["tokenizer"] = value
+        other = root / f"pool_{name}.yaml"
+        other.write_text(yaml.safe_dump(spec))
+        with pytest.raises(PoolError, match=r"tokenizer open_clip: token id \d+ is outside the text tower's "
+                                            r"vocabulary \(\d+ entries\): it does not fit this base's text tower"):
+            merger.PoolSession(merger.open_pool(other)).base()
+    spec["tokenizer"] = "dmeo"
+    (root / "pool_typo.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(PoolError, match="tokenizer: 'dmeo' unknown; one of open_clip, demo"):
+        merger.open_pool(root / "pool_typo.yaml")
+
+
+def test_sweep_values_are_numbers_inside_a_methods_range(capsys):
+    from merger.cli_jobs import _given_values
+
+    for text, message in (("0.1,abc", "--values: 'abc' is not a number"), ("0.1,nan", "nan is not a finite number"),
+                          ("9,5", r"9, 5 outside every swept method's lam range \(ties: \[-3, 3\]\)")):
+        with pytest.raises(MergerError, match=message):
+            _given_values(text, ["ties"], "lam", 3)
+    assert _given_values("0.1,0.5", ["tsv_m", "cart"], "rank_ratio", 3) == [0.1, 0.5]
+    assert "tsv_m: 0.5 skipped (its rank_ratio lies in [0, 0.333333] with 3 experts)" in capsys.readouterr().out
+
+
+def test_bad_device_history_and_landscape_task_are_named_before_any_work(pool_path, tmp_path, monkeypatch):
+    from merger.io.history import History
+    from merger.landscape.figure import write_landscape
+
+    with pytest.raises(PoolError, match=r"device 'tpu': not a device \(cpu, cuda or cuda:N\)"):
+        merger.open_pool(pool_path, device="tpu")
+    (tmp_path / "notadb.sqlite").write_text("not a database")
+    for path, message in ((tmp_path, "is a folder; name an SQLite file"),
+                          (tmp_path / "notadb.sqlite", r"cannot be used as the history \(file is not a database\)")):
+        with pytest.raises(MergerError, match=f"--history {path}: {message}"):
+            History(path)
+    session = merger.PoolSession(merger.open_pool(pool_path))
+    monkeypatch.setattr(session.landscape, "progressive", lambda *a, **k: pytest.fail("the grid was computed"))
+    with pytest.raises(MergerError, match=r"--task foo: not a task of this pool"):
+        write_landscape(session.landscape, tmp_path / "l.html", "pca", ["base", "experts"], 5, "loss", task="foo")
+    with pytest.raises(MergerError, match="--out: .* is a folder"):
+        (tmp_path / "d.html").mkdir()
+        write_landscape(session.landscape, tmp_path / "d.html", "pca", ["base", "experts"], 5, "loss")
+    res = subprocess.run([sys.executable, APP, "--pool", str(pool_path), "--device", "tpu", "--history",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert f"error: --history {tmp_path}: is a folder" in res.stderr  # said before the pool's minutes
+    res = subprocess.run([sys.executable, APP, "--auth", "nocolon"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "argument --auth: expected user:password" in res.stderr
+
+
+def test_evaluate_checks_weights_from_elsewhere_against_the_base(pool_path):
+    pool = merger.open_pool(pool_path)
+    merged = merger.merge(pool, "task_arithmetic", lam=0.3)
+    key = next(k for k in merged if k.endswith("conv1.weight"))
+    for change, message in ((torch.zeros(1), rf"mis-shaped keys: {key} \(1,\)"),
+                            (merged[key] * float("nan"), f"key {key} holds .* non-finite values"),
+                            (None, f"missing keys: {key}")):
+        bad = {k: v for k, v in merged.items() if k != key or change is not None}
+        if change is not None:
+            bad[key] = change
+        with pytest.raises(CheckpointError, match="evaluate: the weights: .*" + message):
+            merger.evaluate(pool, bad)
+    assert merger.evaluate(pool, merged).average_accuracy == pytest.approx(
+        merger.evaluate(pool, {f"module.{k}": v for k, v in merged.items()}).average_accuracy)  # aligned as experts
+
+
+def test_a_safetensors_file_named_pt_loads_and_a_refusal_has_no_terminal_codes(tmp_path):
+    sd = {"visual.proj": torch.randn(4, 3)}
+    checkpoints.save_safetensors(sd, tmp_path / "expert.pt")
+    assert torch.equal(checkpoints.load_state_dict(tmp_path / "expert.pt")["visual.proj"], sd["visual.proj"])
+    torch.save(torch.nn.Linear(2, 2), tmp_path / "module.pt")
+    with pytest.raises(CheckpointError, match="refused: the file holds pickled objects") as exc:
+        checkpoints.load_state_dict(tmp_path / "module.pt")
+    assert "\x1b" not in str(exc.value)
+
+
+def test_replaying_a_spec_on_a_pool_opened_from_elsewhere(pool_path, tmp_path):
+    import shutil
+
+    out = tmp_path / "m.safetensors"
+    assert cli_main(["merge", "--pool", str(pool_path), "--method", "task_arithmetic", "--lam", "0.4",
+                     "--out", str(out)]) == 0
+    moved = tmp_path / "moved"
+    shutil.copytree(pool_path.parent, moved)
+    again = tmp_path / "again.safetensors"
+    assert cli_main(["merge", "--spec", str(out.with_suffix(".yaml")), "--pool", str(moved / "pool.yaml"),
+                     "--out", str(again)]) == 0
+    assert yaml.safe_load(again.with_suffix(".yaml").read_text())["pool"] == str((moved / "pool.yaml").resolve())
+    a, b = checkpoints.load_state_dict(out), checkpoints.load_state_dict(again)
+    assert all(torch.equal(a[k], b[k]) for k in a)
