@@ -88,3 +88,29 @@ def no_random_init(skip: bool):
 
 def _keep(tensor, *args, **kwargs):
     return tensor
+
+
+def unknown_model(name: str) -> str | None:
+    """Why open_clip has no model of this name (with the nearest names), or None. Its own message
+    lists every model it knows: 3000 characters on one line."""
+    import difflib
+
+    known = open_clip().list_models()
+    if name in known:
+        return None
+    near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    return ("not an open_clip model" + (f"; did you mean {', '.join(near)}?" if near else "")
+            + ' (`python -c "import open_clip; print(open_clip.list_models())"` lists them)')
+
+
+def create_model(name: str, device="cpu"):
+    """open_clip's model of that name, randomly initialised, without open_clip's warning that no
+    pretrained weights were loaded: the caller loads the base's own next."""
+    import logging
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        return open_clip().create_model(name, pretrained=None, device=device)
+    finally:
+        logging.disable(previous)

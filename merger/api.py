@@ -2,6 +2,7 @@
 Both go through the pool's session, so the API shares the app's caches."""
 from __future__ import annotations
 
+import os
 from typing import Mapping, Sequence
 
 import torch
@@ -40,6 +41,16 @@ def merge_delta(pool, spec: Spec) -> Mapping[str, torch.Tensor]:
     return with_block_weights(m.delta(prepared, **spec.kwargs, **m.weights_kwargs(spec)), spec)
 
 
+def _state_dict(value, where: str) -> Mapping[str, torch.Tensor]:
+    """A state dict as given, or one read from a checkpoint path (safetensors or a weights-only torch file)."""
+    if isinstance(value, (str, os.PathLike)):
+        return checkpoints.load_state_dict(value)
+    if not isinstance(value, Mapping):
+        raise MergerError(f"merge_state_dicts: {where}: expected a state dict (name → tensor) or a checkpoint path, "
+                          f"got {type(value).__name__}")
+    return value
+
+
 def merge_state_dicts(
     base_sd: Mapping[str, torch.Tensor],
     expert_sds: Sequence[Mapping[str, torch.Tensor]] | Mapping[str, Mapping[str, torch.Tensor]],
@@ -53,10 +64,14 @@ def merge_state_dicts(
 ) -> dict[str, torch.Tensor]:
     """Merge plain state dicts (experts as a list, or a dict task -> state dict); weights as in
     ``merge``."""
+    if isinstance(expert_sds, (str, os.PathLike)):
+        raise MergerError("merge_state_dicts: experts: expected a list (or dict) of state dicts or checkpoint "
+                          "paths, got one path")
     if isinstance(expert_sds, Mapping):
-        named = {str(k): v for k, v in expert_sds.items()}
+        named = {str(k): _state_dict(v, f"experts.{k}") for k, v in expert_sds.items()}
     else:
-        named = {f"expert_{i + 1}": sd for i, sd in enumerate(expert_sds)}
+        named = {f"expert_{i + 1}": _state_dict(sd, f"experts[{i}]") for i, sd in enumerate(expert_sds)}
+    base_sd = _state_dict(base_sd, "base")
     if not named:
         raise MergerError("no experts: merging needs at least one expert")
     m = methods.get(method)

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import math
+import signal
 import sys
+import threading
 
 from merger import methods
 from merger.cli_jobs import add_job_args, add_job_commands, cmd_landscape, progress_bar
@@ -117,10 +120,17 @@ def cmd_eval(args) -> int:
         return 0
     print(f"{spec.label()} over {', '.join(spec.experts)}; {args.split} split")
     print(f"{'task':<14}{'accuracy %':>11}{'loss':>9}{'normalised %':>14}")
+    def ratio(v):  # no ratio over an expert at 0 % on its own task (a tiny split can do that)
+        return f"{100 * v:14.1f}" if math.isfinite(v) else f"{'n/a':>14}"
+
     for t in result.tasks:
-        print(f"{t:<14}{100 * result.accuracy[t]:11.1f}{result.loss[t]:9.3f}{100 * result.normalized[t]:14.1f}")
+        print(f"{t:<14}{100 * result.accuracy[t]:11.1f}{result.loss[t]:9.3f}{ratio(result.normalized[t])}")
     print(f"{'average':<14}{100 * result.average_accuracy:11.1f}{result.average_loss:9.3f}"
-          f"{100 * result.normalized_accuracy:14.1f}")
+          f"{ratio(result.normalized_accuracy)}")
+    zero = [t for t in result.tasks if not math.isfinite(result.normalized[t])]
+    if zero:
+        print(f"normalised n/a: the expert of {', '.join(zero)} scores 0 % on its own task on the {args.split} split "
+              f"({', '.join(f'{result.counts[t]} images' for t in zero)})")
     return 0
 
 
@@ -322,11 +332,27 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success; 2 and one line on stderr for bad input (a MergerError names the file,
     key or parameter); 1 and one line for an operation that failed (a disk, a signal, a bug).
     ``--debug`` shows the traceback instead."""
     args = build_parser().parse_args(argv)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        # a kill (SIGTERM) unwinds like an interrupt: temporary files and half-built folders are removed
+        previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _run(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args) -> int:
     try:
         return args.func(args)
     except MergerError as exc:

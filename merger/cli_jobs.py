@@ -146,8 +146,9 @@ def cmd_sweep(args) -> int:
         values = _given_values(args.values, names, args.axis, len(experts) if experts else len(session.tasks))
     else:
         values = sorted({v for m in names for v in sweep_values(args.axis, m)})
+    out_path = None
     if args.out:  # before a sweep that may take minutes
-        inputs.check_output_file(args.out, "--out", MergerError, keep=tuple(session.pool.input_files()))
+        out_path = inputs.check_output_file(args.out, "--out", MergerError, keep=tuple(session.pool.input_files()))
     counts: dict = {}
     cluster = _cluster(args, session.pool)
     on_result, known = _recording(args, session, counts, cluster)
@@ -161,10 +162,10 @@ def cmd_sweep(args) -> int:
     n = sum(len(c['x']) for c in out.values())
     print(f"{n} point{'s' if n != 1 else ''} ({counts['evaluated']} evaluated, {counts['reused']} from "
           f"the history) {where} in {time.perf_counter() - t0:.1f} s" + (f"; history: {args.history}" if args.history else ""))
-    if args.out:
+    if out_path is not None:
         from merger.io.checkpoints import write_text_atomic
 
-        write_text_atomic(args.out, json.dumps(out))
+        write_text_atomic(out_path, json.dumps(out))
     return 0
 
 

@@ -54,7 +54,10 @@ def parse_weights(given, field: str, allowed: Sequence[str], why: str) -> tuple[
                 raise MergerError(f"{field}: '{item}' is not name=weight")
             pairs[name.strip()] = value.strip()
         given = pairs
-    if isinstance(given, (list, tuple)):
+    if isinstance(given, (list, tuple)):  # pairs [(name, w), ...]
+        if not all(isinstance(x, (list, tuple)) and len(x) == 2 for x in given):
+            raise MergerError(f"{field}: expected {{name: weight}}, 'name=w,...' or (name, weight) pairs, got "
+                              f"{str(given)[:80]}")
         given = dict(given)
     if not isinstance(given, Mapping):
         raise MergerError(f"{field}: expected a mapping of name to weight, got {type(given).__name__}")

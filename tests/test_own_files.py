@@ -189,3 +189,62 @@ def test_replaying_a_spec_on_a_pool_opened_from_elsewhere(pool_path, tmp_path):
     assert yaml.safe_load(again.with_suffix(".yaml").read_text())["pool"] == str((moved / "pool.yaml").resolve())
     a, b = checkpoints.load_state_dict(out), checkpoints.load_state_dict(again)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_killed_build_leaves_no_half_built_folder(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "demo"
+    proc = subprocess.Popen([sys.executable, "-m", "merger", "demo", "build", "--small", "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(p.name.startswith(".demo.tmp-") for p in tmp_path.iterdir()):
+        time.sleep(0.2)
+    assert any(p.name.startswith(".demo.tmp-") for p in tmp_path.iterdir())  # the build is under way
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "error: interrupted" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_expert_at_0_percent_prints_no_nan(pool_path, capsys, monkeypatch):
+    from merger.evaluation.session import PoolSession
+
+    monkeypatch.setattr(PoolSession, "expert_task_accuracy", lambda self, expert, split: 0.0)
+    assert cli_main(["eval", "--pool", str(pool_path), "--method", "task_arithmetic"]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out and "n/a" in out and "scores 0 % on its own task on the test split" in out
+
+
+def test_short_messages_for_a_mistyped_architecture_broken_yaml_and_api_misuse(pool_path, tmp_path, monkeypatch,
+                                                                              capsys):
+    from merger.io import disk_cache
+
+    spec = yaml.safe_load(pool_path.read_text())
+    spec["architecture"] = "ViT-B-33"
+    (tmp_path / "arch.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(PoolError, match=r"architecture 'ViT-B-33': not an open_clip model; did you mean ViT-B-32") as exc:
+        merger.open_pool(tmp_path / "arch.yaml")
+    assert len(str(exc.value)) < 300  # open_clip's own message lists every model it knows
+    (tmp_path / "broken.yaml").write_text("name: x\nbase: [a\n")
+    with pytest.raises(PoolError, match=r"broken.yaml: not valid YAML: line 3, column 1: expected ',' or ']'") as exc:
+        merger.open_pool(tmp_path / "broken.yaml")
+    assert "\n" not in str(exc.value)
+    for value in ("abc", "-1", "inf"):
+        monkeypatch.setenv("MERGER_CACHE_GB", value)
+        assert disk_cache.cap_bytes() == int(disk_cache.DEFAULT_CAP_GB * 2**30)
+        assert f"MERGER_CACHE_GB='{value}': not a size in GB" in capsys.readouterr().err
+    pool = merger.open_pool(pool_path)
+    paths = [str(pool.expert_info[t]["path"]) for t in pool.tasks]
+    from_paths = merger.merge_state_dicts(str(pool.base_path), paths, "task_arithmetic", lam=0.3)
+    merged = merger.merge(pool, "task_arithmetic", lam=0.3)
+    assert all(torch.equal(merged[k], from_paths[k]) for k in merged)  # checkpoint paths are read as state dicts
+    for call, message in ((lambda: merger.merge_state_dicts(str(pool.base_path), paths[0], "task_arithmetic"),
+                           "experts: expected a list .* got one path"),
+                          (lambda: merger.merge(pool, "task_arithmetic", task_weights=[1, 2]),
+                           r"task_weights: expected \{name: weight\}"),
+                          (lambda: merger.open_pool(None), "pool: expected a file path, got None"),
+                          (lambda: merger.PoolSession(pool).preview("ta"), "preview: expected a Spec")):
+        with pytest.raises(MergerError, match=message):
+            call()

@@ -26,10 +26,10 @@ def _entry_root(pool, task: str, entry) -> tuple[Path, int]:
     if isinstance(entry, (str, Path)):
         entry = {"root": entry}
     if not isinstance(entry, Mapping) or "root" not in entry:
-        raise PoolError(f"tasks.{task}.data.folder: expected a path or {{root: path, image_size: N}}")
+        raise PoolError(f"{pool.source}: tasks.{task}.data.folder: expected a path or {{root: path, image_size: N}}")
     root = pool.resolve(entry["root"], f"tasks.{task}.data.folder")
     if not root.is_dir():
-        raise DataError(f"tasks.{task}.data.folder: {root} is not a folder")
+        raise DataError(f"{pool.source}: tasks.{task}.data.folder: {root} is not a folder")
     return root, int(entry.get("image_size", pool.preprocess_cfg.get("image_size", 224)))
 
 

@@ -203,6 +203,9 @@ class PoolSession:
                 ticket: int | None = None) -> Result:
         """The result of the spec snapped to slider steps (cached by that). With a ``ticket`` of a
         browser session, a preview superseded before it starts raises ``Superseded``."""
+        if not isinstance(spec, Spec):
+            raise MergerError(f"preview: expected a Spec (session.spec(method, ...)), got {type(spec).__name__} "
+                              f"{str(spec)[:60]!r}")
         hit = self.cached(spec, split)
         if hit is not None:
             return hit

@@ -49,10 +49,25 @@ def cache_root() -> Path | None:
 
 
 def cap_bytes() -> int:
-    try:
-        return int(float(os.environ.get("MERGER_CACHE_GB", DEFAULT_CAP_GB)) * 2**30)
-    except ValueError:
+    text = os.environ.get("MERGER_CACHE_GB")
+    if text is None:
         return int(DEFAULT_CAP_GB * 2**30)
+    try:
+        gb = float(text)
+    except ValueError:
+        gb = -1.0
+    if not 0 <= gb < float("inf"):
+        _warn_once(f"MERGER_CACHE_GB={text!r}: not a size in GB (a number ≥ 0); the cache keeps its default cap "
+                   f"of {DEFAULT_CAP_GB:g} GB")
+        return int(DEFAULT_CAP_GB * 2**30)
+    return int(gb * 2**30)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    import sys
+
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def key_of(parts: Mapping[str, Any]) -> str:

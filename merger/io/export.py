@@ -57,7 +57,7 @@ def export_merge(pool, spec: Spec, out: str | Path) -> tuple[Path, Path]:
     """Merge and write ``out`` (.safetensors) and its spec beside it. Both are written to temporary
     files first and then renamed together: on any failure the pair on disk is the old one (or
     none), never new weights beside an old spec."""
-    out = Path(inputs.check_path(out, "--out", MergerError))
+    out = inputs.check_path(out, "--out", MergerError).expanduser()
     if out.suffix != ".safetensors":
         raise MergerError(f"{out}: the output must end in .safetensors")
     # before a merge that may take minutes: both files can be written, and neither is the pool's own

@@ -174,6 +174,10 @@ def _load(path: Path, error: type[Exception], what: str, parse, parse_error, kin
     except RecursionError:
         raise error(f"{path}: {what} is nested deeper than {MAX_DEPTH} levels") from None
     except parse_error as exc:
+        mark = getattr(exc, "problem_mark", None)  # YAML's: where, in one line (its text spans four)
+        if mark is not None:
+            problem = getattr(exc, "problem", None) or "syntax error"
+            raise error(f"{path}: not valid {kind}: line {mark.line + 1}, column {mark.column + 1}: {problem}") from None
         raise error(f"{path}: not valid {kind} ({exc})") from None
     return check_document(doc, str(path), error)
 

@@ -95,7 +95,7 @@ def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_nam
                     cluster=None) -> tuple[Path, Path]:
     if metric not in METRICS:
         raise MergerError(f"unknown metric '{metric}'; one of {', '.join(METRICS)}")
-    out = Path(inputs.check_path(out, "--out", MergerError))
+    out = inputs.check_path(out, "--out", MergerError).expanduser()
     if out.suffix != ".html":
         raise MergerError(f"{out}: the output must end in .html")
     for path in (out, out.with_suffix(".json")):  # before a grid that may take minutes

@@ -189,7 +189,7 @@ class Pool:
     def build_model(self, load_base: bool = True, device: str = "cpu") -> torch.nn.Module:
         """A fresh open_clip model of the pool's architecture, with the base weights
         (on the meta device: shapes only, for checking checkpoints against the architecture)."""
-        from merger._compat import no_random_init, open_clip
+        from merger._compat import create_model, no_random_init, open_clip, unknown_model
 
         oc = open_clip()
         with no_random_init(load_base and device != "meta"):
@@ -197,10 +197,13 @@ class Pool:
                 with torch.device(device):
                     model = oc.CLIP(**self.architecture["config"])
             else:
+                name = self.architecture["model"]
+                if unknown := unknown_model(name):
+                    raise PoolError(f"{self.source}: architecture {name!r}: {unknown}")
                 try:
-                    model = oc.create_model(self.architecture["model"], pretrained=None, device=device)
+                    model = create_model(name, device)
                 except RuntimeError as exc:
-                    raise PoolError(f"{self.source}: architecture {self.architecture['model']!r}: {exc}") from None
+                    raise PoolError(f"{self.source}: architecture {name!r}: {exc}") from None
         if load_base:
             model.load_state_dict(self.base)  # strict: every parameter and persistent buffer is overwritten
         return model.eval()
@@ -291,7 +294,7 @@ class _Experts(Mapping):
 
 
 def read_pool_yaml(path: str | os.PathLike) -> tuple[dict, Path]:
-    path = Path(path)
+    path = inputs.check_path(path, "pool", PoolError).expanduser()
     if path.is_dir():
         path = path / "pool.yaml"
     return inputs.load_yaml(path, PoolError, "pool file"), path

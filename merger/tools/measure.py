@@ -69,10 +69,10 @@ def random_pool(arch: str, n_experts: int, relative: float = 1e-3, seed: int = 0
 
 
 def random_base(arch: str, seed: int = 0) -> dict:
-    from merger._compat import open_clip
+    from merger._compat import create_model
 
     torch.manual_seed(seed)
-    model = open_clip().create_model(arch, pretrained=None)
+    model = create_model(arch)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
