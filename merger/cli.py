@@ -221,14 +221,22 @@ def cmd_cache(args) -> int:
     if not cache.enabled:
         print("the disk cache is off (MERGER_DISK_CACHE=off)")
         return 0
+    from merger.evaluation.evaluator import heads_cache_dir
+
+    heads = sorted(heads_cache_dir().glob("*.safetensors")) if heads_cache_dir().is_dir() else []
     if args.action == "clear":
         n, size = cache.clear()
-        print(f"{cache.root}: removed {n} entries ({size / 2**30:.2f} GB) and the remembered file hashes")
+        for path in heads:  # rebuilt from the text tower on the next open
+            path.unlink(missing_ok=True)
+        print(f"{cache.root}: removed {n} entries ({size / 2**30:.2f} GB) and the remembered file hashes; "
+              f"{heads_cache_dir()}: removed {len(heads)} zero-shot heads")
         return 0
     entries = cache.entries()
     total = sum(e["bytes"] for e in entries)
     print(f"{cache.root}: {len(entries)} entries, {total / 2**30:.2f} GB of a {cache.cap / 2**30:.1f} GB cap "
           "(MERGER_CACHE_GB); least recently used first")
+    print(f"{heads_cache_dir()}: {len(heads)} zero-shot heads, {sum(p.stat().st_size for p in heads) / 2**20:.1f} MB "
+          "(keyed by text tower, classes, templates and tokenizer; not capped)")
     for e in entries:
         print(f"  {e['bytes'] / 2**20:9.1f} MB  {e['path'].name[:16]}  {cache.describe(e['path'])}")
     return 0

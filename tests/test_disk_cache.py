@@ -111,13 +111,18 @@ def test_the_cap_evicts_the_least_recently_used(tmp_path):
 
 
 def test_cache_info_and_clear(cached_pool, capsys):
+    from merger.evaluation.evaluator import heads_cache_dir
+
     prepare(cached_pool)
+    heads_cache_dir().mkdir(parents=True, exist_ok=True)
+    save_safetensors({"head": torch.zeros(3, 4)}, heads_cache_dir() / "h.safetensors")
     assert cli(["cache", "info"]) == 0
     out = capsys.readouterr().out
     assert "2 entries" in out and "cart over task0, task1, task2" in out and "task vectors of tiny" in out
+    assert "1 zero-shot heads" in out
     assert cli(["cache", "clear"]) == 0
-    assert "removed 2 entries" in capsys.readouterr().out
-    assert disk_cache.DiskCache().entries() == []
+    assert "removed 2 entries" in (out := capsys.readouterr().out) and "removed 1 zero-shot heads" in out
+    assert disk_cache.DiskCache().entries() == [] and not list(heads_cache_dir().iterdir())
 
 
 def test_small_pools_and_a_switched_off_cache_write_nothing(tmp_path, monkeypatch):

@@ -154,6 +154,9 @@ def test_class_with_no_images(tmp_path):
     pool = _edit(path, extra_class)
     with pytest.raises(DataError, match="class\\(es\\) unicorn have no images in the test split"):
         merger.Evaluator(pool).evaluate(None, "test")
+    # the live split (96 test images) is drawn from that test split: refused the same way, not scored without it
+    with pytest.raises(DataError, match="unicorn have no images in the test split \\(the live split is drawn from it\\)"):
+        merger.Evaluator(pool).evaluate(None, "live")
 
 
 def _with_domain(spec, task, domain):

@@ -168,6 +168,8 @@ class TaskDataStore:
 
             images, labels, source = load_folder_split(self.pool, task, entry, split, self.classes(task))
         n_source = images.shape[0]
+        if split not in ("train", "test"):  # val, live and probe are drawn from a stored split: it has every class
+            self._check_classes(task, split_rules.source_split(split), labels, f" (the {split} split is drawn from it)")
         idx = _select(split, n_source)
         if idx is not None:
             images, labels = images[idx], labels[idx]
@@ -182,10 +184,14 @@ class TaskDataStore:
         if int(labels.min()) < 0 or int(labels.max()) >= n_classes:
             raise DataError(f"task '{task}': labels outside 0..{n_classes - 1} in the {split} split")
         if split in ("train", "test"):
-            counts = torch.bincount(labels, minlength=n_classes)
-            empty = [self.classes(task)[i] for i in range(n_classes) if counts[i] == 0]
-            if empty:
-                raise DataError(f"task '{task}': class(es) {', '.join(empty)} have no images in the {split} split")
+            self._check_classes(task, split, labels)
+
+    def _check_classes(self, task: str, split: str, labels: torch.Tensor, note: str = "") -> None:
+        n_classes = len(self.classes(task))
+        counts = torch.bincount(labels.clamp(0, n_classes - 1), minlength=n_classes)
+        empty = [self.classes(task)[i] for i in range(n_classes) if counts[i] == 0]
+        if empty:
+            raise DataError(f"task '{task}': class(es) {', '.join(empty)} have no images in the {split} split{note}")
 
 
 def preprocess(images: torch.Tensor, cfg: Mapping) -> torch.Tensor:
