@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import logging
 import os
 import threading
 from contextlib import contextmanager
@@ -92,25 +93,33 @@ def _keep(tensor, *args, **kwargs):
 
 def unknown_model(name: str) -> str | None:
     """Why open_clip has no model of this name (with the nearest names), or None. Its own message
-    lists every model it knows: 3000 characters on one line."""
+    lists every model it knows: 3000 characters on one line. A schema:name (local-dir:, hf-hub:)
+    is left to open_clip."""
     import difflib
 
     known = open_clip().list_models()
-    if name in known:
+    if name in known or ":" in name:
         return None
     near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
     return ("not an open_clip model" + (f"; did you mean {', '.join(near)}?" if near else "")
             + ' (`python -c "import open_clip; print(open_clip.list_models())"` lists them)')
 
 
-def create_model(name: str, device="cpu"):
-    """open_clip's model of that name, randomly initialised, without open_clip's warning that no
-    pretrained weights were loaded: the caller loads the base's own next."""
-    import logging
+class _NoPretrainedNotice(logging.Filter):
+    """open_clip's warning that no pretrained weights were loaded: we never ask it for any (the
+    pool's base is loaded next), so the warning only misleads."""
 
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        return open_clip().create_model(name, pretrained=None, device=device)
-    finally:
-        logging.disable(previous)
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No pretrained weights loaded")
+
+
+def create_model(name: str, device="cpu"):
+    """open_clip's model of that name (its weights are the caller's: random, or the base's loaded
+    next); an unknown name raises RuntimeError with ``unknown_model``'s reason."""
+    why = unknown_model(name)
+    if why:
+        raise RuntimeError(why)
+    root = logging.getLogger()
+    if not any(isinstance(f, _NoPretrainedNotice) for f in root.filters):
+        root.addFilter(_NoPretrainedNotice())
+    return open_clip().create_model(name, pretrained=None, device=device)

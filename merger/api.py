@@ -43,8 +43,8 @@ def merge_delta(pool, spec: Spec) -> Mapping[str, torch.Tensor]:
 
 def _state_dict(value, where: str) -> Mapping[str, torch.Tensor]:
     """A state dict as given, or one read from a checkpoint path (safetensors or a weights-only torch file)."""
-    if isinstance(value, (str, os.PathLike)):
-        return checkpoints.load_state_dict(value)
+    if isinstance(value, (str, os.PathLike)):  # open_clip or Hugging Face CLIP weights, as a pool's
+        return checkpoints.load_weights(value)[0]
     if not isinstance(value, Mapping):
         raise MergerError(f"merge_state_dicts: {where}: expected a state dict (name → tensor) or a checkpoint path, "
                           f"got {type(value).__name__}")
@@ -62,8 +62,8 @@ def merge_state_dicts(
     block_weights=None,
     **params,
 ) -> dict[str, torch.Tensor]:
-    """Merge plain state dicts (experts as a list, or a dict task -> state dict); weights as in
-    ``merge``."""
+    """Merge plain state dicts (experts as a list, or a dict task -> state dict; each may be a
+    checkpoint path, read as a pool reads its experts); weights as in ``merge``."""
     if isinstance(expert_sds, (str, os.PathLike)):
         raise MergerError("merge_state_dicts: experts: expected a list (or dict) of state dicts or checkpoint "
                           "paths, got one path")
@@ -95,5 +95,7 @@ def evaluate(pool, merged: Mapping[str, torch.Tensor] | None, split: str = "live
     if merged is not None:
         if not isinstance(merged, Mapping):
             raise MergerError(f"evaluate: expected a state dict (name → tensor), got {type(merged).__name__}")
-        merged = checkpoints.validate_expert(merged, pool.base, "evaluate: the weights")
+        # the merged keys alone are enough (floats: what a merge changes); integer buffers come from the base
+        buffers = tuple(k for k in checkpoints.merge_scope(pool.base) if not pool.base[k].is_floating_point())
+        merged = checkpoints.validate_expert(merged, pool.base, "evaluate: the weights", fill_from_base=buffers)
     return session_for(pool).evaluate_weights(merged, split)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import sys
 import threading
@@ -74,7 +75,7 @@ def cmd_methods(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from merger.io.export import check_hashes, export_merge, read_spec_file
+    from merger.io.export import check_export_target, check_hashes, export_merge, read_spec_file
     from merger.pool.pool import open_pool
 
     if args.spec:
@@ -95,6 +96,7 @@ def cmd_merge(args) -> int:
             raise MergerError("merge: give --pool and --method, or --spec FILE")
         pool = open_pool(args.pool, device=args.device)
         spec = pool.make_spec(args.method, method_params(args), args.experts, **weights_args(args))
+    check_export_target(pool, args.out)  # before a data-driven run's minutes of learning
     _run_data_driven(pool, spec)
     weights, yaml_path = export_merge(pool, spec, args.out)
     print(f"wrote {weights} and {yaml_path}: {spec.label()} over {', '.join(spec.experts)}")
@@ -200,7 +202,7 @@ def cmd_screenshot(args) -> int:
     missing = browser_missing()
     if missing:
         raise MergerError(f"screenshot: {missing}")
-    shown = screenshot(args.pool, args.out)
+    shown = screenshot(args.pool, os.path.expanduser(args.out))
     line = next((x for x in shown["text"].splitlines() if "Average accuracy" in x), "")
     print(f"wrote {args.out}: {line}")
     return 0
@@ -217,19 +219,20 @@ def cmd_bench(args) -> int:
 def cmd_cache(args) -> int:
     from merger.io.disk_cache import DiskCache
 
-    cache = DiskCache()
-    if not cache.enabled:
-        print("the disk cache is off (MERGER_DISK_CACHE=off)")
-        return 0
     from merger.evaluation.evaluator import heads_cache_dir
 
+    cache = DiskCache()
     heads = sorted(heads_cache_dir().glob("*.safetensors")) if heads_cache_dir().is_dir() else []
     if args.action == "clear":
-        n, size = cache.clear()
-        for path in heads:  # rebuilt from the text tower on the next open
+        for path in heads:  # rebuilt from the text tower on the next open (cached whether or not the rest is)
             path.unlink(missing_ok=True)
-        print(f"{cache.root}: removed {n} entries ({size / 2**30:.2f} GB) and the remembered file hashes; "
-              f"{heads_cache_dir()}: removed {len(heads)} zero-shot heads")
+        print(f"{heads_cache_dir()}: removed {len(heads)} zero-shot heads")
+    if not cache.enabled:
+        print("the disk cache of prepared methods is off (MERGER_DISK_CACHE=off)")
+        return 0
+    if args.action == "clear":
+        n, size = cache.clear()
+        print(f"{cache.root}: removed {n} entries ({size / 2**30:.2f} GB) and the remembered file hashes")
         return 0
     entries = cache.entries()
     total = sum(e["bytes"] for e in entries)

@@ -148,7 +148,8 @@ def cmd_sweep(args) -> int:
         values = sorted({v for m in names for v in sweep_values(args.axis, m)})
     out_path = None
     if args.out:  # before a sweep that may take minutes
-        out_path = inputs.check_output_file(args.out, "--out", MergerError, keep=tuple(session.pool.input_files()))
+        out_path = inputs.check_output_file(args.out, "--out", MergerError,
+                                            keep=(*session.pool.input_files(), args.history or None))
     counts: dict = {}
     cluster = _cluster(args, session.pool)
     on_result, known = _recording(args, session, counts, cluster)
@@ -183,14 +184,15 @@ def _given_values(text: str, names, axis: str, n_experts: int) -> list[float]:
         if not math.isfinite(v):
             raise MergerError(f"--values: {item.strip()} is not a finite number")
         values.append(v)
+    from merger.evaluation.tuning import inside
+
     ranges = {m: methods.get(m).bounds(axis, n_experts) for m in names if axis in methods.get(m).param_names}
-    inside = lambda v, lo, hi: lo <= v <= hi + 1e-12  # noqa: E731  (as sweep_plan)
-    nowhere = [v for v in values if ranges and not any(inside(v, lo, hi) for lo, hi in ranges.values())]
+    nowhere = [v for v in values if ranges and not any(inside(v, bounds) for bounds in ranges.values())]
     if nowhere:
         raise MergerError(f"--values: {', '.join(f'{v:g}' for v in nowhere)} outside every swept method's {axis} "
                           f"range ({'; '.join(f'{m}: [{lo:g}, {hi:g}]' for m, (lo, hi) in ranges.items())})")
     for m, (lo, hi) in ranges.items():
-        skipped = [v for v in values if not inside(v, lo, hi)]
+        skipped = [v for v in values if not inside(v, (lo, hi))]
         if skipped:
             print(f"{m}: {', '.join(f'{v:g}' for v in skipped)} skipped (its {axis} lies in [{lo:g}, {hi:g}] "
                   f"with {n_experts} experts)")

@@ -35,7 +35,7 @@ def test_an_export_never_replaces_a_file_the_pool_reads_nor_a_folder(pool_path, 
     before = _hashes(pool_path.parent)
     targets = [pool_path.with_suffix(".safetensors"), pool.base_path, pool.expert_info[pool.tasks[0]]["path"]]
     for out in targets:  # pool.safetensors writes its spec onto pool.yaml
-        with pytest.raises(MergerError, match="is a file this job reads; writing there would replace it"):
+        with pytest.raises(MergerError, match="is a file this job reads; writing there would replace what it holds"):
             export_merge(pool, spec, out)
     (tmp_path / "m.safetensors").mkdir()
     (tmp_path / "m.yaml").write_text("precious")
@@ -54,13 +54,16 @@ def test_an_export_never_replaces_a_file_the_pool_reads_nor_a_folder(pool_path, 
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_demo_build_never_deletes_a_folder_it_did_not_build(tmp_path):
+def test_demo_build_never_deletes_a_folder_it_did_not_build(tmp_path, monkeypatch):
+    from merger.demo import build as build_module
     from merger.demo.build import DemoConfig, build
+
+    monkeypatch.setattr(build_module.world, "generate", lambda *a, **k: pytest.fail("the build started training"))
 
     mine = tmp_path / "mydata"
     mine.mkdir()
     (mine / "results.txt").write_text("weeks of work")
-    with pytest.raises(MergerError, match=r"holds 1 file\(s\) \(results.txt\) and no demo manifest"):
+    with pytest.raises(MergerError, match=r"holds files \(results.txt, ...\) and no demo manifest"):
         build(mine, DemoConfig.small(), progress=False)  # refused before any training
     assert (mine / "results.txt").read_text() == "weeks of work"
     # a built pool (every file in its manifest) with a file added to it: the addition is named
@@ -69,8 +72,14 @@ def test_demo_build_never_deletes_a_folder_it_did_not_build(tmp_path):
     (built / "pool.yaml").write_text("name: demo\n")
     (built / "manifest.json").write_text(json.dumps({"files": {"pool.yaml": "0" * 64}}))
     (built / "experts" / "shape2.safetensors").write_text("an expert of my own")
-    with pytest.raises(MergerError, match=r"holds file\(s\) the demo pool does not \(experts/shape2.safetensors\)"):
+    with pytest.raises(MergerError, match=r"holds a file the demo pool does not \(experts/shape2.safetensors\)"):
         build(built, DemoConfig.small(), progress=False)
+    # the same folder without the addition (and with a file browser's clutter) may be rebuilt
+    from merger.demo.build import _check_replaceable
+
+    (built / "experts" / "shape2.safetensors").unlink()
+    (built / ".DS_Store").write_text("x")
+    _check_replaceable(built)
     (tmp_path / "afile").write_text("x")
     with pytest.raises(MergerError, match="is a file; name a folder"):
         build(tmp_path / "afile", DemoConfig.small(), progress=False)
@@ -248,3 +257,38 @@ def test_short_messages_for_a_mistyped_architecture_broken_yaml_and_api_misuse(p
                           (lambda: merger.PoolSession(pool).preview("ta"), "preview: expected a Spec")):
         with pytest.raises(MergerError, match=message):
             call()
+
+
+def test_an_output_inside_a_folder_the_pool_reads_is_refused_before_a_data_driven_run(pool_path, tmp_path,
+                                                                                      monkeypatch, capsys):
+    from merger import cli
+    from merger.io.export import check_export_target
+
+    demo = merger.open_pool("demo")
+    epoch = demo.expert_info["shape"]["trajectory"] / "epoch_001.safetensors"
+    with pytest.raises(MergerError, match=r"is inside .*trajectories/shape, a folder this job reads"):
+        check_export_target(demo, epoch)
+    monkeypatch.setattr(cli, "_run_data_driven", lambda *a: pytest.fail("the run started before --out was checked"))
+    (tmp_path / "m.safetensors").mkdir()
+    assert cli_main(["merge", "--pool", str(pool_path), "--method", "adamerging_task", "--out",
+                     str(tmp_path / "m.safetensors")]) == 2
+    assert "m.safetensors is a folder" in capsys.readouterr().err
+
+
+def test_the_merged_keys_alone_are_evaluated_and_the_history_filter_takes_the_tables_experts(pool_path):
+    from types import SimpleNamespace
+
+    from merger.io.history import History
+    from merger.ui.history_tab import HistoryTab
+
+    pool = merger.open_pool(pool_path)
+    merged = merger.merge(pool, "task_arithmetic", lam=0.3)
+    only = {k: merged[k] for k in pool.task_vectors.keys}
+    assert merger.evaluate(pool, only).average_accuracy == merger.evaluate(pool, merged).average_accuracy
+    history = History(pool_path.parent / "h.sqlite")
+    session = merger.PoolSession(pool)
+    spec = session.spec("task_arithmetic", lam=0.3)
+    history.record("p", spec, session.preview(spec))
+    tab = HistoryTab(SimpleNamespace(history=history, pool_ref="p"))
+    shown = tab.history_rows("", "")[0][4]
+    assert shown == ", ".join(pool.tasks) and len(tab.history_rows("", shown)) == 1  # pasted back from the table

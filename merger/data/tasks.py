@@ -167,14 +167,15 @@ class TaskDataStore:
             from merger.data.folders import load_folder_split
 
             images, labels, source = load_folder_split(self.pool, task, entry, split, self.classes(task))
-        n_source = images.shape[0]
-        if split not in ("train", "test"):  # val, live and probe are drawn from a stored split: it has every class
-            self._check_classes(task, split_rules.source_split(split), labels, f" (the {split} split is drawn from it)")
+        n_source, source_labels = images.shape[0], labels
         idx = _select(split, n_source)
         if idx is not None:
             images, labels = images[idx], labels[idx]
             source = source + (split,)
         self._check(task, split, labels)
+        if split not in ("train", "test"):  # val, live and probe are drawn from a stored split: it has every class
+            self._check_classes(task, split_rules.source_split(split), source_labels,
+                                f" (the {split} split is drawn from it)")
         return SplitData(images, labels, source, n_source)
 
     def _check(self, task: str, split: str, labels: torch.Tensor) -> None:

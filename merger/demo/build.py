@@ -115,7 +115,7 @@ def build(out_dir: str | Path = "assets/demo", config: DemoConfig | None = None,
     """Build the pool into ``out_dir`` (replacing any previous one); returns its path."""
     config = config or DemoConfig()
     torch.set_num_threads(2)
-    out = Path(out_dir)
+    out = Path(out_dir).expanduser()
     _check_replaceable(out)  # before minutes of training
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -192,30 +192,36 @@ def build(out_dir: str | Path = "assets/demo", config: DemoConfig | None = None,
         raise
 
 
+CLUTTER = {".DS_Store", "Thumbs.db", "desktop.ini"}  # a file browser's, not the person's
+
+
 def _check_replaceable(out: Path) -> None:
     """A build replaces its folder: only a new or empty one, or a demo pool built before (every
-    file in it listed by its manifest.json) may be replaced; anything else would be deleted."""
+    file in it listed by its manifest.json) may be replaced; anything else would be deleted. The
+    folder is walked only until its first file that is not the demo's."""
     from merger.errors import MergerError
+    from merger.io import inputs
 
     if not out.exists():
         return
     if not out.is_dir():
         raise MergerError(f"--out {out}: is a file; name a folder for the demo pool")
-    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if not p.is_dir())
-    if not files:
-        return
-    try:
-        listed = set(json.loads((out / "manifest.json").read_text())["files"])
-    except (OSError, ValueError, KeyError, TypeError):
-        listed = None
-    if listed is None:
-        raise MergerError(f"--out {out}: holds {len(files)} file(s) ({', '.join(files[:3])}) and no demo manifest: "
-                          f"building there would delete them. Name a new or empty folder")
-    extra = [f for f in files if f not in listed and f != "manifest.json"]
-    if extra:
-        raise MergerError(f"--out {out}: holds file(s) the demo pool does not ({', '.join(extra[:3])}"
-                          f"{', ...' if len(extra) > 3 else ''}): building there would delete them. Move them, "
-                          f"or name another folder")
+    manifest = out / "manifest.json"
+    listed = None
+    if manifest.is_file():
+        try:
+            listed = set(inputs.load_json(manifest, MergerError, "manifest")["files"])
+        except (MergerError, KeyError, TypeError):
+            listed = None
+    for path in out.rglob("*"):
+        rel = path.relative_to(out).as_posix()
+        if path.is_dir() or path.name in CLUTTER or rel == "manifest.json" or (listed is not None and rel in listed):
+            continue
+        if listed is None:
+            raise MergerError(f"--out {out}: holds files ({rel}, ...) and no demo manifest: building there would "
+                              f"delete them. Name a new or empty folder")
+        raise MergerError(f"--out {out}: holds a file the demo pool does not ({rel}): building there would delete "
+                          f"it. Move it, or name another folder")
 
 
 # ------------------------------------------------------------------------------ checking

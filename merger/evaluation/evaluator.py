@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,7 +97,9 @@ class Result:
 
 
 def heads_cache_dir() -> Path:
-    return Path(os.environ.get("MERGER_CACHE_DIR", Path.home() / ".cache" / "merger")) / "heads"
+    from merger.io.disk_cache import cache_dir
+
+    return cache_dir() / "heads"
 
 
 def tokenizer_for(pool):
@@ -143,11 +144,11 @@ class Evaluator:
         text = {k: v for k, v in self.pool.base.items() if not k.startswith("visual.")}
         tower = tensors_hash(text)
         tok = None
+        tokenizer = self.pool.tokenizer_name or "open_clip"
         out = {}
         for t in self.pool.tasks:
             classes, templates = self.data.classes(t), self.data.templates(t)
-            key = hashlib.sha256(json.dumps([tower, classes, templates, self.pool.tokenizer_name or "open_clip"])
-                                 .encode()).hexdigest()[:32]
+            key = hashlib.sha256(json.dumps([tower, classes, templates, tokenizer]).encode()).hexdigest()[:32]
             path = heads_cache_dir() / f"{key}.safetensors"
             head = None
             if path.exists():
@@ -162,9 +163,10 @@ class Evaluator:
                 try:
                     head = heads_mod.zero_shot_head(self.model, tok, classes, templates).cpu()
                 except ValueError as exc:
-                    raise PoolError(f"{self.pool.source}: tokenizer {self.pool.tokenizer_name or 'open_clip'}: {exc}: "
-                                    f"it does not fit this base's text tower (the demo's tiny CLIP takes "
-                                    f"tokenizer: demo)") from None
+                    hint = ("a real CLIP takes open_clip's (leave tokenizer out)" if tokenizer == "demo"
+                            else "the demo's tiny CLIP takes tokenizer: demo")
+                    raise PoolError(f"{self.pool.source}: tokenizer {tokenizer}: {exc}: it does not fit this base's "
+                                    f"text tower ({hint})") from None
                 try:
                     save_safetensors({"head": head}, path)
                 except OSError:

@@ -150,6 +150,12 @@ def sweep(session, method_names: Sequence[str], axis: str, values: Sequence[floa
     return out
 
 
+def inside(value: float, bounds: tuple[float, float]) -> bool:
+    """A swept value within a method's range (the top taken as reached: 1/T is not exactly a float)."""
+    lo, hi = bounds
+    return lo <= value <= hi + 1e-12
+
+
 def sweep_plan(session, method_names, axis, values, experts=None, fixed=None) -> list[tuple[str, float, object]]:
     """(method, value, spec) of every point a sweep visits (values outside a method's range skipped)."""
     axes = sweep_axes()
@@ -163,9 +169,9 @@ def sweep_plan(session, method_names, axis, values, experts=None, fixed=None) ->
         rec = methods.get(m)
         if axis not in rec.param_names:
             raise MergerError(f"{m} has no parameter {axis}: it cannot be swept along {axes[axis][0]}")
-        lo, hi = rec.bounds(axis, n_experts)  # e.g. TSV-M's rank ratio stops at 1/T
+        bounds = rec.bounds(axis, n_experts)  # e.g. TSV-M's rank ratio stops at 1/T
         for v in values:
-            if lo <= v <= hi + 1e-12:
+            if inside(v, bounds):
                 params = {k: val for k, val in (fixed or {}).get(m, {}).items() if k != axis}
                 params[axis] = v
                 plan.append((m, v, session.spec(m, experts=experts, **params)))

@@ -45,7 +45,13 @@ def cache_root() -> Path | None:
     """The cache folder, or None when it is turned off."""
     if os.environ.get("MERGER_DISK_CACHE", "").strip().lower() == "off":
         return None
-    return Path(os.environ.get("MERGER_CACHE_DIR", Path.home() / ".cache" / "merger")).expanduser() / "computed"
+    return cache_dir() / "computed"
+
+
+def cache_dir() -> Path:
+    """``$MERGER_CACHE_DIR`` (default ``~/.cache/merger``): prepared methods under computed/,
+    zero-shot heads under heads/."""
+    return Path(os.environ.get("MERGER_CACHE_DIR", Path.home() / ".cache" / "merger")).expanduser()
 
 
 def cap_bytes() -> int:

@@ -53,17 +53,23 @@ def spec_record(pool, spec: Spec, weights: Path) -> dict:
     }
 
 
+def check_export_target(pool, out: str | Path) -> tuple[Path, Path]:
+    """(weights path, spec path) of an export, both writable and neither a file or folder the pool
+    reads: said before any merge (a data-driven one learns for minutes first)."""
+    out = inputs.check_path(out, "--out", MergerError).expanduser()
+    if out.suffix != ".safetensors":
+        raise MergerError(f"{out}: the output must end in .safetensors")
+    yaml_path = spec_path_for(out)
+    for path, what in ((out, "--out"), (yaml_path, "--out (its spec beside it)")):
+        inputs.check_output_file(path, what, MergerError, keep=tuple(pool.input_files()))
+    return out, yaml_path
+
+
 def export_merge(pool, spec: Spec, out: str | Path) -> tuple[Path, Path]:
     """Merge and write ``out`` (.safetensors) and its spec beside it. Both are written to temporary
     files first and then renamed together: on any failure the pair on disk is the old one (or
     none), never new weights beside an old spec."""
-    out = inputs.check_path(out, "--out", MergerError).expanduser()
-    if out.suffix != ".safetensors":
-        raise MergerError(f"{out}: the output must end in .safetensors")
-    # before a merge that may take minutes: both files can be written, and neither is the pool's own
-    yaml_path = spec_path_for(out)
-    for path, what in ((out, "--out"), (yaml_path, "--out (its spec beside it)")):
-        inputs.check_output_file(path, what, MergerError, keep=tuple(pool.input_files()))
+    out, yaml_path = check_export_target(pool, out)  # before a merge that may take minutes
     delta = merge_delta(pool, spec)  # fails before anything is written
     record = spec_record(pool, spec, out)
     text = yaml.safe_dump(record, sort_keys=False)

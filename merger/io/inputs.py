@@ -109,11 +109,12 @@ def check_output_file(path: Any, what: str, error: type[Exception], keep: tuple 
             raise error(f"{what}: {out} is a folder; name a file to write")
         if st is not None and not stat.S_ISREG(st.st_mode):
             raise error(f"{what}: {out} is not a regular file (a FIFO, device or socket); name a file to write")
-        resolved = out.resolve()
-        for kept in keep:
-            if kept is not None and Path(kept).resolve() == resolved:
-                raise error(f"{what}: {out} is a file this job reads; writing there would replace it. "
-                            f"Name another file")
+    resolved = out.resolve()
+    for kept in keep:  # a file the job reads, or a folder of them (a Hugging Face expert, a trajectory)
+        kept = Path(kept).resolve() if kept is not None else None
+        if kept is not None and (kept == resolved or kept in resolved.parents):
+            raise error(f"{what}: {out} is {'a file' if kept == resolved else f'inside {kept}, a folder'} this job "
+                        f"reads; writing there would replace what it holds. Name another file")
     check_writable(out.parent, what, error)
     return out
 

@@ -189,7 +189,7 @@ class Pool:
     def build_model(self, load_base: bool = True, device: str = "cpu") -> torch.nn.Module:
         """A fresh open_clip model of the pool's architecture, with the base weights
         (on the meta device: shapes only, for checking checkpoints against the architecture)."""
-        from merger._compat import create_model, no_random_init, open_clip, unknown_model
+        from merger._compat import create_model, no_random_init, open_clip
 
         oc = open_clip()
         with no_random_init(load_base and device != "meta"):
@@ -198,8 +198,6 @@ class Pool:
                     model = oc.CLIP(**self.architecture["config"])
             else:
                 name = self.architecture["model"]
-                if unknown := unknown_model(name):
-                    raise PoolError(f"{self.source}: architecture {name!r}: {unknown}")
                 try:
                     model = create_model(name, device)
                 except RuntimeError as exc:
@@ -249,12 +247,13 @@ class Pool:
         return block_groups(self.task_vectors.keys)
 
     def input_files(self) -> list[Path]:
-        """The files this pool was opened from (pool.yaml, its manifest, base, experts): what no
-        output may replace."""
-        files = [self.base_path, *(info.get("path") for info in self.expert_info.values())]
-        if Path(self.source).is_file():
-            files += [Path(self.source), Path(self.source).parent / "manifest.json"]
-        return [Path(f) for f in files if f is not None]
+        """What this pool reads (its YAML and manifest, base, experts, trajectories, class and
+        template lists): files no output may replace, folders none may write into."""
+        files = [self.base_path, *(info.get(k) for info in self.expert_info.values() for k in ("path", "trajectory")),
+                 *(v for info in self.task_info.values() for k in ("classes", "templates")
+                   if isinstance(v := (info or {}).get(k), (str, Path)))]
+        files += [Path(self.source), Path(self.source).parent / "manifest.json"] if Path(self.source).is_file() else []
+        return [Path(f) if Path(f).is_absolute() else self.root / f for f in files if f is not None]
 
     def file_hashes(self) -> dict[str, str]:
         """Content hashes of the base and every expert file (computed once)."""

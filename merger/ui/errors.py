@@ -3,7 +3,7 @@ as a toast, the app stays up, each output shows an error badge until closed), ``
 outputs must stay in view (a landscape that took minutes, the inputs a reload sets), ``notice``
 where a result would be shown instead (a slider move, a run's status line: a toast per move would
 bury the page).
-Both carry the engine's message, which names the file, field or parameter and the reason."""
+Each carries the engine's message, which names the file, field or parameter and the reason."""
 from __future__ import annotations
 
 from typing import NoReturn

@@ -21,6 +21,7 @@ class HistoryTab:
     def history_rows(self, method_filter="", text=""):
         if self.ctl.history is None:
             return []
+        text = (text or "").replace(", ", ",")  # the table shows "a, b"; the records hold "a,b"
         rows = self.ctl.history.rows(method=method_filter or None, pool=self.ctl.pool_ref, text=text or None)
         # ", " between experts: the table wraps a long list there instead of scrolling sideways
         return [[r["id"], r["time"], r["method"], r["params"], r["experts"].replace(",", ", "), r["split"],
@@ -32,6 +33,7 @@ class HistoryTab:
         if self.ctl.history is None:
             fail("history is off")
         out = merge_tab.EXPORT_ROOT / uuid.uuid4().hex / "history.csv"
+        text = (text or "").replace(", ", ",")
         return str(self.ctl.history.export_csv(out, method=method_filter or None, pool=self.ctl.pool_ref, text=text or None))
 
 

@@ -168,7 +168,7 @@ class Controller(ControlPanel):
         text = "" if row_id is None else str(row_id).strip()
         if not text:
             fail("history: type the id of a row (the table's first column)")
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):  # '²' is a digit to Python, not to int()
             fail(f"history: row id {text!r} is not a row's id (a whole number: the table's first column)")
         row = self.history.get(int(text))
         if row is None:
