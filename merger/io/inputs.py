@@ -112,7 +112,7 @@ def check_output_file(path: Any, what: str, error: type[Exception], keep: tuple 
     resolved = out.resolve()
     for kept in keep:  # a file the job reads, or a folder of them (a Hugging Face expert, a trajectory)
         kept = Path(kept).resolve() if kept is not None else None
-        if kept is not None and (kept == resolved or kept in resolved.parents):
+        if kept is not None and (kept == resolved or (kept in resolved.parents and kept.is_dir())):
             raise error(f"{what}: {out} is {'a file' if kept == resolved else f'inside {kept}, a folder'} this job "
                         f"reads; writing there would replace what it holds. Name another file")
     check_writable(out.parent, what, error)
