@@ -122,6 +122,7 @@ def cmd_eval(args) -> int:
         return 0
     print(f"{spec.label()} over {', '.join(spec.experts)}; {args.split} split")
     print(f"{'task':<14}{'accuracy %':>11}{'loss':>9}{'normalised %':>14}")
+
     def ratio(v):  # no ratio over an expert at 0 % on its own task (a tiny split can do that)
         return f"{100 * v:14.1f}" if math.isfinite(v) else f"{'n/a':>14}"
 
@@ -217,9 +218,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    from merger.io.disk_cache import DiskCache
-
     from merger.evaluation.evaluator import heads_cache_dir
+    from merger.io.disk_cache import DiskCache
 
     cache = DiskCache()
     heads = sorted(heads_cache_dir().glob("*.safetensors")) if heads_cache_dir().is_dir() else []

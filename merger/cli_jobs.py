@@ -175,6 +175,8 @@ def _given_values(text: str, names, axis: str, n_experts: int) -> list[float]:
     methods' ranges is named for them (those points are skipped), not dropped unsaid."""
     import math
 
+    from merger.evaluation.tuning import inside
+
     values = []
     for item in text.split(","):
         try:
@@ -184,8 +186,6 @@ def _given_values(text: str, names, axis: str, n_experts: int) -> list[float]:
         if not math.isfinite(v):
             raise MergerError(f"--values: {item.strip()} is not a finite number")
         values.append(v)
-    from merger.evaluation.tuning import inside
-
     ranges = {m: methods.get(m).bounds(axis, n_experts) for m in names if axis in methods.get(m).param_names}
     nowhere = [v for v in values if ranges and not any(inside(v, bounds) for bounds in ranges.values())]
     if nowhere:

@@ -35,7 +35,7 @@ def test_an_export_never_replaces_a_file_the_pool_reads_nor_a_folder(pool_path, 
     before = _hashes(pool_path.parent)
     targets = [pool_path.with_suffix(".safetensors"), pool.base_path, pool.expert_info[pool.tasks[0]]["path"]]
     for out in targets:  # pool.safetensors writes its spec onto pool.yaml
-        with pytest.raises(MergerError, match="is a file this job reads; writing there would replace what it holds"):
+        with pytest.raises(MergerError, match="is a file this job reads; writing there would change what it holds"):
             export_merge(pool, spec, out)
     (tmp_path / "m.safetensors").mkdir()
     (tmp_path / "m.yaml").write_text("precious")

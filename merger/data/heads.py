@@ -29,6 +29,10 @@ STANDARD_TEMPLATES: tuple[str, ...] = (
 )
 
 
+class TokenizerMismatch(ValueError):
+    """The tokenizer's prompts do not fit the text tower (its vocabulary or context length)."""
+
+
 @torch.no_grad()
 def zero_shot_head(
     model: torch.nn.Module,
@@ -48,10 +52,11 @@ def zero_shot_head(
     for name in classnames:
         tokens = tokenizer([t.format(name) for t in templates]).to(device)
         if vocab is not None and int(tokens.max()) >= vocab:  # else an IndexError deep in the embedding
-            raise ValueError(f"token id {int(tokens.max())} is outside the text tower's vocabulary ({vocab} entries)")
+            raise TokenizerMismatch(f"token id {int(tokens.max())} is outside the text tower's vocabulary "
+                                    f"({vocab} entries)")
         if context is not None and tokens.shape[-1] != context.shape[0]:
-            raise ValueError(f"prompts of {tokens.shape[-1]} tokens against the text tower's context of "
-                             f"{context.shape[0]}")
+            raise TokenizerMismatch(f"prompts of {tokens.shape[-1]} tokens against the text tower's context of "
+                                    f"{context.shape[0]}")
         emb = F.normalize(model.encode_text(tokens).float(), dim=-1)
         rows.append(F.normalize(emb.mean(dim=0), dim=-1))
     return torch.stack(rows)

@@ -162,7 +162,7 @@ class Evaluator:
                 tok = tok or tokenizer_for(self.pool)
                 try:
                     head = heads_mod.zero_shot_head(self.model, tok, classes, templates).cpu()
-                except ValueError as exc:
+                except heads_mod.TokenizerMismatch as exc:
                     hint = ("a real CLIP takes open_clip's (leave tokenizer out)" if tokenizer == "demo"
                             else "the demo's tiny CLIP takes tokenizer: demo")
                     raise PoolError(f"{self.pool.source}: tokenizer {tokenizer}: {exc}: it does not fit this base's "

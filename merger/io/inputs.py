@@ -100,8 +100,9 @@ def check_writable(folder: Path, what: str, error: type[Exception]) -> None:
 
 def check_output_file(path: Any, what: str, error: type[Exception], keep: tuple = ()) -> Path:
     """A file the program is about to write: a sane path, not an existing folder (or FIFO, device),
-    not one of ``keep`` (files the job reads: a pool's own base, experts, pool.yaml), in a folder
-    that takes a new file; said before any work is done. An existing regular file is replaced."""
+    neither one of ``keep`` (what the job reads: a pool's YAML, base, experts) nor inside a folder
+    of ``keep`` (a Hugging Face expert, a trajectory), in a folder that takes a new file; said
+    before any work is done. An existing regular file is replaced."""
     out = check_path(path, what, error).expanduser()
     if out.exists() or out.is_symlink():
         st = os.stat(out) if out.exists() else None
@@ -114,7 +115,7 @@ def check_output_file(path: Any, what: str, error: type[Exception], keep: tuple 
         kept = Path(kept).resolve() if kept is not None else None
         if kept is not None and (kept == resolved or (kept in resolved.parents and kept.is_dir())):
             raise error(f"{what}: {out} is {'a file' if kept == resolved else f'inside {kept}, a folder'} this job "
-                        f"reads; writing there would replace what it holds. Name another file")
+                        f"reads; writing there would change what it holds. Name another file")
     check_writable(out.parent, what, error)
     return out
 
