@@ -290,5 +290,10 @@ def test_the_merged_keys_alone_are_evaluated_and_the_history_filter_takes_the_ta
     spec = session.spec("task_arithmetic", lam=0.3)
     history.record("p", spec, session.preview(spec))
     tab = HistoryTab(SimpleNamespace(history=history, pool_ref="p"))
-    shown = tab.history_rows("", "")[0][4]
-    assert shown == ", ".join(pool.tasks) and len(tab.history_rows("", shown)) == 1  # pasted back from the table
+    ties = session.spec("ties", lam=0.75, sparsity=0.8)
+    history.record("p", ties, session.preview(ties))
+    rows = tab.history_rows("", "")
+    shown = rows[0][4]
+    assert shown == ", ".join(pool.tasks) and len(tab.history_rows("", shown)) == 2  # pasted back from the table
+    for pasted in (rows[0][3], f" {rows[0][3]} ", "TIES-merging", "ties"):  # a params cell, a shown method name
+        assert [r[2] for r in tab.history_rows("", pasted)] == ["ties"], pasted

@@ -192,7 +192,8 @@ def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch)
 
     events, inputs = MergeTabEvents(ctl, "task_arithmetic"), controls(ctl, lam=0.4)
     for row_id, message in ((999999, "no row with id 999999"), ("", "type the id of a row"),
-                            (" 2.5", "row id '2.5' is not a row's id")):
+                            (" 2.5", "row id '2.5' is not a row's id"), ("-1", "a positive whole number"),
+                            ("9" * 23, f"no row with id {'9' * 23}")):  # past SQLite's integers
         with pytest.warns(UserWarning, match=message):
             out = events.reload(SimpleNamespace(session_hash="me"), row_id, *inputs)
         assert len(out) == len(inputs) and all(u == gr.skip() for u in out)

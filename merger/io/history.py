@@ -86,9 +86,11 @@ class History:
             if value:
                 where.append(f"{col} = ?")
                 args.append(value)
+        text = (text or "").strip()
         if text:
             where.append("(method LIKE ? OR params LIKE ? OR experts LIKE ?)")
-            args += [f"%{text}%"] * 3
+            # experts are stored "a,b" and shown "a, b": either form finds them
+            args += [f"%{text}%", f"%{text}%", f"%{text.replace(', ', ',')}%"]
         sql = "SELECT * FROM evaluations" + (" WHERE " + " AND ".join(where) if where else "")
         sql += " ORDER BY time DESC, id DESC LIMIT ?"
         with self._lock:

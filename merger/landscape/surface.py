@@ -8,6 +8,7 @@ what it already computed, and a slider move only projects the live merge onto th
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
@@ -213,9 +214,10 @@ class Landscape:
                 try:
                     methods.get(method)
                 except MergerError:
-                    raise MergerError(f"landscape point '{name}': not base, a task ({', '.join(self.pool.tasks)}), "
-                                      f"file:PATH, or a method ({', '.join(methods.names())}) as METHOD:param=value"
-                                      ) from None
+                    near = difflib.get_close_matches(name, ["base", *self.pool.experts], n=1, cutoff=0.6)
+                    raise MergerError(f"landscape point '{name}': " + (f"did you mean '{near[0]}'? " if near else "")
+                                      + f"A point is base, a task ({', '.join(self.pool.tasks)}), file:PATH, or a "
+                                      f"method as METHOD:param=value (e.g. ties:lam=0.5)") from None
                 params = {}
                 for a in assignments:
                     k, sep, v = a.partition("=")

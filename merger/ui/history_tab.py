@@ -21,8 +21,7 @@ class HistoryTab:
     def history_rows(self, method_filter="", text=""):
         if self.ctl.history is None:
             return []
-        text = (text or "").replace(", ", ",")  # the table shows "a, b"; the records hold "a,b"
-        rows = self.ctl.history.rows(method=method_filter or None, pool=self.ctl.pool_ref, text=text or None)
+        rows = self.ctl.history.rows(method=method_filter or None, pool=self.ctl.pool_ref, text=_searched(text))
         # ", " between experts: the table wraps a long list there instead of scrolling sideways
         return [[r["id"], r["time"], r["method"], r["params"], r["experts"].replace(",", ", "), r["split"],
                  round(100 * r["average_accuracy"], 2),
@@ -33,13 +32,20 @@ class HistoryTab:
         if self.ctl.history is None:
             fail("history is off")
         out = merge_tab.EXPORT_ROOT / uuid.uuid4().hex / "history.csv"
-        text = (text or "").replace(", ", ",")
-        return str(self.ctl.history.export_csv(out, method=method_filter or None, pool=self.ctl.pool_ref, text=text or None))
+        return str(self.ctl.history.export_csv(out, method=method_filter or None, pool=self.ctl.pool_ref,
+                                               text=_searched(text)))
+
+
+def _searched(text) -> str | None:
+    """The filter's text, a method's shown name ("TIES-merging") read as its recorded one ("ties")."""
+    text = (text or "").strip()
+    by_shown = {m.display_name.lower(): m.name for m in methods.all_methods()}
+    return by_shown.get(text.lower(), text) or None
 
 
 def build_history_tab(ctl, events, merge: dict) -> HistoryTab:
     tab = HistoryTab(ctl)
-    with gr.Tab("History", id="history"):
+    with gr.Tab("History", id="history") as history_tab:
         with gr.Row():
             hist_method = gr.Dropdown([""] + methods.names(), value="", label="method")
             hist_text = gr.Textbox(label="filter (method, parameters or experts contain)")
@@ -52,7 +58,7 @@ def build_history_tab(ctl, events, merge: dict) -> HistoryTab:
             hist_reload = gr.Button("Reload")
             hist_csv_btn = gr.Button("Export CSV")
         hist_file = gr.File(label="history CSV", interactive=False)
-        for trig in (hist_refresh.click, hist_method.change, hist_text.submit):
+        for trig in (hist_refresh.click, hist_method.change, hist_text.submit, history_tab.select):
             trig(tab.history_rows, [hist_method, hist_text], hist_table, api_visibility="private")
         hist_reload.click(events.reload, [hist_id, *merge["inputs"]], merge["inputs"], api_visibility="private")
         hist_csv_btn.click(tab.history_csv, [hist_method, hist_text], hist_file, api_visibility="private")

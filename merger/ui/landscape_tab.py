@@ -171,9 +171,9 @@ def build_landscape_tabs(lc: LandscapeController, pins, inputs, batch):
         paths = gr.CheckboxGroup(lc.path_choices(), value=[], label="trajectories to draw")
         go_btn = gr.Button("Compute landscape", variant="primary")
         plot = gr.Plot(elem_id="landscape-plot")
-        gr.Markdown("Markers: ■ base · ◆ experts · ● pinned merges · ★ the live merge (✕ in the 3-D view; it moves "
-                    "with the Merge tab's sliders). Hover a point for its off-plane distance: a projection is not the "
-                    "real location.")
+        gr.Markdown("Markers: ■ base · ◆ experts · ● merges (pinned, or named as a point) · ★ the live merge (✕ in "
+                    "the 3-D view; it moves with the Merge tab's sliders). Hover a point for its off-plane distance: a "
+                    "projection is not the real location.")
         go_btn.click(batch(lc.compute), [pins, plane, task_a, task_b, three, metric, task, grid, view, paths, *inputs],
                      [state, plot], **BATCH_EVENT, api_visibility="private")
         # A plot redrawn while its tab is hidden (the live marker follows the Merge tab's moves) is

@@ -169,8 +169,8 @@ class Controller(ControlPanel):
         if not text:
             fail("history: type the id of a row (the table's first column)")
         if not (text.isascii() and text.isdigit()):  # '²' is a digit to Python, not to int()
-            fail(f"history: row id {text!r} is not a row's id (a whole number: the table's first column)")
-        row = self.history.get(int(text))
+            fail(f"history: row id {text!r} is not a row's id (a positive whole number: the table's first column)")
+        row = self.history.get(int(text)) if len(text) <= 18 else None  # SQLite's integers stop at 2^63
         if row is None:
             fail(f"history: no row with id {text}")
         experts = [e for e in row["experts"].split(",") if e]
