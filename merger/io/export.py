@@ -59,9 +59,9 @@ def check_export_target(pool, out: str | Path) -> tuple[Path, Path]:
     out = inputs.check_path(out, "--out", MergerError).expanduser()
     if out.suffix != ".safetensors":
         raise MergerError(f"{out}: the output must end in .safetensors")
-    yaml_path = spec_path_for(out)
+    yaml_path, keep = spec_path_for(out), tuple(pool.input_files())
     for path, what in ((out, "--out"), (yaml_path, "--out (its spec beside it)")):
-        inputs.check_output_file(path, what, MergerError, keep=tuple(pool.input_files()))
+        inputs.check_output_file(path, what, MergerError, keep=keep)
     return out, yaml_path
 
 

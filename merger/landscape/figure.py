@@ -98,8 +98,9 @@ def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_nam
     out = inputs.check_path(out, "--out", MergerError).expanduser()
     if out.suffix != ".html":
         raise MergerError(f"{out}: the output must end in .html")
+    keep = tuple(land.pool.input_files())
     for path in (out, out.with_suffix(".json")):  # before a grid that may take minutes
-        inputs.check_output_file(path, "--out", MergerError, keep=tuple(land.pool.input_files()))
+        inputs.check_output_file(path, "--out", MergerError, keep=keep)
     if task is not None and task not in land.pool.tasks:
         raise MergerError(f"--task {task}: not a task of this pool ({', '.join(land.pool.tasks)})")
     points = land.named_points(point_names)

@@ -10,7 +10,7 @@ import torch
 
 from merger.methods.registry import (CART_README, LAM, RANK_RATIO, RECOLLECTION, Method, Paper, Published, each,
                                      frange, kept_rank, lam_times, register, sum_weights, with_default)
-from merger.methods.linalg import each_matrix, gram_rows, inverse_sqrt, spectral, thin_svd, unit_factors
+from merger.methods.linalg import divided, each_matrix, gram_rows, inverse_sqrt, spectral, thin_svd, unit_factors
 from merger.pool.task_vectors import TaskVectors
 
 MATRICES_NOTE = ("Matrices = the 2-D attention and MLP weights (in_proj, out_proj, c_fc, c_proj); "
@@ -212,8 +212,8 @@ def _tsv_conditioned(left, right, s, k, left_isqrt, right_isqrt) -> torch.Tensor
     n = right.shape[2]
     s = s.reshape(-1)
     core = (left_isqrt * s) @ right_isqrt
-    inv_s = torch.where(s > 0, 1.0 / s.clamp(min=1e-30), 0.0)  # as ``divided``: a zero direction stays zero
-    core = inv_s[:, None] * core if m >= n else core * inv_s  # S sits in left where m ≥ n (unit_factors)
+    # S sits in left where m ≥ n (unit_factors): its rows of the core, else its columns
+    core = divided(core, s[:, None]) if m >= n else divided(core, s)
     u = left[:, :, :k].permute(1, 0, 2).reshape(m, T * k).float()
     vh = right[:, :k].reshape(T * k, n).float()
     return u @ (core @ vh) if m > n else (u @ core) @ vh
