@@ -135,7 +135,7 @@ def test_history_reload_restores_the_weights(ctl):
 
 def test_tradeoffs_tab_views(ctl):
     from merger.analysis.coefficients import MAP_VALUES
-    from merger.ui.tradeoffs_tab import TradeoffsTab
+    from merger.ui.tradeoffs_tab import TradeoffsTab, events_load
 
     events = MergeTabEvents(ctl, "task_arithmetic")
     tab = TradeoffsTab(ctl, events)
@@ -150,12 +150,15 @@ def test_tradeoffs_tab_views(ctl):
     assert len(pareto.data[0].x) == n and f"{n} merges you evaluated" in status
     fig, _ = tab.turn_up(person(), b, *inputs, progress=lambda *x, **k: None)
     assert {t.name for t in fig.data} == set(ctl.pool.tasks)
-    with pytest.raises(gr.Error, match="learns its own coefficients"):
-        tab.two_tasks(person(), a, b, *with_weights(ctl, controls(ctl, "adamerging_task")),
-                      progress=lambda *x, **k: None)
+    # refused: the maps shown stay, the status line says why
+    *maps, status = tab.two_tasks(person(), a, b, *with_weights(ctl, controls(ctl, "adamerging_task")),
+                                  progress=lambda *x, **k: None)
+    assert maps == [gr.skip()] * 3 and status.startswith("⚠️") and "learns its own coefficients" in status
     rows, msg, tuned = tab.tune(person(), 4, 0, False, False, *inputs, progress=lambda *x, **k: None)
     assert rows[0][0] == "TPE per-task weights" and rows[0][2] == 4 and rows[1][0].startswith("best single λ")
     updates = tab.load(tuned, *inputs)
+    with pytest.warns(UserWarning, match="tune first"):  # every Merge-tab input as it was: no error badges
+        assert events_load(events, tab)(person(), None, *inputs) == (gr.skip(),) * len(inputs)
     experts, method, *rest = [u.get("value") for u in updates]
     assert ctl.spec_from_controls(experts, method, *rest).rounded() == tuned.rounded()
     assert all(v == round(v, 2) for v in rest[-len(ctl.weight_experts + ctl.weight_blocks):])  # no 1.9000000000000001

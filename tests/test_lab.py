@@ -129,6 +129,27 @@ def test_cancel_stops_a_lab_run_and_adds_nothing(ex):
     assert msg[0].startswith("Cancelled") and ex.pool.tasks == before
 
 
+def test_refused_lab_settings_say_why_in_the_status_and_keep_the_plots(ex):
+    from types import SimpleNamespace
+
+    import gradio as gr
+
+    from merger.ui.lab_tab import LabController
+
+    lc = LabController(SimpleNamespace(pool=ex.pool, session=ex))
+    request = SimpleNamespace(session_hash="person-a")
+    before = list(ex.pool.tasks)
+    status, *choices = lc.run(request, ex.pool.tasks[0], "x", -1.0, 1, 64, 1.0, 0, "adamw", 0.9, 0.1, "cosine",
+                              progress=lambda f, desc=None: None)
+    assert status.startswith("⚠️") and "lr" in status and choices == [gr.skip()] * 2
+    for values, message in (("0.001, abc", "'0.001, abc': not comma-separated numbers"),
+                            ("0.001, nan", "every value must be a finite number")):
+        *plots, status = lc.scaling(request, "lr", values, 1e-3, 1, 64, 1.0, 0, "adamw", 0.9, 0.1, "cosine",
+                                    progress=lambda f, desc=None: None)
+        assert plots == [gr.skip()] * 3 and status.startswith("⚠️") and message in status, status
+    assert ex.pool.tasks == before
+
+
 def test_a_blank_name_gives_each_session_its_own_numbered_expert(ex):
     from types import SimpleNamespace
 
@@ -164,3 +185,7 @@ def test_gradio_gives_every_lab_and_run_callback_the_browser_session():
         assert inputs[0] is marker, fn.__name__
         if fn.__name__ in ("run", "one_epoch_set", "scaling") and fn.__self__ is lc:
             assert progress_index is not None, fn.__name__
+    # a handler marked keeps_outputs still shows Gradio its progress parameter
+    from merger.ui.compare_tab import CompareTab
+
+    assert special_args(CompareTab(None).auto_tune, [None, None], marker)[1] == 2

@@ -169,8 +169,15 @@ def test_sweeps(ctl):
     assert [t.name for t in fig.data][0] == "cart (average)"
     fig = CompareTab(ctl).sweep("tasks", ["task_arithmetic"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
     assert list(fig.data[0].x) == [1, 2, 3]
-    with pytest.raises(gr.Error, match="none of the ticked methods has sparsity"):
-        CompareTab(ctl).sweep("sparsity", ["cart"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
+    # refused: a warning, and the plot shown stays (an error would put a badge over it)
+    with pytest.warns(UserWarning, match="none of the ticked methods has sparsity"):
+        out = CompareTab(ctl).sweep("sparsity", ["cart"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
+    assert out == (gr.skip(),)
+    with pytest.warns(UserWarning, match="tick at least one method to auto-tune"):
+        assert CompareTab(ctl).auto_tune([], ctl.pool.tasks, progress=lambda *a, **k: None) == (gr.skip(),) * 3
+    pin = ctl.session.spec("task_arithmetic", lam=0.3, experts=ctl.pool.tasks[:2])
+    with pytest.warns(UserWarning, match="unknown split 'dev'"):
+        assert CompareTab(ctl).compare([pin], "dev") == (gr.skip(),) * 3
 
 
 def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch):
@@ -307,13 +314,16 @@ def test_analysis_tab_callbacks(ctl):
     assert any("δt(M)" in t.name for t in fig.data)
     lin = ac.linearity(*controls(ctl, "task_arithmetic", lam=0.3))
     assert len(lin.data) == 2
-    with pytest.raises(gr.Error, match="epoch dynamics need per-epoch checkpoints"):
-        ac.dynamics(ctl.pool.tasks[0])
+    with pytest.warns(UserWarning, match="epoch dynamics need per-epoch checkpoints"):
+        assert ac.dynamics(ctl.pool.tasks[0]) == (gr.skip(),) * 4
     _, method, *values = controls(ctl, "task_arithmetic", lam=0.3)
-    for compute in (lambda: ac.weights([], method, *values), lambda: ac.lowrank([], "all matrices (summed)"),
-                    lambda: ac.linearity([], method, *values)):  # nothing ticked: refused, not all of them
-        with pytest.raises(gr.Error, match="experts: empty subset, tick at least one expert"):
-            compute()
+    for compute, outputs in ((lambda: ac.weights([], method, *values), 5),
+                             (lambda: ac.lowrank([], "all matrices (summed)"), 2),
+                             (lambda: ac.linearity([], method, *values), 1)):  # nothing ticked: refused, not all of them
+        with pytest.warns(UserWarning, match="experts: empty subset, tick at least one expert"):
+            assert compute() == (gr.skip(),) * outputs  # the plots shown stay
+    with pytest.warns(UserWarning, match="tick at least two experts for an expert-to-expert path"):
+        ac.interpolation("first two ticked experts", *controls(ctl, "task_arithmetic", experts=ctl.pool.tasks[:1]))
 
 
 def test_reference_guides_for_real_architectures():

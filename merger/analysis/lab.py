@@ -176,6 +176,8 @@ def scaling_view(session, param: str, values: Sequence[float], base_settings: di
         raise MergerError(f"lab: scaling over '{param}' is not supported; one of {', '.join(TRENDS)}")
     if len(values) < 2:
         raise MergerError("lab: the scaling view needs at least two values")
+    if not all(math.isfinite(v) for v in values):
+        raise MergerError(f"lab: scaling values {list(values)}: every value must be a finite number")
     accs, losses = [], []
     pool = session.pool
     if param == "num_tasks":

@@ -9,7 +9,7 @@ from merger.errors import MergerError
 from merger.landscape import trajectories
 from merger.methods import PARAM_NAMES
 from merger.ui.controls import ticked
-from merger.ui.errors import fail
+from merger.ui.errors import keeps_outputs
 from merger.ui.lab_tab import build_lab_tab
 from merger.ui.scheduling import BATCH_EVENT, as_batch
 
@@ -22,21 +22,15 @@ class AnalysisController:
         self.ex = ctl.session
         self.pool = ctl.pool
 
-    def effective_weights(self, spec) -> tuple[list[float], str]:
-        """Per-task weights of a merge on the task vectors (the method's own reading, see the registry)."""
-        try:
-            return self.ex.effective_weights(spec)
-        except MergerError as exc:
-            fail(exc)
+    # Each Compute is marked keeps_outputs: a refused one (a MergerError) is a warning, and the
+    # plots shown stay in view.
 
     def _tv(self, experts):
         """The ticked experts' task vectors (all of them for None: a call that names none)."""
-        try:
-            chosen = self.pool.tasks if experts is None else ticked(experts)
-        except MergerError as exc:
-            fail(exc)
+        chosen = self.pool.tasks if experts is None else ticked(experts)
         return self.pool.task_vectors.subset([e for e in self.pool.experts if e in chosen])
 
+    @keeps_outputs(5)
     def weights(self, experts, method, *values):
         """Norms, cosines, sign conflicts, mass kept at the current sparsity."""
         tv = self._tv(experts)
@@ -51,6 +45,7 @@ class AnalysisController:
                           "Share of ‖τt‖² kept by the top (1 − sparsity) entries")
         return norms, layers, cos, sc, kept
 
+    @keeps_outputs(2)
     def lowrank(self, experts, layer):
         tv = self._tv(experts)
         keys = tv.matrices if layer in (None, "", "all matrices (summed)") else [layer]
@@ -74,15 +69,13 @@ class AnalysisController:
                          dashed=["R(k) uncentred", "I(k) uncentred"])
         return spectra, ri
 
+    @keeps_outputs(2)
     def heterogeneity(self, experts, method, *values):
-        try:
-            spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
-        except MergerError as exc:
-            fail(exc)
+        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
         tv = self._tv(spec.experts)
         v = spec.kwargs
         name = spec.method
-        lam, how = self.effective_weights(spec)
+        lam, how = self.ex.effective_weights(spec)
         mask = name if name in analysis.masking_methods() else None
         h = analysis.heterogeneity(tv, lam, mask, **v)
         series = {"ζt²": h["zeta2"]}
@@ -96,12 +89,13 @@ class AnalysisController:
             text += "\n\n" + "\n\n".join(f"⚠️ **{w}**" for w in h["warnings"])
         return fig, text
 
+    @keeps_outputs(4)
     def dynamics(self, task):
         land = self.ex.landscape
         try:
             traj = trajectories.finetune_trajectory(land, task)
         except MergerError as exc:
-            fail(f"{exc}: epoch dynamics need per-epoch checkpoints (a trajectory)")
+            raise MergerError(f"{exc}: epoch dynamics need per-epoch checkpoints (a trajectory)") from exc
         if len(traj.points) >= 3:
             d = analysis.epoch_dynamics(traj.points)
             epochs = [f"epoch {s}" for s in traj.steps[1:]]
@@ -117,16 +111,14 @@ class AnalysisController:
         text = f"cos(τ(1), −∇L(θ0)) = **{analysis.gradient_alignment(tau1, g):.4f}** (1 exactly for one epoch of full-batch gradient descent)"
         return shares, cos, first, text
 
+    @keeps_outputs(1)
     def linearity(self, experts, method, *values):
-        try:
-            spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
-        except MergerError as exc:
-            fail(exc)
+        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
         tv = self.pool.task_vectors
         idx = [tv.tasks.index(t) for t in spec.experts]
         delta = self.ex.delta(spec)
         merged = {k: tv.base[k] + delta[k] for k in tv.keys}
-        w, _ = self.effective_weights(spec)
+        w, _ = self.ex.effective_weights(spec)
         ev = self.ex.evaluator
         x = analysis.probe_images(ev)
         feats = lambda wts, xx: analysis.block_features(ev.model.visual, wts, xx)  # noqa: E731
@@ -139,18 +131,16 @@ class AnalysisController:
                          f"{len(x)} probe images from every task, all tokens)", errors={pred: err})
         return fig
 
+    @keeps_outputs(1)
     def interpolation(self, endpoints, experts, method, *values):
         """Loss, accuracy and linearity along base → merge, or between the first two ticked experts."""
-        try:
-            spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
-        except MergerError as exc:
-            fail(exc)
+        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
         land = self.ex.landscape
         if endpoints == "base → current merge":
             a, b, title = land.base_point(), land.spec_point(spec), f"base → {spec.label()}"
         else:
             if len(spec.experts) < 2:
-                fail("tick at least two experts for an expert-to-expert path")
+                raise MergerError("tick at least two experts for an expert-to-expert path")
             a, b = land.expert_point(spec.experts[0]), land.expert_point(spec.experts[1])
             title = f"{spec.experts[0]} → {spec.experts[1]}"
         ev = self.ex.evaluator
@@ -162,13 +152,11 @@ class AnalysisController:
                             "1 − cos (mean over blocks)": (p["alpha"], p["linearity"])},
                            "α", "value", f"Interpolation {title}")
 
+    @keeps_outputs(1)
     def ensemble(self, experts, method, *values):
         """The merged model's accuracy next to the logit ensemble of its experts with the same weights."""
-        try:
-            spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
-        except MergerError as exc:
-            fail(exc)
-        w, how = self.effective_weights(spec)
+        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        w, how = self.ex.effective_weights(spec)
         tv = self.pool.task_vectors
         experts_w = [tv.expert(tv.tasks.index(t)) for t in spec.experts]
         ens = analysis.logit_ensemble_accuracy(self.ex.evaluator, experts_w, w, "test", lock=self.ex.lock)

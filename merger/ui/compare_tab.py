@@ -7,7 +7,7 @@ import gradio as gr
 from merger import methods, plots
 from merger.errors import MergerError
 from merger.evaluation.tuning import auto_tune, sweep, sweep_axes, sweep_num_tasks, sweep_values, tunable_methods
-from merger.ui.errors import fail
+from merger.ui.errors import keeps_outputs
 from merger.ui.scheduling import BATCH_EVENT
 
 SPLITS_SHOWN = ("live", "val", "test")
@@ -26,15 +26,13 @@ class CompareTab:
     def __init__(self, ctl):
         self.ctl = ctl
 
+    @keeps_outputs(3)
     def compare(self, pins, split):
         if not pins:
             empty = plots.empty("Pin merges in the Merge tab to compare them here.")
             return [], empty, empty
-        try:
-            with self.ctl.session.batch():
-                results = {s.label(): self.ctl.session.preview(s, split) for s in pins}
-        except MergerError as exc:
-            fail(exc)
+        with self.ctl.session.batch():
+            results = {s.label(): self.ctl.session.preview(s, split) for s in pins}
         table = [[label, ", ".join(s.experts), round(100 * r.average_accuracy, 2),
                   round(100 * r.normalized_accuracy, 2), round(r.average_loss, 4)]
                  + [round(100 * r.accuracy[t], 1) for t in self.ctl.pool.tasks]
@@ -49,15 +47,13 @@ class CompareTab:
         if self.ctl.history is not None:
             self.ctl.history.record(self.ctl.pool_ref, spec.rounded(), result)
 
+    @keeps_outputs(3)
     def auto_tune(self, method_names, experts, progress=gr.Progress()):
         if not method_names:
-            fail("tick at least one method to auto-tune")
-        try:
-            rows = auto_tune(self.ctl.session, method_names, experts=list(experts) if experts else None,
-                             progress=lambda f, msg: progress(f, desc=msg), cluster=self.ctl.cluster,
-                             on_result=self._record)
-        except MergerError as exc:
-            fail(exc)
+            raise MergerError("tick at least one method to auto-tune")
+        rows = auto_tune(self.ctl.session, method_names, experts=list(experts) if experts else None,
+                         progress=lambda f, msg: progress(f, desc=msg), cluster=self.ctl.cluster,
+                         on_result=self._record)
         table = [[r["method"], (", ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items()) or "-")
                   + (f" (at the grid's edge: {', '.join(r['at_edge'])})" if r["at_edge"] else ""),
                   r["grid_points"], round(100 * r["val_accuracy"], 2), round(100 * r["test_accuracy"], 2),
@@ -65,33 +61,31 @@ class CompareTab:
         results = {f"{r['method']} (best)": r["test"] for r in rows}
         return table, plots.grouped_bars(results, "Auto-tuned: test accuracy per task"), plots.radar(results)
 
+    @keeps_outputs(1)
     def sweep(self, axis, method_names, split, experts, progress=gr.Progress()):
         experts = list(experts) if experts else None
-        try:
-            if axis == "tasks":
-                if not method_names:
-                    raise MergerError("tick at least one method")
-                curves, errors = {}, {}
-                for m in method_names:
-                    r = sweep_num_tasks(self.ctl.session, m, split=split, progress=lambda f, msg: progress(f, desc=f"{m}: {msg}"))
-                    curves[m], errors[m] = (r["x"], r["mean"]), r["se"]
-                return plots.sweep_curves(curves, "number of merged tasks",
-                                          "Average accuracy over the merged tasks (mean ± s.e. over random subsets)",
-                                          errors=errors)
-            axes = sweep_axes()
-            if axis not in axes:
-                raise MergerError(f"sweep axis '{axis}' unknown; one of {', '.join(axes)}")
-            label, only = axes[axis]
-            chosen = [m for m in method_names if axis in methods.get(m).param_names]
-            if not chosen:
-                raise MergerError(f"none of the ticked methods has {label}" + (f" (try {', '.join(only)})" if only else ""))
-            skipped = [m for m in method_names if m not in chosen]
-            values = sorted({v for m in chosen for v in sweep_values(axis, m)})
-            data = sweep(self.ctl.session, chosen, axis, values, split=split, experts=experts,
-                         progress=lambda f, msg: progress(f, desc=msg), cluster=self.ctl.cluster,
-                         on_result=self._record)
-        except MergerError as exc:
-            fail(exc)
+        if axis == "tasks":
+            if not method_names:
+                raise MergerError("tick at least one method")
+            curves, errors = {}, {}
+            for m in method_names:
+                r = sweep_num_tasks(self.ctl.session, m, split=split, progress=lambda f, msg: progress(f, desc=f"{m}: {msg}"))
+                curves[m], errors[m] = (r["x"], r["mean"]), r["se"]
+            return plots.sweep_curves(curves, "number of merged tasks",
+                                      "Average accuracy over the merged tasks (mean ± s.e. over random subsets)",
+                                      errors=errors)
+        axes = sweep_axes()
+        if axis not in axes:
+            raise MergerError(f"sweep axis '{axis}' unknown; one of {', '.join(axes)}")
+        label, only = axes[axis]
+        chosen = [m for m in method_names if axis in methods.get(m).param_names]
+        if not chosen:
+            raise MergerError(f"none of the ticked methods has {label}" + (f" (try {', '.join(only)})" if only else ""))
+        skipped = [m for m in method_names if m not in chosen]
+        values = sorted({v for m in chosen for v in sweep_values(axis, m)})
+        data = sweep(self.ctl.session, chosen, axis, values, split=split, experts=experts,
+                     progress=lambda f, msg: progress(f, desc=msg), cluster=self.ctl.cluster,
+                     on_result=self._record)
         curves, dashed = {}, []
         for m, d in data.items():
             curves[f"{m} (average)"] = (d["x"], d["average"])

@@ -1,14 +1,18 @@
-"""The one way the UI reports a problem: ``fail`` for a button's job (Gradio shows the message
-as a toast, the app stays up, each output shows an error badge until closed), ``kept`` where the
-outputs must stay in view (a landscape that took minutes, the inputs a reload sets), ``notice``
-where a result would be shown instead (a slider move, a run's status line: a toast per move would
-bury the page).
+"""The one way the UI reports a problem. ``kept`` (or a handler marked ``keeps_outputs``) for a
+button's refused request: the message as a toast, and what the outputs showed stays in view (a
+landscape that took minutes, a comparison, the inputs a reload sets); ``notice`` where a result
+would be shown instead (a slider move, a run's status line: a toast per move would bury the page);
+``fail`` inside those, or where an error is the answer (the scripting endpoint; Gradio would cover
+each output with an error badge until closed).
 Each carries the engine's message, which names the file, field or parameter and the reason."""
 from __future__ import annotations
 
+import functools
 from typing import NoReturn
 
 import gradio as gr
+
+from merger.errors import MergerError
 
 
 def notice(problem) -> str:
@@ -33,3 +37,19 @@ def kept(problem, outputs: int) -> tuple:
     reload sets) with an error badge until closed."""
     warn(problem)
     return tuple(gr.skip() for _ in range(outputs))
+
+
+def keeps_outputs(outputs: int):
+    """Mark a handler of ``outputs`` outputs whose refusal (a MergerError, or a ``fail`` inside it)
+    is a warning with every output kept (``kept``)."""
+    def mark(fn):
+        @functools.wraps(fn)  # Gradio reads the request and progress parameters off the signature
+        def handler(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except MergerError as exc:
+                return kept(exc, outputs)
+            except gr.Error as exc:
+                return kept(exc.message, outputs)
+        return handler
+    return mark

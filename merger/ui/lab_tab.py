@@ -12,7 +12,7 @@ from merger.analysis.lab import (GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, TRENDS
                                  lab_experts, scaling_view)
 from merger.errors import Cancelled, MergerError
 from merger.landscape.trajectories import has_trajectory
-from merger.ui.errors import fail
+from merger.ui.errors import notice
 from merger.ui.merge_events import session_of
 from merger.ui.scheduling import BATCH_EVENT, as_batch
 
@@ -26,19 +26,20 @@ class LabController:
         self._cancel: dict[str, threading.Event] = {}
         self._opted_in: set[str] = set()
 
-    def _guarded(self, request, work):
-        """work(cancel flag) with this session's Cancel flag set up: (result, cancelled). Bad input
-        becomes a message; the flag is gone afterwards."""
+    def _guarded(self, request, work, cancelled: str):
+        """work(cancel flag) with this session's Cancel flag set up: (result, None), or (None, the
+        status line saying why it stopped: ``cancelled``, or bad input as a notice, the outputs
+        shown staying as they were). The flag is gone afterwards."""
         key = session_of(request)
         flag = self._cancel[key] = threading.Event()
         try:
-            return work(flag), False
+            return work(flag), None
         except Cancelled:
-            return None, True
+            return None, cancelled
         except (MergerError, ValueError) as exc:
             if not isinstance(exc, MergerError):  # maybe no fault of the input: the log keeps where it arose
                 traceback.print_exc()
-            fail(exc)
+            return None, notice(exc)
         finally:
             self._cancel.pop(key, None)
 
@@ -85,10 +86,11 @@ class LabController:
             weight_decay, schedule, progress=gr.Progress()):
         name = str(name or "").strip() or self.free_name(task, request)
         settings = (lr, epochs, batch_size, data_fraction, seed, optimizer, momentum, weight_decay, schedule)
-        hp, cancelled = self._guarded(request, lambda flag: self._train(task, name, check_settings(*settings),
-                                                                         progress, flag, request))
-        if cancelled:
-            return "Cancelled: no expert was added.", gr.skip(), gr.skip()
+        hp, stopped = self._guarded(request, lambda flag: self._train(task, name, check_settings(*settings),
+                                                                       progress, flag, request),
+                                    "Cancelled: no expert was added.")
+        if stopped:
+            return stopped, gr.skip(), gr.skip()
         return (f"Added expert **{name}** ({hp}); it is yours: other sessions see it only if they opt in.",
                 *self.choices(request))
 
@@ -106,9 +108,9 @@ class LabController:
                     self._train(t, name, settings, progress, flag, request)
                     added.append(name)
 
-        _, cancelled = self._guarded(request, work)
-        note = " Cancelled before the rest." if cancelled else ""
-        return f"Added one-epoch experts: {', '.join(added) or 'none'}.{note}", *self.choices(request)
+        _, stopped = self._guarded(request, work, "Cancelled before the rest.")
+        return f"Added one-epoch experts: {', '.join(added) or 'none'}." + (f" {stopped}" if stopped else ""), \
+            *self.choices(request)
 
     @staticmethod
     def gradient_descent_preset():
@@ -123,13 +125,16 @@ class LabController:
         settings = (lr, epochs, batch_size, data_fraction, seed, optimizer, momentum, weight_decay, schedule)
 
         def work(flag):
-            vals = [float(v) for v in str(values).split(",") if v.strip()]
+            try:
+                vals = [float(v) for v in str(values).split(",") if v.strip()]
+            except ValueError as exc:
+                raise MergerError(f"lab: scaling values {str(values)[:60]!r}: not comma-separated numbers ({exc})") from None
             return scaling_view(self.ctl.session, param, vals, check_settings(*settings), self.pool.tasks,
                                 progress=lambda f, m: progress(f, desc=m), cancel=flag.is_set, owner=session_of(request))
 
-        r, cancelled = self._guarded(request, work)
-        if cancelled:
-            return gr.skip(), gr.skip(), gr.skip(), "Cancelled."
+        r, stopped = self._guarded(request, work, "Cancelled.")
+        if stopped:
+            return gr.skip(), gr.skip(), gr.skip(), stopped
         log_x = param == "lr"
         acc = plots.lines({f"merged accuracy ({r['merge']})": (r["values"], [100 * a for a in r["accuracy"]])},
                           param, "accuracy %", f"Merged accuracy against {param}", log_x=log_x)

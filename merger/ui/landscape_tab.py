@@ -9,7 +9,7 @@ from merger.landscape import trajectories
 from merger.landscape.figure import landscape_figure, landscape_layers, make_plane
 from merger.landscape.surface import extent_of
 from merger.methods.registry import with_param
-from merger.ui.errors import fail, kept, warn
+from merger.ui.errors import keeps_outputs, kept, warn
 from merger.ui.scheduling import BATCH_EVENT
 
 PLANE_CHOICES = [("PCA of base, experts and pinned merges", "pca"), ("base + two task vectors", "tasks"),
@@ -131,18 +131,16 @@ class LandscapeController:
             return gr.skip()
         return self.figure(state, spec)
 
+    @keeps_outputs(1)
     def curves(self, chosen, metric, split, task, experts, method, *values):
         """Accuracy or loss along the ticked trajectories (the mean over tasks, or one task's); a
         trajectory that is not available is named in the title, the others are drawn."""
         if not chosen:
-            fail("tick at least one trajectory")
+            raise MergerError("tick at least one trajectory")
         task = None if task in (None, "", "all tasks (mean)") else task
-        try:
-            spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
-            paths, problems = self._paths(chosen, spec.method, spec.kwargs, spec)
-            data = {tr.name: trajectories.evaluate_along(self.land, tr, split) for tr in paths}
-        except MergerError as exc:
-            fail(exc)
+        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        paths, problems = self._paths(chosen, spec.method, spec.kwargs, spec)
+        data = {tr.name: trajectories.evaluate_along(self.land, tr, split) for tr in paths}
         if not data:
             return plots.empty("No trajectory available: " + "; ".join(problems))
         return plots.trajectory_curves(data, metric, task=task, missing=problems)

@@ -99,20 +99,22 @@ class MergeTabEvents:
     # Gradio injects the request only among positional parameters: it comes first.
     def reload(self, request: gr.Request, row_id, experts, method, *values):
         """A History row into every Merge-tab input."""
-        return self._set_or_warn(request, lambda: self.ctl.reload(row_id), experts, method, values)
+        return self.set_or_warn(request, lambda: self.ctl.reload(row_id), experts, method, values)
 
     def start_from_learned(self, request: gr.Request, experts, method, *values):
         """The current data-driven run's coefficients into the coefficient sliders (task arithmetic)."""
-        return self._set_or_warn(request, lambda: self.ctl.learned_updates(experts, method, *values),
+        return self.set_or_warn(request, lambda: self.ctl.learned_updates(experts, method, *values),
                                  experts, method, values)
 
-    def _set_or_warn(self, request, updates, experts, method, values):
+    def set_or_warn(self, request, updates, experts, method, values):
         """``set_inputs`` of updates(), or, where those fail, their message as a warning and every
         input as it was: raised, the error would replace each input it targets by an error badge."""
         try:
             got = updates()
         except gr.Error as exc:
             return kept(exc.message, 2 + len(values))
+        except MergerError as exc:
+            return kept(exc, 2 + len(values))
         return self.set_inputs(request, got, experts, method, values)
 
     def set_inputs(self, request, updates, experts, method, values):

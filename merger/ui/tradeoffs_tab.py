@@ -14,7 +14,7 @@ from merger.errors import Cancelled, MergerError
 from merger.evaluation.tuning import auto_tune, tune_weights
 from merger.methods.adaptive import ADAMERGING_TASK
 from merger.methods.basic import TASK_ARITHMETIC
-from merger.ui.errors import fail
+from merger.ui.errors import notice
 from merger.ui.merge_events import session_of
 from merger.ui.scheduling import BATCH_EVENT
 
@@ -52,8 +52,8 @@ class TradeoffsTab:
                                   cancel=flag.is_set)
         except Cancelled as exc:
             return gr.skip(), gr.skip(), gr.skip(), str(exc)
-        except MergerError as exc:
-            fail(exc)
+        except MergerError as exc:  # refused: the maps shown stay, the status says why
+            return gr.skip(), gr.skip(), gr.skip(), notice(exc)
         who = session_of(request)
         self.events.saw(who, out["specs"])
         points = co.evaluated_points(self.ctl.session, task_a, task_b, specs=self.events.evaluated(who))
@@ -76,7 +76,7 @@ class TradeoffsTab:
         except Cancelled as exc:
             return gr.skip(), str(exc)
         except MergerError as exc:
-            fail(exc)
+            return gr.skip(), notice(exc)
         curves = {t: (out["values"], [100 * a for a in accs]) for t, accs in out["accuracy"].items()}
         return (plots.lines(curves, f"weight of {task}", "accuracy %", f"Turning {task} up: who gains, who pays"),
                 f"`{spec.label()}` with the weight of **{task}** from 0 to 2.")
@@ -109,7 +109,7 @@ class TradeoffsTab:
         except Cancelled as exc:
             return gr.skip(), str(exc), gr.skip()
         except MergerError as exc:
-            fail(exc)
+            return gr.skip(), notice(exc), gr.skip()
         return (rows, f"Best of {tuned['trials']} TPE trials (seed {tuned['seed']}) on validation: "
                       f"`{tuned['spec'].label()}`; accuracies on the validation and test splits (the Merge tab "
                       f"shows the live split, a fixed subset of test). Press **Load into the sliders** to drag from "
@@ -117,7 +117,7 @@ class TradeoffsTab:
 
     def load(self, tuned, experts, method, *values):
         if tuned is None:
-            fail("tune first: there are no tuned weights to load")
+            raise MergerError("tune first: there are no tuned weights to load")
         return self.ctl.spec_updates(list(tuned.experts), tuned.method, tuned.kwargs, dict(tuned.task_weights),
                                      dict(tuned.block_weights))
 
@@ -166,7 +166,8 @@ def build_tradeoffs_tab(ctl, merge: dict, events, batch) -> TradeoffsTab:
 
 
 def events_load(events, tab):
-    """Loading tuned weights sets every Merge-tab input at once, read as one request (like a reload)."""
+    """Loading tuned weights sets every Merge-tab input at once, read as one request (like a reload);
+    refused, every input stays as it was."""
     def load(request: gr.Request, tuned, experts, method, *values):
-        return events.set_inputs(request, tab.load(tuned, experts, method, *values), experts, method, values)
+        return events.set_or_warn(request, lambda: tab.load(tuned, experts, method, *values), experts, method, values)
     return load
