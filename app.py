@@ -21,28 +21,22 @@ def _port(text: str) -> int:
     return port
 
 
-def _auth(text: str) -> tuple[str, str]:
-    user, sep, password = text.partition(":")
-    if not sep or not user or not password:
-        raise argparse.ArgumentTypeError("expected user:password")
-    return user, password
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="merger: interactive model-merging explorer")
     ap.add_argument("--pool", default="demo", help='pool YAML, or "demo" (the built-in pool)')
     ap.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     ap.add_argument("--port", type=_port, default=7860, help="TCP port, 1-65535 (default 7860)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    from merger.cli_jobs import positive_int, user_password
     from merger.io.history import DEFAULT_PATH
 
     ap.add_argument("--history", default=str(DEFAULT_PATH),
                     help="SQLite file of evaluated specs ('' to turn history off)")
     ap.add_argument("--share", action="store_true", help="ask Gradio for a public share link (off by default)")
-    ap.add_argument("--auth", type=_auth, default=None, help="user:password required to open the app")
+    ap.add_argument("--auth", type=user_password, default=None, help="user:password required to open the app")
     ap.add_argument("--ray", default=None, metavar="auto|local|ADDRESS",
                     help="send Sweep / Auto-tune / Landscape jobs to a Ray cluster (the sliders stay here)")
-    ap.add_argument("--workers", type=int, default=2, help="with --ray: workers, each opening the pool once")
+    ap.add_argument("--workers", type=positive_int, default=2, help="with --ray: workers, each opening the pool once")
     ap.add_argument("--roots", default="", help="comma-separated folders the app may read files from "
                     "(besides the pool's own folder); anything else is refused")
     return ap.parse_args(argv)
@@ -71,7 +65,10 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     try:
-        roots = [r for r in args.roots.split(",") if r.strip()]
+        roots = [r.strip() for r in args.roots.split(",") if r.strip()]
+        missing = [r for r in roots if not os.path.isdir(os.path.expanduser(r))]
+        if missing:  # a typo would leave the files meant to be read refused, with no hint why
+            raise merger.MergerError(f"--roots: {', '.join(missing)}: not a folder")
         history = History(args.history) if args.history else None  # named before the pool's minutes
         pool = merger.open_pool(args.pool, device=args.device, roots=roots)
         session = merger.PoolSession(pool)
@@ -97,7 +94,8 @@ def main(argv=None) -> int:
         app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=args.auth,
                    footer_links=["api"], css=None)
     except OSError as exc:  # the port is taken, or the host is not this machine's
-        print(f"error: --host {args.host} --port {args.port}: cannot serve there ({exc})", file=sys.stderr)
+        print(f"error: --host {args.host} --port {args.port}: cannot serve there: the port is taken, or "
+              f"{args.host} is not an address of this machine ({exc})", file=sys.stderr)
         return 2
     return 0
 

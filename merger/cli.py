@@ -9,7 +9,7 @@ import sys
 import threading
 
 from merger import methods
-from merger.cli_jobs import add_job_args, add_job_commands, cmd_landscape, progress_bar
+from merger.cli_jobs import add_job_args, add_job_commands, cmd_landscape, positive_int, progress_bar, user_password
 from merger.errors import MergerError
 from merger.methods import PARAM_NAMES
 
@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--points", default="base,experts",
                    help="comma list: base, experts, a task, file:PATH, METHOD:param=value (ta = task_arithmetic)")
     p.add_argument("--tasks", default=None, help="the two tasks of --plane tasks")
-    p.add_argument("--grid", type=int, default=21)
+    p.add_argument("--grid", type=positive_int, default=21)
     p.add_argument("--metric", default="loss", choices=["loss", "accuracy"])
     p.add_argument("--task", default=None, help="one task's metric (default: mean over tasks)")
     p.add_argument("--split", default="probe", help="probe (default: 48 test images per task), live, val or test")
@@ -321,17 +321,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "(disk cache); cluster: a sweep and a landscape here and on a local Ray instance "
                         "(--clients workers, 2); attacks: the bad-input catalogue")
     p.add_argument("--jobs", default="sweep,autotune", help="workshop: batch jobs (sweep, autotune, landscape)")
-    p.add_argument("--url", default=None, help="api: a running app to target (default: start one)")
-    p.add_argument("--grid", type=int, default=21, help="landscape: grid points per side")
-    p.add_argument("--clients", type=int, default=None, help="load (20) / workshop (10): concurrent clients")
+    p.add_argument("--url", default=None, help="api / load: a running app to target (default: start one)")
+    p.add_argument("--auth", type=user_password, default=None,
+                   help="api / load: user:password of a --url app started with --auth")
+    p.add_argument("--grid", type=positive_int, default=21, help="landscape: grid points per side")
+    p.add_argument("--clients", type=positive_int, default=None,
+                   help="load (20) / workshop (10): concurrent clients")
     p.add_argument("--arch", default="ViT-B-32")
     p.add_argument("--pool", default="demo")
-    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--experts", type=positive_int, default=8)
     p.add_argument("--tv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="merge/scale: task-vector storage (auto: bf16 above 1 GB in fp32)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--moves", type=int, default=None, help="live/api/scale: distinct λ values per method")
-    p.add_argument("--images", type=int, default=None, help="scale: synthetic images per task (128); open: test "
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--moves", type=positive_int, default=None,
+                   help="live / api / scale: distinct λ values per method; load: moves per client (50)")
+    p.add_argument("--images", type=positive_int, default=None, help="scale: synthetic images per task (128); open: test "
                                                               "images per task (32)")
     p.add_argument("--device", default="cpu", help="scale: cpu or cuda")
     p.add_argument("--naive", type=int, default=30, help="live: how many of them to repeat naively")

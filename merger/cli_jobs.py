@@ -3,6 +3,7 @@
 finish (this process is its one writer), and ``--resume`` skips what the history already holds."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import sys
@@ -12,6 +13,24 @@ from merger import methods
 from merger.errors import MergerError
 from merger.io import inputs
 
+
+def user_password(text: str) -> tuple[str, str]:
+    """An argparse type: ``user:password`` (the password may hold colons)."""
+    user, sep, password = text.partition(":")
+    if not sep or not user or not password:
+        raise argparse.ArgumentTypeError("expected user:password")
+    return user, password
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number ≥ 1 (a count of clients, moves, repeats, grid points)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ 1")
+    return value
 
 
 @contextlib.contextmanager
@@ -44,7 +63,7 @@ def add_job_args(p, history: bool = True) -> None:
     p.add_argument("--ray", default=None, metavar="auto|local|ADDRESS",
                    help="run on a Ray cluster: auto (the one this machine belongs to), local (start one here), "
                         "or host:port / ray://host:port; absent: run here")
-    p.add_argument("--workers", type=int, default=2, help="with --ray: workers, each opening the pool once")
+    p.add_argument("--workers", type=positive_int, default=2, help="with --ray: workers, each opening the pool once")
     p.add_argument("--device", default="cpu", help="without --ray: where this process evaluates")
     if history:
         from merger.io.history import DEFAULT_PATH
@@ -70,7 +89,7 @@ def add_job_commands(sub) -> None:
     p.add_argument("--experts", default=None, help="comma-separated task names (default: all)")
     p.add_argument("--weights", default=None, metavar="METHOD",
                    help="instead of the grid: search METHOD's per-task weights (Optuna TPE, seeded) at its defaults")
-    p.add_argument("--budget", type=int, default=100, help="--weights: trials")
+    p.add_argument("--budget", type=positive_int, default=100, help="--weights: trials")
     p.add_argument("--seed", type=int, default=0, help="--weights: the sampler's seed")
     p.add_argument("--with-lam", action="store_true", help="--weights: search λ too")
     p.set_defaults(func=cmd_tune)

@@ -24,3 +24,11 @@ class DataError(MergerError):
 class Cancelled(MergerError):
     """The user cancelled a long operation (a run, a preparation, a fine-tune); nothing was cached
     or written."""
+
+
+def listed(names, most: int = 10, width: int = 60) -> str:
+    """Names a person gave, for a message: at most ``most`` of them, each cut at ``width``
+    characters (a script's 20,000 names, or one of 100,000 characters, must not become the message)."""
+    names = [str(n) for n in names]
+    shown = ", ".join(n if len(n) <= width else n[:width] + "…" for n in names[:most])
+    return shown + (f", … ({len(names)} in all)" if len(names) > most else "")

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from merger import methods
-from merger.errors import MergerError
+from merger.errors import MergerError, listed
 from merger.pool.task_vectors import TaskVectors
 
 
@@ -26,9 +26,9 @@ def parse_experts(experts: str | Iterable[str] | None, names: Sequence[str],
         raise MergerError("experts: empty subset, pick at least one expert")
     unknown = [e for e in chosen if e not in names]
     if unknown:
-        raise MergerError(f"experts: unknown task(s) {', '.join(unknown)}; known: {', '.join(names)}")
+        raise MergerError(f"experts: unknown task(s) {listed(unknown)}; known: {', '.join(names)}")
     if len(set(chosen)) != len(chosen):
-        raise MergerError(f"experts: a task is named twice in {', '.join(chosen)}")
+        raise MergerError(f"experts: a task is named twice in {listed(chosen)}")
     return tuple(t for t in names if t in chosen)
 
 
@@ -47,17 +47,20 @@ def parse_weights(given, field: str, allowed: Sequence[str], why: str) -> tuple[
     if given is None:
         return ()
     if isinstance(given, str):
-        pairs = {}
+        pairs = []
         for item in (x.strip() for x in given.split(",") if x.strip()):
             name, sep, value = item.partition("=")
             if not sep:
-                raise MergerError(f"{field}: '{item}' is not name=weight")
-            pairs[name.strip()] = value.strip()
+                raise MergerError(f"{field}: {item[:60]!r} is not name=weight")
+            pairs.append((name.strip(), value.strip()))
         given = pairs
     if isinstance(given, (list, tuple)):  # pairs [(name, w), ...]
         if not all(isinstance(x, (list, tuple)) and len(x) == 2 for x in given):
             raise MergerError(f"{field}: expected {{name: weight}}, 'name=w,...' or (name, weight) pairs, got "
                               f"{str(given)[:80]}")
+        twice = sorted({str(n)[:60] for n, _ in given if sum(str(m) == str(n) for m, _ in given) > 1})
+        if twice:  # a dict would keep the last silently
+            raise MergerError(f"{field}: {', '.join(twice)} is given twice")
         given = dict(given)
     if not isinstance(given, Mapping):
         raise MergerError(f"{field}: expected a mapping of name to weight, got {type(given).__name__}")
@@ -65,12 +68,16 @@ def parse_weights(given, field: str, allowed: Sequence[str], why: str) -> tuple[
     out = {}
     for name, value in given.items():
         name = str(name)
+        if not name.strip():
+            raise MergerError(f"{field}: a weight without a name ('=w'); known: {', '.join(allowed) or 'none'}")
         if name not in allowed:
-            raise MergerError(f"{field}.{name}: {why}; known: {', '.join(allowed) or 'none'}")
+            raise MergerError(f"{field}.{name[:60]}: {why}; known: {', '.join(allowed) or 'none'}")
         try:
+            if isinstance(value, bool):  # False would silently drop the task
+                raise TypeError
             w = float(value)
         except (TypeError, ValueError):
-            raise MergerError(f"{field}.{name}: '{value}' is not a number") from None
+            raise MergerError(f"{field}.{name}: {str(value)[:40]!r} is not a number") from None
         if not math.isfinite(w) or not lo <= w <= hi:
             raise MergerError(f"{field}.{name}: {w:g} is outside [{lo:g}, {hi:g}] (or not finite)")
         out[name] = w

@@ -156,6 +156,19 @@ def test_bad_device_history_and_landscape_task_are_named_before_any_work(pool_pa
     assert f"error: --history {tmp_path}: is a folder" in res.stderr  # said before the pool's minutes
     res = subprocess.run([sys.executable, APP, "--auth", "nocolon"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "argument --auth: expected user:password" in res.stderr
+    # a mistyped --roots folder would leave the files meant to be read refused, with no hint why
+    res = subprocess.run([sys.executable, APP, "--pool", str(pool_path), "--history", "", "--roots",
+                          f"{tmp_path}, {tmp_path / 'nope'}"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and f"error: --roots: {tmp_path / 'nope'}: not a folder" in res.stderr
+    # counts are whole numbers ≥ 1, refused by argparse with the flag's name
+    for argv, message in ((["bench", "load", "--clients", "-1"], "argument --clients: '-1' is not a whole number ≥ 1"),
+                          (["tune", "--weights", "ta", "--budget", "0"], "argument --budget: '0'"),
+                          (["bench", "workshop", "--jobs", "sweep,bogus"], "error: --jobs 'sweep,bogus': unknown bogus"),
+                          (["tune", "--pool", str(pool_path), "--weights", "ta", "--budget", "3", "--seed", "-1",
+                            "--history", ""], "error: seed: -1 is outside [0, 2^32 − 1]")):
+        res = subprocess.run([sys.executable, "-m", "merger", *argv], capture_output=True, text=True, timeout=300,
+                             cwd=Path(APP).parent)
+        assert res.returncode == 2 and message in res.stderr, res.stderr
 
 
 def test_evaluate_checks_weights_from_elsewhere_against_the_base(pool_path):

@@ -230,6 +230,8 @@ def tune_weights(session, method: str, params: dict | None = None, experts=None,
         raise MergerError(f"{m.name} has no λ to tune with the weights")
     if not 1 <= int(budget) <= MAX_GRID_POINTS:
         raise MergerError(f"budget: {budget} evaluations; give 1 to {MAX_GRID_POINTS}")
+    if not 0 <= int(seed) < 2**32:  # Optuna's sampler would refuse it with its own words, mid-job
+        raise MergerError(f"seed: {seed} is outside [0, 2^32 − 1]")
     chosen = session.spec(m.name, experts=experts, **(params or {}))
     lo, hi, step = WEIGHT_SEARCH
     lam_lo, lam_hi = (min(m.tune_grid["lam"]), max(m.tune_grid["lam"])) if with_lam else (None, None)

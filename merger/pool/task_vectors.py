@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from merger.errors import MergerError
+from merger.errors import MergerError, listed
 from merger.io.checkpoints import merge_scope
 
 # The 2-D weights of attention and MLP blocks: what the low-rank methods treat as matrices.
@@ -111,9 +111,9 @@ class TaskVectors:
             raise MergerError("experts: empty subset, pick at least one expert")
         unknown = [t for t in tasks if t not in self.tasks]
         if unknown:
-            raise MergerError(f"experts: unknown task(s) {', '.join(unknown)}; known: {', '.join(self.tasks)}")
+            raise MergerError(f"experts: unknown task(s) {listed(unknown)}; known: {', '.join(self.tasks)}")
         if len(set(tasks)) != len(tasks):
-            raise MergerError(f"experts: a task is named twice in {', '.join(tasks)}")
+            raise MergerError(f"experts: a task is named twice in {listed(tasks)}")
         if tasks == self.tasks:
             return self
         idx = torch.tensor([self.tasks.index(t) for t in tasks], device=self.device)

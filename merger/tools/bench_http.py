@@ -27,7 +27,7 @@ def bench_api(args) -> int:
         url = f"http://127.0.0.1:{port}/"
         print(f"started the app on {url} in {time.perf_counter() - t0:.1f} s")
     try:
-        client = Client(url, verbose=False)
+        client = Client(url, verbose=False, auth=args.auth)
         client.predict(method=LIVE_METHODS[0], split="live", api_name="/evaluate")  # warm-up
         rows = []
         for m in LIVE_METHODS:
@@ -83,8 +83,14 @@ def bench_load(args) -> int:
 
     def client(cid: int):
         rng = random.Random(cid)
-        c = Client(url, verbose=False)
         lat, errors, last = [], [], None
+        try:
+            c = Client(url, verbose=False, auth=args.auth)
+        except Exception as exc:  # no server there, or no login: every move of this client failed
+            with lock:
+                results[cid] = {"lat": [], "errors": [f"connect: {type(exc).__name__}: {str(exc)[:200]}"] * moves,
+                                "last": None}
+            return
         for _ in range(moves):
             m = rng.choice(LIVE_METHODS)
             params = {**rng.choice(grid_points(m)), "lam": rng.choice(lams)}
@@ -124,6 +130,10 @@ def bench_load(args) -> int:
     print(f"{clients} clients × {moves} slider moves on {url} ({len(lat)} requests in {wall:.1f} s, "
           f"{len(lat) / wall:.1f} req/s)")
     print(f"\n{'errors':<34}{len(errors):>8}   (goal 0)")
+    if not lat:
+        print(f"  error: {errors[0] if errors else 'no request was made'}")
+        print("goals: MISSED (no request answered)")
+        return 1
     print(f"{'latency p50 s':<34}{statistics.median(lat):8.3f}")
     print(f"{'latency p95 s':<34}{percentile(lat, 0.95):8.3f}   (goal <= 2 s)")
     print(f"{'latency max s':<34}{max(lat):8.3f}")

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
+from merger.errors import MergerError, listed
 from merger.tools.measure import LIVE_METHODS, naive_evaluation, percentile
 
 
@@ -251,10 +252,11 @@ def bench_workshop(args) -> int:
     from merger.evaluation.tuning import grid_points
     from merger.ui.endpoint import endpoint_data
 
-    names = args.jobs.split(",")
+    names = [n.strip() for n in args.jobs.split(",") if n.strip()]
     unknown = [n for n in names if n not in JOBS]
-    if unknown:
-        raise SystemExit(f"workshop jobs: unknown {', '.join(unknown)}; known: {', '.join(JOBS)}")
+    if unknown or not names:
+        raise MergerError(f"--jobs {args.jobs!r}: " + (f"unknown {listed(unknown)}" if unknown else "no job named")
+                          + f"; known: {', '.join(JOBS)}")
     draggers = args.clients or 10
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = _server(args.pool, tmp)

@@ -2,6 +2,7 @@
 registry is an argument by its own name, so a new method's parameter is one more argument."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Optional
 
@@ -14,6 +15,10 @@ FIXED = ("method", "experts", "split", "task_weights", "block_weights")  # all b
 # The first endpoint's parameters, in its positional order (method, lam, rank_ratio, sparsity, seed,
 # experts, split); every later one comes after task_weights and block_weights, so no positional call breaks.
 FIRST = ("lam", "rank_ratio", "sparsity", "seed")
+# The splits the page offers. The live split is a slider move's forward (a preview); val and test
+# are Compare's, run as batch work so that they wait for the room's slider moves; the train split
+# (31,500 images on the demo, a held model for seconds) is the CLI's: `python -m merger eval`.
+SPLITS = ("live", "val", "test")
 
 
 def endpoint_params() -> list[str]:
@@ -64,6 +69,9 @@ def evaluate_endpoint(ctl):
         given = dict(bound.arguments)
         method, experts, split, task_weights, block_weights = (given.pop(k) for k in FIXED)
         try:
+            if split not in SPLITS:
+                raise MergerError(f"split {str(split)[:40]!r}: the endpoint evaluates {', '.join(SPLITS)} "
+                                  "(other splits: python -m merger eval --split …)")
             if methods.get(method).data_driven:
                 raise MergerError(f"{method} learns from data: run it in the Merge tab or with `python -m merger merge`")
             params = {k: v for k, v in given.items() if v is not None and v != ""}
@@ -79,14 +87,32 @@ def evaluate_endpoint(ctl):
             spec = ctl.session.spec(method, experts=experts, task_weights=task_weights or None,
                                     block_weights=block_weights or None, **params)
             cached = ctl.session.cached(spec, split) is not None
-            result = ctl.session.preview(spec, split)
+            with ctl.session.batch(chunks=1) if split != "live" else contextlib.nullcontext():
+                result = ctl.session.preview(spec, split)
         except MergerError as exc:
             fail(exc)
         if ctl.history is not None and not cached:
             ctl.history.record(ctl.pool_ref, spec.rounded(), result)
-        return {"spec": spec.rounded().as_dict(), **result.to_dict()}
+        out = {"spec": spec.rounded().as_dict(), **result.to_dict()}
+        m = methods.get(spec.method)  # the page's note under the result ("the merge is the base", …)
+        note = m.note(spec.rounded().kwargs, ctl.session.prepared_state(spec)) if m.note else None
+        snapped = _snapped(spec)
+        return {**out, **({"note": note} if note else {}), **({"snapped": snapped} if snapped else {})}
 
     evaluate.__signature__ = sig
     evaluate.__annotations__ = hints
     evaluate.__doc__ = evaluate_endpoint.__doc__
     return evaluate
+
+
+def _snapped(spec) -> dict:
+    """The parameters and weights computed at another value than given: a preview's values sit on
+    their sliders' steps (λ 0.333 is computed at 0.35), as the result cache shared with the page
+    keys them. {name: computed value}; task and block weights as "w.NAME" and "b.NAME"."""
+    rounded = spec.rounded()
+    out = {}
+    for tag, given, computed in (("", spec.params, rounded.params), ("w.", spec.task_weights, rounded.task_weights),
+                                 ("b.", spec.block_weights, rounded.block_weights)):
+        computed = dict(computed)  # a weight that snaps to 1 is left out of the rounded spec
+        out.update({tag + n: computed.get(n, 1.0) for n, g in given if g != computed.get(n, 1.0)})
+    return out

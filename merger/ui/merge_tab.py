@@ -281,7 +281,8 @@ def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str
         inputs = [experts, method, *controls, *weights]  # the order spec_from_controls reads
         outputs = [acc_plot, loss_plot, radar_plot, summary]
         learned = [objective_plot, coef_plot, fw_plot]
-        method.change(events.method_controls, [method, experts, *controls], [*controls, about], queue=False)
+        method.change(events.method_controls, [method, experts, *controls], [*controls, about], queue=False,
+                      api_visibility="private")
         experts.change(ctl.refresh_limits, inputs, controls, queue=False, api_visibility="private")
         runs = RunController(ctl)
         run_btn.click(runs.run, inputs, [run_status, *learned, *outputs], **BATCH_EVENT, api_visibility="private")
