@@ -180,8 +180,11 @@ def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), pa
         kinds.setdefault(kind if kind in MARKERS else "merge", []).append((label, x, y, off))
     for kind, members in kinds.items():
         sym, col = MARKERS[kind]
+        # merges sit near the base at small λ: their names below, the base's and experts' above
+        below = kind in ("merge", "pinned")
         traces.append(go.Scatter(x=[m[1] for m in members], y=[m[2] for m in members], mode="markers+text",
-                                 text=[m[0] for m in members], textposition="top center", textfont=_LABEL_FONT, name=kind,
+                                 text=[m[0] for m in members], textposition="bottom center" if below else "top center",
+                                 textfont=_LABEL_FONT, name=kind,
                                  marker=dict(symbol=sym, size=13, color=col, line=dict(width=1, color="white")),
                                  hovertext=[_hover(*m) for m in members], hoverinfo="text", showlegend=False))
     if live is not None:
@@ -191,8 +194,9 @@ def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), pa
                                  hovertext=_hover("live: " + label, x, y, off), hoverinfo="text"))
     # Equal scales on both directions (distances in weight space read the same either way): the x
     # axis gives up width rather than stretching its range past the data.
+    # Taller than the other plots: with equal scales the plane is as tall as the panel lets it be.
     return _figure(traces, title=title, xaxis=dict(title="direction 1", constrain="domain"),
-                   yaxis=dict(title="direction 2", scaleanchor="x"), height=560, legend=dict(orientation="h", y=-0.15))
+                   yaxis=dict(title="direction 2", scaleanchor="x"), height=720, legend=dict(orientation="h", y=-0.1))
 
 
 def trajectory_curves(curves: Mapping[str, dict], metric: str, x_title: str = "step / parameter",
@@ -283,6 +287,25 @@ def lines(curves: Mapping[str, tuple], x_title: str, y_title: str, title: str, l
                                  line=dict(color=PALETTE[i % len(PALETTE)], dash="dot" if name in dashed else "solid")))
     fig.update_layout(title=title, xaxis=dict(title=x_title, type="log" if log_x else "linear"),
                       yaxis=dict(title=y_title), **_CURVES)
+    return fig
+
+
+def stacked_lines(panels: Mapping[str, Mapping[str, tuple]], x_title: str, title: str) -> go.Figure:
+    """One panel per quantity, over one shared x axis: panels: y title -> {name: (xs, ys)}. For
+    quantities of different units and scales (an accuracy in %, a loss, a cosine distance near 0)."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.06)
+    i = 0
+    for row, (y_title, curves) in enumerate(panels.items(), start=1):
+        for name, (xs, ys) in curves.items():
+            fig.add_trace(go.Scatter(x=list(xs), y=list(ys), name=name, mode="lines+markers",
+                                     line=dict(color=PALETTE[i % len(PALETTE)])), row=row, col=1)
+            i += 1
+        fig.update_yaxes(title_text=y_title, row=row, col=1)
+    fig.update_xaxes(title_text=x_title, row=len(panels), col=1)
+    fig.update_layout(title=title, template=TEMPLATE, height=160 + 150 * len(panels), showlegend=False,
+                      margin=dict(l=70, r=20, t=50, b=40))
     return fig
 
 

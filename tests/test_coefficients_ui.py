@@ -69,6 +69,8 @@ def test_out_of_range_weights_and_parameters_name_their_field():
     for value, shown in ((5, "5"), (-9, "-9"), (float("nan"), "nan")):
         with pytest.raises(gr.Error, match=rf"w · size: {shown} is outside \[-3, 3\]"):
             w.preprocess(value)
+    with pytest.raises(gr.Error, match=r"w · size: empty or not a number; type a number in \[-3, 3\]"):
+        w.preprocess(None)  # its box cleared, or 'abc' typed: Gradio's own check raised a TypeError
     seed = param_control("seed", 3)
     assert seed.get_block_name() == "number"
     with pytest.raises(gr.Error, match=r"seed: -1 is outside \[0, 2.14748e\+09\]"):
@@ -148,12 +150,15 @@ def test_tradeoffs_tab_views(ctl):
     assert [t.name for t in pareto.data][:2] == ["evaluated", "Pareto front"]
     n = len(MAP_VALUES) ** 2 + 1  # the grid and my one move: not the other person's
     assert len(pareto.data[0].x) == n and f"{n} merges you evaluated" in status
+    assert tab.cancel(person("me")) == gr.skip()  # the map is done: its summary stays in the status line
     fig, _ = tab.turn_up(person(), b, *inputs, progress=lambda *x, **k: None)
     assert {t.name for t in fig.data} == set(ctl.pool.tasks)
     # refused: the maps shown stay, the status line says why
     *maps, status = tab.two_tasks(person(), a, b, *with_weights(ctl, controls(ctl, "adamerging_task")),
                                   progress=lambda *x, **k: None)
     assert maps == [gr.skip()] * 3 and status.startswith("⚠️") and "learns its own coefficients" in status
+    table, msg, kept = tab.tune(person(), None, 0, False, False, *inputs, progress=lambda *x, **k: None)
+    assert (table, kept) == (gr.skip(), gr.skip()) and msg == "⚠️ evaluations (budget): empty or not a number"
     rows, msg, tuned = tab.tune(person(), 4, 0, False, False, *inputs, progress=lambda *x, **k: None)
     assert rows[0][0] == "TPE per-task weights" and rows[0][2] == 4 and rows[1][0].startswith("best single λ")
     updates = tab.load(tuned, *inputs)

@@ -4,7 +4,8 @@ import re
 
 import gradio as gr
 import pytest
-from helpers import controls, ui_controller
+import torch
+from helpers import controls, ui_controller, with_weights
 
 import merger
 from merger import plots
@@ -98,7 +99,8 @@ def test_pin_and_compare(ctl):
     table, bars, radar = CompareTab(ctl).compare(pins, "live")
     assert len(table) == 2 and len(bars.data) == 2 and len(radar.data) == 2
     ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "cart", lam=1.5, rank_ratio=0.1))
-    assert table[1][2] == pytest.approx(round(100 * ref.average_accuracy, 2))
+    assert table[1][3] == pytest.approx(round(100 * ref.average_accuracy, 2))
+    assert table[1][2] == "live" and "(live split)" in bars.layout.title.text and "live split" in radar.layout.title.text
 
 
 def test_export_offers_the_cli_files(ctl):
@@ -224,11 +226,26 @@ def test_api_evaluate(ctl):
         (dict(method="task_arithmetic", lam="abc"), "is not a number"),
         (dict(method="task_arithmetic", experts=[]), "empty subset"),
         (dict(method="task_arithmetic", experts=["ghost"]), "unknown task"),
-        (dict(method="task_arithmetic", split="dev"), "unknown split 'dev'"),
+        (dict(method="task_arithmetic", split="dev"), r"split 'dev': the endpoint evaluates live, val, test"),
+        (dict(method="task_arithmetic", split="train"), r"other splits: python -m merger eval"),
     ]:
         with pytest.raises(gr.Error, match=message):
             evaluate_endpoint(ctl)(**kwargs)
-    assert evaluate_endpoint(ctl)("task_arithmetic", lam=0.3)["average_accuracy"] >= 0
+    plain = evaluate_endpoint(ctl)("task_arithmetic", lam=0.3)
+    assert plain["average_accuracy"] >= 0 and "snapped" not in plain and "note" not in plain
+    # a value off its slider's step is computed on it, and the answer says so
+    out = evaluate_endpoint(ctl)("task_arithmetic", lam=0.333, task_weights={ctl.pool.tasks[0]: 1.234})
+    assert out["spec"]["params"]["lam"] == 0.35 and out["snapped"] == {"lam": 0.35, f"w.{ctl.pool.tasks[0]}": 1.23}
+    ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "task_arithmetic", lam=0.35,
+                                                 task_weights={ctl.pool.tasks[0]: 1.23}))
+    assert out["average_accuracy"] == pytest.approx(ref.average_accuracy)
+    # the page's note comes with the answer: k above the experts merged keeps nothing
+    out = evaluate_endpoint(ctl)("consensus_ta", agree=5)
+    assert "no entry can be kept, the merge is the base" in out["note"]
+    # val and test wait for the room's slider moves: batch work
+    chunks = ctl.session.queue.counts["chunks"]
+    evaluate_endpoint(ctl)("task_arithmetic", lam=0.45, split="val")
+    assert ctl.session.queue.counts["chunks"] > chunks
 
 
 def test_radar_closes_polygons():
@@ -257,6 +274,13 @@ def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
     assert (live2.x[0], live2.y[0]) == pytest.approx((x, y))
     curves = lc.curves(["λ path (current method)"], "accuracy", "live", "all tasks (mean)", *controls(ctl))
     assert len(curves.data) == 1 and len(curves.data[0].x) == 16
+    # the path goes through the current merge: its experts and weights (it once took every expert, weights 1)
+    two = ctl.pool.tasks[:2]
+    inputs = with_weights(ctl, controls(ctl, experts=two, lam=0.3), {two[0]: 1.5})
+    spec = ctl.spec_from_controls(*inputs).rounded()
+    (path,), problems = lc._paths(["λ path (current method)"], spec.method, spec.kwargs, spec)
+    assert not problems and path.steps[3] == 0.3
+    assert torch.equal(path.points[3], lc.land.spec_point(spec))
 
 
 def test_data_driven_run_from_the_merge_tab(ctl):
@@ -344,7 +368,18 @@ def test_interpolation_and_ensemble_views(ctl):
     ac = AnalysisController(ctl)
     fig = ac.interpolation("base → current merge", *controls(ctl, "task_arithmetic", lam=0.3))
     assert len(fig.data) == 3 and len(fig.data[0].x) == 11
+    # one panel per quantity: the accuracy in % (as everywhere else), not a fraction beside a loss
+    assert fig.layout.yaxis.title.text == "accuracy % (avg)" and max(fig.data[0].y) > 1
     fig = ac.interpolation("first two ticked experts", *controls(ctl, "task_arithmetic"))
     assert fig.data[2].y[0] == pytest.approx(0.0, abs=1e-6)
     fig = ac.ensemble(*controls(ctl, "weight_averaging"))
     assert {t.name.split(" ")[0] for t in fig.data} == {"merged", "logit"}
+
+
+def test_the_app_offers_one_api_endpoint(ctl):
+    """Scripts see `evaluate` only: every listener of the page is private (the method switch's was
+    listed as /method_controls, and Gradio's own error reached the server's log)."""
+    from merger.ui.app import build_app
+
+    info = build_app(ctl.session).get_api_info()
+    assert list(info["named_endpoints"]) == ["/evaluate"] and not info.get("unnamed_endpoints")

@@ -28,6 +28,8 @@ def check_settings(lr, epochs, batch_size, data_fraction, seed, optimizer="adamw
                    weight_decay=0.1, schedule="cosine") -> dict:
     """Refuse out-of-range settings, naming the field."""
     def num(name, v, kind=float):
+        if v is None:  # a box left empty, or text typed in it (the browser sends no number)
+            raise MergerError(f"lab: {name} is empty or not a number")
         try:
             x = kind(v)
         except (TypeError, ValueError, OverflowError):

@@ -89,8 +89,9 @@ def finetune_trajectory(landscape, task: str) -> Trajectory:
 
 
 def parameter_path(landscape, method: str, axis: str, values: Sequence[float], fixed: dict | None = None,
-                   experts=None) -> Trajectory:
-    """Merged points as one parameter sweeps (λ path, CART's rank path, TIES/DARE sparsity path)."""
+                   experts=None, task_weights=None, block_weights=None) -> Trajectory:
+    """Merged points as one parameter sweeps (λ path, CART's rank path, TIES/DARE sparsity path),
+    over ``experts`` (None: the pool's own) with their per-task and per-block weights."""
     m = methods.get(method)
     if axis not in m.param_names:
         raise MergerError(f"{m.name} has no parameter {axis}")
@@ -99,7 +100,7 @@ def parameter_path(landscape, method: str, axis: str, values: Sequence[float], f
     for v in [v for v in values if lo <= v <= hi + 1e-12]:  # TSV-M's rank path stops at 1/T
         params = dict(fixed or {})
         params[axis] = v
-        spec = landscape.pool.make_spec(m.name, params, experts)
+        spec = landscape.pool.make_spec(m.name, params, experts, task_weights, block_weights)
         points.append(landscape.spec_point(spec))
         steps.append(float(v))
     return Trajectory(f"{m.name} {axis} path", axis, steps, points)

@@ -42,7 +42,7 @@ class AnalysisController:
         cos = plots.heatmap(analysis.cosine_matrix(tv), tv.tasks, tv.tasks, "Cosine similarity of task vectors", zmid=0)
         sc = plots.heatmap(analysis.sign_conflicts(tv), tv.tasks, tv.tasks, "Sign-conflict rate (both non-zero)")
         kept = plots.bars({f"sparsity {sparsity:g}": analysis.mass_kept(tv, float(sparsity))}, tv.tasks,
-                          "Share of ‖τt‖² kept by the top (1 − sparsity) entries")
+                          f"Share of ‖τt‖² kept by the top {1 - float(sparsity):.0%} of entries (sparsity {sparsity:g})")
         return norms, layers, cos, sc, kept
 
     @keeps_outputs(2)
@@ -83,7 +83,9 @@ class AnalysisController:
             setting = ", ".join(f"{k} {x:g}" for k, x in v.items() if k != "lam" and isinstance(x, (int, float)))
             series[f"δt(M): {name} mask ({setting}), over the dropped entries"] = h["delta"]
             series["ζ̂t² = ζt² − δt(M)"] = h["zeta2_hat"]
-        fig = plots.bars(series, tv.tasks, "Heterogeneity ζt² ∝ ‖τt − Σ λk τk‖² and its reduction by the mask")
+        # the spec in the title: the Merge tab's settings may have moved on since
+        fig = plots.bars(series, tv.tasks, f"Heterogeneity ζt² ∝ ‖τt − Σ λk τk‖² and its reduction by the mask<br>"
+                                           f"<sub>{spec.label()}</sub>")
         text = f"Effective coefficients ({how}) λ = [{', '.join(f'{x:.3g}' for x in lam)}] · χ²(p‖λ) = {h['chi2']:.4g}"
         if h["warnings"]:
             text += "\n\n" + "\n\n".join(f"⚠️ **{w}**" for w in h["warnings"])
@@ -147,10 +149,10 @@ class AnalysisController:
         x = analysis.probe_images(ev)
         feats = lambda wts, xx: analysis.block_features(ev.model.visual, wts, xx)  # noqa: E731
         p = analysis.interpolation_path(ev, land.space, a, b, feats, x, lock=self.ex.lock)
-        return plots.lines({"accuracy (avg, fraction)": (p["alpha"], p["accuracy"]),
-                            "loss (avg)": (p["alpha"], p["loss"]),
-                            "1 − cos (mean over blocks)": (p["alpha"], p["linearity"])},
-                           "α", "value", f"Interpolation {title}")
+        return plots.stacked_lines({"accuracy % (avg)": {"accuracy": (p["alpha"], [100 * a for a in p["accuracy"]])},
+                                    "loss (avg)": {"loss": (p["alpha"], p["loss"])},
+                                    "1 − cos (mean over blocks)": {"1 − cos": (p["alpha"], p["linearity"])}},
+                                   "α", f"Interpolation {title}")
 
     @keeps_outputs(1)
     def ensemble(self, experts, method, *values):

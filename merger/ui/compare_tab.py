@@ -33,14 +33,22 @@ class CompareTab:
             return [], empty, empty
         with self.ctl.session.batch():
             results = {s.label(): self.ctl.session.preview(s, split) for s in pins}
-        table = [[label, ", ".join(s.experts), round(100 * r.average_accuracy, 2),
+        table = [[label, ", ".join(s.experts), split, round(100 * r.average_accuracy, 2),
                   round(100 * r.normalized_accuracy, 2), round(r.average_loss, 4)]
                  + [round(100 * r.accuracy[t], 1) for t in self.ctl.pool.tasks]
                  for (label, r), s in zip(results.items(), pins)]
-        return table, plots.grouped_bars(results), plots.radar(results)
+        # the split named in the table and both titles: the dropdown may have moved on since
+        return (table, plots.grouped_bars(results, f"Pinned merges: accuracy per task ({split} split)"),
+                plots.radar(results, f"Normalised accuracy (merged ÷ expert), {split} split"))
 
     def compare_headers(self) -> list[str]:
-        return ["spec", "experts", "avg acc %", "normalised %", "loss"] + list(self.ctl.pool.tasks)
+        return ["spec", "experts", "split", "avg acc %", "normalised %", "loss"] + list(self.ctl.pool.tasks)
+
+    def compare_widths(self) -> list[str]:
+        """The spec and experts columns wrap; every task keeps a column wide enough for its name."""
+        fixed = [16, 16, 5, 7, 8, 6]
+        each = (100 - sum(fixed)) / len(self.ctl.pool.tasks)
+        return [f"{w}%" for w in fixed] + [f"{each:.2f}%"] * len(self.ctl.pool.tasks)
 
     def _record(self, spec, result) -> None:
         """A job's results in the history, as they finish (this process is its one writer)."""
@@ -64,16 +72,16 @@ class CompareTab:
     @keeps_outputs(1)
     def sweep(self, axis, method_names, split, experts, progress=gr.Progress()):
         experts = list(experts) if experts else None
+        if not method_names:
+            raise MergerError("tick at least one method to sweep")
         if axis == "tasks":
-            if not method_names:
-                raise MergerError("tick at least one method")
             curves, errors = {}, {}
             for m in method_names:
                 r = sweep_num_tasks(self.ctl.session, m, split=split, progress=lambda f, msg: progress(f, desc=f"{m}: {msg}"))
                 curves[m], errors[m] = (r["x"], r["mean"]), r["se"]
             return plots.sweep_curves(curves, "number of merged tasks",
-                                      "Average accuracy over the merged tasks (mean ± s.e. over random subsets)",
-                                      errors=errors)
+                                      f"Average accuracy over the merged tasks ({split} split; each method at its "
+                                      "defaults; mean ± s.e. over random subsets)", errors=errors)
         axes = sweep_axes()
         if axis not in axes:
             raise MergerError(f"sweep axis '{axis}' unknown; one of {', '.join(axes)}")
@@ -109,7 +117,8 @@ def build_compare_tab(ctl, pins, experts, batch) -> CompareTab:
         with gr.Row():
             cmp_split = gr.Dropdown(list(SPLITS_SHOWN), value="live", label="split")
             cmp_btn = gr.Button("Compare pinned merges")
-        cmp_table = gr.Dataframe(headers=tab.compare_headers(), interactive=False, wrap=True)
+        cmp_table = gr.Dataframe(headers=tab.compare_headers(), interactive=False, wrap=True,
+                                 column_widths=tab.compare_widths())
         with gr.Row():
             cmp_bars = gr.Plot()
             cmp_radar = gr.Plot()

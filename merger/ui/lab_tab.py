@@ -45,8 +45,9 @@ class LabController:
 
     def cancel(self, request: gr.Request = None) -> str:
         flag = self._cancel.get(session_of(request))
-        if flag is None:
-            return "No lab run in progress."
+        if flag is None:  # the status line keeps the finished run's summary
+            gr.Info("No lab run in progress: nothing to cancel.")
+            return gr.skip()
         flag.set()
         return "Cancelling… (the run stops at its next step; the expert in training is not added)"
 

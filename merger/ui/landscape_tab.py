@@ -54,7 +54,12 @@ class LandscapeController:
             takers = with_param(axis)  # the current method has no such slider: the first one that does
             m = next((t.name for t in takers if t.featured), takers[0].name)
         fixed = {k: v for k, v in spec_params.items() if k in methods.get(m).param_names and k != axis}
-        return trajectories.parameter_path(self.land, m, axis, trajectories.default_values(axis), fixed)
+        # through the current merge: its experts, and its weights where the path keeps its method
+        same = spec is not None and m == spec.method
+        return trajectories.parameter_path(self.land, m, axis, trajectories.default_values(axis), fixed,
+                                           experts=list(spec.experts) if spec is not None else None,
+                                           task_weights=dict(spec.task_weights) if same else None,
+                                           block_weights=dict(spec.block_weights) if same else None)
 
     def _live(self, spec):
         return spec.label(), self.land.spec_point(spec)

@@ -2,7 +2,8 @@
 
 Gradio checks a Slider's or Number's bounds before any listener runs, with a message that names
 no field ("Value 5 is greater than maximum value 3.0."): with a dozen weight boxes on screen a
-person cannot tell which one. Here that check names the label and the range.
+person cannot tell which one. Here that check names the label and the range, and a slider's box
+left empty (or holding text) is refused by name, where Gradio's own check failed on it unnamed.
 
 The check sits on the classes' ``preprocess``, not on each instance: when a listener updates a
 component's props (a method switch shows, hides and relabels the controls), Gradio rebuilds the
@@ -18,10 +19,12 @@ import gradio as gr
 from merger.ui.errors import fail
 
 
-def _check(label: str, value, minimum, maximum) -> None:
-    if value is None:
-        return
+def _check(label: str, value, minimum, maximum, required: bool = False) -> None:
     label = label or "value"
+    if value is None:
+        if required:  # a slider's box cleared, or text typed in it (the browser sends no number)
+            fail(f"{label}: empty or not a number; type a number in [{minimum:g}, {maximum:g}]")
+        return
     try:
         number = float(value)
     except (TypeError, ValueError, OverflowError):  # through the API: a string, a 10**400
@@ -38,7 +41,7 @@ def _check(label: str, value, minimum, maximum) -> None:
 
 def _naming(preprocess):
     def named(self, payload):
-        _check(self.label, payload, self.minimum, self.maximum)
+        _check(self.label, payload, self.minimum, self.maximum, required=isinstance(self, gr.Slider))
         return preprocess(self, payload)
 
     named.names_its_field = True

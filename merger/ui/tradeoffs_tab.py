@@ -30,10 +30,17 @@ class TradeoffsTab:
         self._cancel[session_of(request)] = flag
         return flag
 
+    def _done(self, request, flag) -> None:
+        """The job of ``flag`` ended: Cancel has nothing of it left to stop."""
+        if self._cancel.get(session_of(request)) is flag:
+            self._cancel.pop(session_of(request))
+
     def cancel(self, request: gr.Request):
         flag = self._cancel.get(session_of(request))
-        if flag is not None:
-            flag.set()
+        if flag is None:  # the status line keeps the finished job's summary
+            gr.Info("No trade-offs job in progress: nothing to cancel.")
+            return gr.skip()
+        flag.set()
         return "Cancelling after the current evaluation…"
 
     def _spec(self, inputs):
@@ -54,6 +61,8 @@ class TradeoffsTab:
             return gr.skip(), gr.skip(), gr.skip(), str(exc)
         except MergerError as exc:  # refused: the maps shown stay, the status says why
             return gr.skip(), gr.skip(), gr.skip(), notice(exc)
+        finally:
+            self._done(request, flag)
         who = session_of(request)
         self.events.saw(who, out["specs"])
         points = co.evaluated_points(self.ctl.session, task_a, task_b, specs=self.events.evaluated(who))
@@ -77,6 +86,8 @@ class TradeoffsTab:
             return gr.skip(), str(exc)
         except MergerError as exc:
             return gr.skip(), notice(exc)
+        finally:
+            self._done(request, flag)
         curves = {t: (out["values"], [100 * a for a in accs]) for t, accs in out["accuracy"].items()}
         return (plots.lines(curves, f"weight of {task}", "accuracy %", f"Turning {task} up: who gains, who pays"),
                 f"`{spec.label()}` with the weight of **{task}** from 0 to 2.")
@@ -88,9 +99,12 @@ class TradeoffsTab:
         flag = self._flag(request)
         session = self.ctl.session
         try:
+            for label, value in (("evaluations (budget)", budget), ("seed", seed)):
+                if value is None:  # the box left empty, or text typed in it (the browser sends no number)
+                    raise MergerError(f"{label}: empty or not a number")
             spec = self._spec(inputs)
-            tuned = tune_weights(session, spec.method, spec.kwargs, list(spec.experts), budget=int(budget or 0),
-                                 seed=int(seed or 0), with_lam=bool(with_lam),
+            tuned = tune_weights(session, spec.method, spec.kwargs, list(spec.experts), budget=int(budget),
+                                 seed=int(seed), with_lam=bool(with_lam),
                                  progress=lambda f, m: progress(f, desc=m), cancel=flag.is_set,
                                  cluster=self.ctl.cluster)
             rows = [["TPE per-task weights" + (" + λ" if with_lam else ""),
@@ -110,6 +124,8 @@ class TradeoffsTab:
             return gr.skip(), str(exc), gr.skip()
         except MergerError as exc:
             return gr.skip(), notice(exc), gr.skip()
+        finally:
+            self._done(request, flag)
         return (rows, f"Best of {tuned['trials']} TPE trials (seed {tuned['seed']}) on validation: "
                       f"`{tuned['spec'].label()}`; accuracies on the validation and test splits (the Merge tab "
                       f"shows the live split, a fixed subset of test). Press **Load into the sliders** to drag from "
