@@ -22,14 +22,22 @@ def user_password(text: str) -> tuple[str, str]:
     return user, password
 
 
-def positive_int(text: str) -> int:
+def positive_int(text: str, least: int = 1) -> int:
     """An argparse type: a whole number ≥ 1 (a count of clients, moves, repeats, grid points)."""
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ 1")
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ {least}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """An argparse type: a seed, 0 to 2^32 − 1 (Optuna's and NumPy's range)."""
+    value = positive_int(text, least=0)
+    if value >= 2**32:
+        raise argparse.ArgumentTypeError(f"{text!r} is above 2^32 − 1")
     return value
 
 
@@ -90,7 +98,7 @@ def add_job_commands(sub) -> None:
     p.add_argument("--weights", default=None, metavar="METHOD",
                    help="instead of the grid: search METHOD's per-task weights (Optuna TPE, seeded) at its defaults")
     p.add_argument("--budget", type=positive_int, default=100, help="--weights: trials")
-    p.add_argument("--seed", type=int, default=0, help="--weights: the sampler's seed")
+    p.add_argument("--seed", type=seed_int, default=0, help="--weights: the sampler's seed")
     p.add_argument("--with-lam", action="store_true", help="--weights: search λ too")
     p.set_defaults(func=cmd_tune)
 

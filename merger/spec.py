@@ -3,6 +3,7 @@ key), and how merged weights are assembled from Δ."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -28,7 +29,7 @@ def parse_experts(experts: str | Iterable[str] | None, names: Sequence[str],
     if unknown:
         raise MergerError(f"experts: unknown task(s) {listed(unknown)}; known: {', '.join(names)}")
     if len(set(chosen)) != len(chosen):
-        raise MergerError(f"experts: a task is named twice in {listed(chosen)}")
+        raise MergerError(f"experts: named twice: {listed(n for n, c in Counter(chosen).items() if c > 1)}")
     return tuple(t for t in names if t in chosen)
 
 
@@ -58,9 +59,11 @@ def parse_weights(given, field: str, allowed: Sequence[str], why: str) -> tuple[
         if not all(isinstance(x, (list, tuple)) and len(x) == 2 for x in given):
             raise MergerError(f"{field}: expected {{name: weight}}, 'name=w,...' or (name, weight) pairs, got "
                               f"{str(given)[:80]}")
-        twice = sorted({str(n)[:60] for n, _ in given if sum(str(m) == str(n) for m, _ in given) > 1})
+        if not all(isinstance(n, str) for n, _ in given):  # over HTTP a name may be a list or a dict
+            raise MergerError(f"{field}: every name must be a string, got {str(given)[:80]}")
+        twice = [n for n, count in Counter(n for n, _ in given).items() if count > 1]
         if twice:  # a dict would keep the last silently
-            raise MergerError(f"{field}: {', '.join(twice)} is given twice")
+            raise MergerError(f"{field}: given twice: {listed(twice)}")
         given = dict(given)
     if not isinstance(given, Mapping):
         raise MergerError(f"{field}: expected a mapping of name to weight, got {type(given).__name__}")

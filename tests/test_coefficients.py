@@ -121,11 +121,12 @@ def test_spec_yaml_round_trip_with_weights_replays_identical_tensors(pool, tmp_p
     ({"task_weights": "task0"}, "task_weights: 'task0' is not name=weight"),
     ({"task_weights": {"task0": "x"}}, "task_weights.task0: 'x' is not a number"),
     # a dict would keep the last; False would silently drop the task; '=1' names nothing
-    ({"task_weights": "task0=1,task0=2"}, "task_weights: task0 is given twice"),
-    ({"task_weights": [("task1", 1.0), ("task1", 2.0)]}, "task_weights: task1 is given twice"),
+    ({"task_weights": "task0=1,task0=2"}, "task_weights: given twice: task0"),
+    ({"task_weights": [("task1", 1.0), ("task1", 2.0)]}, "task_weights: given twice: task1"),
     ({"task_weights": {"task0": False}}, "task_weights.task0: 'False' is not a number"),
     ({"block_weights": {"block0": True}}, "block_weights.block0: 'True' is not a number"),
     ({"task_weights": "=1"}, "task_weights: a weight without a name ('=w'); known: task0"),
+    ({"task_weights": [[["task0"], 1.0]]}, "task_weights: every name must be a string"),
     ({"experts": ["x" * 100000]}, "experts: unknown task(s) " + "x" * 60 + "…; known"),
     ({"experts": [f"e{i}" for i in range(20000)]}, "experts: unknown task(s) e0, e1, e2, e3, e4, e5, e6, e7, e8, "
                                                    "e9, … (20000 in all); known"),

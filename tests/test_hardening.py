@@ -192,7 +192,7 @@ def server(tmp_path_factory):
 
 API_CASES = [
     (("voodoo", 0.3, None, None, None, None, "live"), "unknown method 'voodoo'"),
-    (("task_arithmetic", 0.3, None, None, None, None, "dev"), "unknown split 'dev'"),
+    (("task_arithmetic", 0.3, None, None, None, None, "dev"), "split 'dev': the endpoint evaluates live, val, test"),
     (("ties", 1.0, None, 1.5, None, None, "live"), "sparsity=1.5 is out of range"),
     (("task_arithmetic", "abc", None, None, None, None, "live"), "lam='abc' is not a number"),
     (("cart", 1.0, -0.2, None, None, None, "live"), "rank_ratio=-0.2 is out of range"),

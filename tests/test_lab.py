@@ -149,6 +149,9 @@ def test_refused_lab_settings_say_why_in_the_status_and_keep_the_plots(ex):
         *plots, status = lc.scaling(request, "lr", values, 1e-3, 1, 64, 1.0, 0, "adamw", 0.9, 0.1, "cosine",
                                     progress=lambda f, desc=None: None)
         assert plots == [gr.skip()] * 3 and status.startswith("⚠️") and message in status, status
+    status, *choices = lc.one_epoch_set(request, 1e-3, 1, -3, 1.0, 0, "adamw", 0.9, 0.1, "cosine",
+                                        progress=lambda f, desc=None: None)
+    assert status.startswith("⚠️ lab: batch_size=-3") and choices == [gr.skip()] * 2  # nothing was added
     assert ex.pool.tasks == before
 
 

@@ -268,6 +268,57 @@ def test_previews_cannot_starve_batch_work_and_the_shorter_job_goes_first():
     assert order[:4] == ["p0", "short", "p1", "long"] and sorted(order[4:]) == ["p2", "p3"], order
 
 
+def test_a_stream_of_one_chunk_jobs_cannot_starve_a_long_batch_job():
+    """Scripts evaluating val/test through the endpoint are one-chunk batch jobs, one after the
+    other: shortest-first alone gave a sweep 4 of its 40 chunks while they took 146."""
+    q, order, lock = WorkQueue(), [], threading.Lock()
+
+    def hold(name):
+        with lock:
+            order.append(name)
+        time.sleep(0.002)
+
+    def sweep():
+        with q.batch(chunks=20):
+            for _ in range(20):
+                with q:
+                    hold("sweep")
+
+    def script():
+        for _ in range(40):
+            with q.batch(chunks=1), q:
+                hold("script")
+
+    threads = [threading.Thread(target=f) for f in (script, script, sweep)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    last_sweep = max(i for i, x in enumerate(order) if x == "sweep")
+    runs, run = [], 0
+    for x in order[:last_sweep]:
+        run = run + 1 if x == "script" else 0
+        runs.append(run)
+    # the sweep gets a turn after at most BATCH_PATIENCE others (twice that: its thread may queue late)
+    assert max(runs) <= 2 * WorkQueue.BATCH_PATIENCE, order
+    assert last_sweep < len(order) - 1  # the sweep finished before the scripts did
+
+
+def test_cancel_reaches_every_job_of_a_session_and_a_finished_one_leaves_the_others():
+    """One page may run a map and a tune at once: the tune's end once removed the map's flag, and
+    Cancel then said 'nothing to cancel' while the map ran on."""
+    from merger.ui.scheduling import CancelFlags
+
+    flags = CancelFlags()
+    with flags.job("me") as map_flag:
+        with flags.job("me") as tune_flag:
+            pass
+        assert not tune_flag.is_set()
+        with flags.job("someone else") as theirs:
+            assert flags.cancel("me") and map_flag.is_set() and not theirs.is_set()
+    assert not flags.cancel("me") and not flags.cancel("someone else")
+
+
 def test_yield_point_lets_a_waiting_preview_in():
     q, order = WorkQueue(), []
     with q.batch(), q:

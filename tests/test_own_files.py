@@ -165,7 +165,7 @@ def test_bad_device_history_and_landscape_task_are_named_before_any_work(pool_pa
                           (["tune", "--weights", "ta", "--budget", "0"], "argument --budget: '0'"),
                           (["bench", "workshop", "--jobs", "sweep,bogus"], "error: --jobs 'sweep,bogus': unknown bogus"),
                           (["tune", "--pool", str(pool_path), "--weights", "ta", "--budget", "3", "--seed", "-1",
-                            "--history", ""], "error: seed: -1 is outside [0, 2^32 − 1]")):
+                            "--history", ""], "argument --seed: '-1' is not a whole number ≥ 0")):
         res = subprocess.run([sys.executable, "-m", "merger", *argv], capture_output=True, text=True, timeout=300,
                              cwd=Path(APP).parent)
         assert res.returncode == 2 and message in res.stderr, res.stderr

@@ -101,6 +101,13 @@ def test_pin_and_compare(ctl):
     ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "cart", lam=1.5, rank_ratio=0.1))
     assert table[1][3] == pytest.approx(round(100 * ref.average_accuracy, 2))
     assert table[1][2] == "live" and "(live split)" in bars.layout.title.text and "live split" in radar.layout.title.text
+    # two pins that differ only in their experts: two rows and two bars, each with its own numbers
+    two = [ctl.session.spec("task_arithmetic", lam=0.3, experts=ctl.pool.tasks[:n]) for n in (2, 3)]
+    table, bars, _ = CompareTab(ctl).compare(two, "live")
+    assert len(table) == 2 and len(bars.data) == 2 and bars.data[0].name.endswith(f"[{', '.join(ctl.pool.tasks[:2])}]")
+    for row, spec in zip(table, two):
+        ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "task_arithmetic", lam=0.3, experts=spec.experts))
+        assert row[1] == ", ".join(spec.experts) and row[3] == pytest.approx(round(100 * ref.average_accuracy, 2))
 
 
 def test_export_offers_the_cli_files(ctl):
@@ -174,7 +181,7 @@ def test_sweeps(ctl):
     # refused: a warning, and the plot shown stays (an error would put a badge over it)
     with pytest.warns(UserWarning, match="none of the ticked methods has sparsity"):
         out = CompareTab(ctl).sweep("sparsity", ["cart"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
-    assert out == (gr.skip(),)
+    assert out == gr.skip()  # one output: the value itself (a 1-tuple would be that plot's value)
     with pytest.warns(UserWarning, match="tick at least one method to auto-tune"):
         assert CompareTab(ctl).auto_tune([], ctl.pool.tasks, progress=lambda *a, **k: None) == (gr.skip(),) * 3
     pin = ctl.session.spec("task_arithmetic", lam=0.3, experts=ctl.pool.tasks[:2])
@@ -319,6 +326,7 @@ def test_cancelled_run_reports_and_caches_nothing(ctl, monkeypatch):
     assert runs.cancel() == "Cancelling…"
     last = list(gen)[-1]
     assert "cancelled" in last[0]
+    assert runs.cancel() == gr.skip()  # nothing runs now: the status line keeps "cancelled"
     assert ctl.session.cached_run(ctl.spec_from_controls(*controls(ctl, "adamerging_layer", steps=5000, samples=8))) is None
 
 
@@ -345,7 +353,7 @@ def test_analysis_tab_callbacks(ctl):
                              (lambda: ac.lowrank([], "all matrices (summed)"), 2),
                              (lambda: ac.linearity([], method, *values), 1)):  # nothing ticked: refused, not all of them
         with pytest.warns(UserWarning, match="experts: empty subset, tick at least one expert"):
-            assert compute() == (gr.skip(),) * outputs  # the plots shown stay
+            assert compute() == (gr.skip() if outputs == 1 else (gr.skip(),) * outputs)  # the plots shown stay
     with pytest.warns(UserWarning, match="tick at least two experts for an expert-to-expert path"):
         ac.interpolation("first two ticked experts", *controls(ctl, "task_arithmetic", experts=ctl.pool.tasks[:1]))
 
@@ -383,3 +391,23 @@ def test_the_app_offers_one_api_endpoint(ctl):
 
     info = build_app(ctl.session).get_api_info()
     assert list(info["named_endpoints"]) == ["/evaluate"] and not info.get("unnamed_endpoints")
+
+
+def test_every_kept_refusal_fits_its_listeners_outputs(ctl):
+    """A handler marked keeps_outputs(n) is wired to n outputs, and Gradio takes its refusal (a skip
+    per output) without an error: a 1-tuple for one output once became that plot's value, and Gradio
+    then showed its error badge anyway."""
+    import asyncio
+
+    from merger.ui.app import build_app
+    from merger.ui.errors import kept
+
+    app = build_app(ctl.session)
+    marked = [bf for bf in app.fns.values() if getattr(bf.fn, "keeps_outputs", None) is not None]
+    assert {bf.name for bf in marked} >= {"compare", "auto_tune", "sweep", "weights", "lowrank", "heterogeneity",
+                                         "dynamics", "linearity", "interpolation", "ensemble", "curves"}
+    for bf in marked:
+        assert bf.fn.keeps_outputs == len(bf.outputs), bf.name
+        with pytest.warns(UserWarning, match="refused"):
+            refusal = kept("refused", len(bf.outputs))
+        asyncio.run(app.postprocess_data(bf, refusal, None))  # raises for a value that fits no output

@@ -8,7 +8,7 @@ holder (a data-driven run) calls ``yield_point`` between steps.
 
 While batch work waits, previews run at most ``PREVIEW_BURST`` in a row, so a room of people
 dragging cannot starve a batch job; among batch jobs, the one with the fewest chunks left goes
-first. A preview carries a ticket of its browser session; one superseded by a newer move of the same
+first, unless another's chunk has been passed over ``BATCH_PATIENCE`` times. A preview carries a ticket of its browser session; one superseded by a newer move of the same
 session is dropped before it starts (``Superseded``).
 
 The class of work belongs to the thread: code inside ``with queue.batch():`` is batch work,
@@ -35,14 +35,20 @@ class WorkQueue:
     # a Sweep in a room of 10 draggers took 2.25× its time alone (goal 2×); with one, 1.65× while
     # the sliders' p95 went from 413 to 637 ms (goal 800): `python -m merger bench workshop`.
     PREVIEW_BURST = 1
+    # A batch chunk passed over by this many chunks of other batch jobs goes next, whatever their
+    # length: shortest-first alone let a script's stream of one-chunk evaluations (the endpoint's
+    # val and test) hold a 40-chunk sweep at 4 chunks while they took 146.
+    BATCH_PATIENCE = 4
 
     def __init__(self):
         self._cond = threading.Condition()
         self._owner: int | None = None
         self._depth = 0
         self._previews: deque[int] = deque()
-        self._chunks: dict[int, tuple[float, int]] = {}  # waiting batch thread -> (chunks left, arrival)
+        # waiting batch thread -> (chunks left, arrival, batch chunks granted when it arrived)
+        self._chunks: dict[int, tuple[float, int, int]] = {}
         self._arrivals = 0
+        self._granted = 0
         self._previews_in_a_row = 0
         self._latest: dict[str, int] = {}
         self._local = threading.local()
@@ -82,13 +88,18 @@ class WorkQueue:
             else:
                 self._previews_in_a_row = 0
                 self._local.remaining = max(0.0, self._local.remaining - 1)
+                self._granted += 1
                 self.counts["chunks"] += 1
         return self
 
     def _next_chunk(self) -> int | None:
+        """Shortest job first (then first come), unless a chunk has waited BATCH_PATIENCE grants."""
         if not self._chunks:
             return None
-        return min(self._chunks, key=lambda t: self._chunks[t])
+        overdue = [t for t, (_, _, since) in self._chunks.items() if self._granted - since >= self.BATCH_PATIENCE]
+        if overdue:
+            return min(overdue, key=lambda t: self._chunks[t][1])
+        return min(self._chunks, key=lambda t: self._chunks[t][:2])
 
     def _my_turn(self, me: int, preview: bool) -> bool:
         if self._owner is not None:
@@ -103,7 +114,7 @@ class WorkQueue:
             self._previews.append(me)
         else:
             self._arrivals += 1
-            self._chunks[me] = (getattr(self._local, "remaining", math.inf), self._arrivals)
+            self._chunks[me] = (getattr(self._local, "remaining", math.inf), self._arrivals, self._granted)
         try:
             while not self._my_turn(me, preview):
                 self._cond.wait()

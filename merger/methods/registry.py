@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from merger.errors import Cancelled, MethodError
+from merger.errors import Cancelled, MethodError, listed
 
 
 @dataclass(frozen=True)
@@ -288,7 +288,7 @@ def get(name: str) -> Method:
     key = str(name).strip().lower().replace("-", "_")
     key = next((m.name for m in _REGISTRY.values() if key in m.aliases), key)
     if key not in _REGISTRY:
-        raise MethodError(f"unknown method '{name}'; known: {', '.join(_REGISTRY)}")
+        raise MethodError(f"unknown method '{listed([name])}'; known: {', '.join(_REGISTRY)}")
     return _REGISTRY[key]
 
 

@@ -11,6 +11,7 @@ may be a lazy mapping), so opening a pool never holds more than one expert besid
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Mapping, Sequence
 
 import torch
@@ -113,7 +114,7 @@ class TaskVectors:
         if unknown:
             raise MergerError(f"experts: unknown task(s) {listed(unknown)}; known: {', '.join(self.tasks)}")
         if len(set(tasks)) != len(tasks):
-            raise MergerError(f"experts: a task is named twice in {listed(tasks)}")
+            raise MergerError(f"experts: named twice: {listed(t for t, c in Counter(tasks).items() if c > 1)}")
         if tasks == self.tasks:
             return self
         idx = torch.tensor([self.tasks.index(t) for t in tasks], device=self.device)

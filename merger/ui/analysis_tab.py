@@ -34,7 +34,8 @@ class AnalysisController:
     def weights(self, experts, method, *values):
         """Norms, cosines, sign conflicts, mass kept at the current sparsity."""
         tv = self._tv(experts)
-        sparsity = dict(zip(PARAM_NAMES, values)).get("sparsity") or 0.8
+        sparsity = dict(zip(PARAM_NAMES, values)).get("sparsity")
+        sparsity = 0.8 if sparsity is None else sparsity  # 0, the slider's minimum, is a sparsity too
         n = analysis.task_vector_norms(tv)
         norms = plots.bars({"‖τt‖ / ‖θ0‖": n["relative"]}, tv.tasks, "Task-vector norms (relative to the base)")
         layers = plots.heatmap([n["layers"][name] for name in n["layers"]], tv.tasks, list(n["layers"]),

@@ -22,6 +22,13 @@ def featured(names) -> list[str]:
     return [n for n in names if methods.get(n).featured]
 
 
+def pin_name(spec, pins) -> str:
+    """A pin's name in the plots: its label, with its experts where another pin has the same label
+    (the label leaves the experts out: two such pins were one bar and one table row)."""
+    label = spec.label()
+    return label if sum(p.label() == label for p in pins) == 1 else f"{label} [{', '.join(spec.experts)}]"
+
+
 class CompareTab:
     def __init__(self, ctl):
         self.ctl = ctl
@@ -32,11 +39,11 @@ class CompareTab:
             empty = plots.empty("Pin merges in the Merge tab to compare them here.")
             return [], empty, empty
         with self.ctl.session.batch():
-            results = {s.label(): self.ctl.session.preview(s, split) for s in pins}
-        table = [[label, ", ".join(s.experts), split, round(100 * r.average_accuracy, 2),
+            results = {pin_name(s, pins): self.ctl.session.preview(s, split) for s in pins}
+        table = [[s.label(), ", ".join(s.experts), split, round(100 * r.average_accuracy, 2),
                   round(100 * r.normalized_accuracy, 2), round(r.average_loss, 4)]
                  + [round(100 * r.accuracy[t], 1) for t in self.ctl.pool.tasks]
-                 for (label, r), s in zip(results.items(), pins)]
+                 for r, s in zip(results.values(), pins)]
         # the split named in the table and both titles: the dropdown may have moved on since
         return (table, plots.grouped_bars(results, f"Pinned merges: accuracy per task ({split} split)"),
                 plots.radar(results, f"Normalised accuracy (merged ÷ expert), {split} split"))

@@ -8,6 +8,7 @@ Each carries the engine's message, which names the file, field or parameter and 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import NoReturn
 
 import gradio as gr
@@ -36,13 +37,16 @@ def kept(problem, outputs: int) -> tuple:
     for each output. Raised as an error, it would cover each output (a landscape, every input a
     reload sets) with an error badge until closed."""
     warn(problem)
-    return tuple(gr.skip() for _ in range(outputs))
+    # a listener of one output takes its return value as that output: a 1-tuple would be the value
+    return gr.skip() if outputs == 1 else tuple(gr.skip() for _ in range(outputs))
 
 
 def keeps_outputs(outputs: int):
     """Mark a handler of ``outputs`` outputs whose refusal (a MergerError, or a ``fail`` inside it)
     is a warning with every output kept (``kept``)."""
     def mark(fn):
+        assert not inspect.isgeneratorfunction(fn), "a generator yields kept(...) itself"
+
         @functools.wraps(fn)  # Gradio reads the request and progress parameters off the signature
         def handler(*args, **kwargs):
             try:
@@ -51,5 +55,6 @@ def keeps_outputs(outputs: int):
                 return kept(exc, outputs)
             except gr.Error as exc:
                 return kept(exc.message, outputs)
+        handler.keeps_outputs = outputs  # for the test that checks it against the listener's wiring
         return handler
     return mark

@@ -2,7 +2,6 @@
 the scaling view of seed 000."""
 from __future__ import annotations
 
-import threading
 import traceback
 
 import gradio as gr
@@ -14,7 +13,7 @@ from merger.errors import Cancelled, MergerError
 from merger.landscape.trajectories import has_trajectory
 from merger.ui.errors import notice
 from merger.ui.merge_events import session_of
-from merger.ui.scheduling import BATCH_EVENT, as_batch
+from merger.ui.scheduling import BATCH_EVENT, CancelFlags, as_batch
 
 
 class LabController:
@@ -23,32 +22,27 @@ class LabController:
     def __init__(self, ctl):
         self.ctl = ctl
         self.pool = ctl.pool
-        self._cancel: dict[str, threading.Event] = {}
+        self._cancel = CancelFlags()
         self._opted_in: set[str] = set()
 
     def _guarded(self, request, work, cancelled: str):
         """work(cancel flag) with this session's Cancel flag set up: (result, None), or (None, the
         status line saying why it stopped: ``cancelled``, or bad input as a notice, the outputs
         shown staying as they were). The flag is gone afterwards."""
-        key = session_of(request)
-        flag = self._cancel[key] = threading.Event()
-        try:
-            return work(flag), None
-        except Cancelled:
-            return None, cancelled
-        except (MergerError, ValueError) as exc:
-            if not isinstance(exc, MergerError):  # maybe no fault of the input: the log keeps where it arose
-                traceback.print_exc()
-            return None, notice(exc)
-        finally:
-            self._cancel.pop(key, None)
+        with self._cancel.job(session_of(request)) as flag:
+            try:
+                return work(flag), None
+            except Cancelled:
+                return None, cancelled
+            except (MergerError, ValueError) as exc:
+                if not isinstance(exc, MergerError):  # maybe no fault of the input: the log keeps where it arose
+                    traceback.print_exc()
+                return None, notice(exc)
 
     def cancel(self, request: gr.Request = None) -> str:
-        flag = self._cancel.get(session_of(request))
-        if flag is None:  # the status line keeps the finished run's summary
+        if not self._cancel.cancel(session_of(request)):  # the status line keeps the finished run's summary
             gr.Info("No lab run in progress: nothing to cancel.")
             return gr.skip()
-        flag.set()
         return "Cancelling… (the run stops at its next step; the expert in training is not added)"
 
     def visible(self, request) -> list[str]:
@@ -110,8 +104,10 @@ class LabController:
                     added.append(name)
 
         _, stopped = self._guarded(request, work, "Cancelled before the rest.")
-        return f"Added one-epoch experts: {', '.join(added) or 'none'}." + (f" {stopped}" if stopped else ""), \
-            *self.choices(request)
+        if stopped and not added:
+            return stopped, gr.skip(), gr.skip()
+        note = f"Added one-epoch experts: {', '.join(added) or 'none (each exists already)'}."
+        return note + (f" {stopped}" if stopped else ""), *self.choices(request)
 
     @staticmethod
     def gradient_descent_preset():

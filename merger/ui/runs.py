@@ -13,6 +13,7 @@ from merger import methods, plots
 from merger.errors import Cancelled, MergerError
 from merger.ui.errors import notice
 from merger.ui.merge_events import session_of
+from merger.ui.scheduling import CancelFlags
 
 RUNS_LABEL = "Runs: data-driven methods and slow preparations"
 
@@ -20,7 +21,7 @@ RUNS_LABEL = "Runs: data-driven methods and slow preparations"
 class RunController:
     def __init__(self, controller):
         self.ctl = controller
-        self._cancel: dict[str, threading.Event] = {}
+        self._cancel = CancelFlags()
 
     @staticmethod
     def objective_label(method: str) -> str:
@@ -62,8 +63,7 @@ class RunController:
         if not m.data_driven and not self.ctl.session.prepare_is_slow(spec):
             yield (f"{m.display_name} needs no run: its sliders evaluate live.", *skip7)
             return
-        flag = threading.Event()
-        self._cancel[session] = flag
+        flag = self._cancel.start(session)
         live = {"values": [], "msg": "starting"}
         box = {}
 
@@ -92,7 +92,7 @@ class RunController:
             time.sleep(0.5)
             curve = plots.objective_curve(live["values"], f"Objective ({label})", label) if m.data_driven else gr.skip()
             yield (f"⏳ {m.display_name}: {live['msg']}", curve, *(gr.skip(),) * 6)
-        self._cancel.pop(session, None)
+        self._cancel.end(session, flag)  # not on a closed page: the run goes on (and is cached)
         if "error" in box:
             err = box["error"]
             msg = "cancelled: nothing was cached; the app is as before" if isinstance(err, Cancelled) else str(err)
@@ -110,8 +110,7 @@ class RunController:
                acc, loss, radar, summary)
 
     def cancel(self, request: gr.Request = None):
-        flag = self._cancel.get(session_of(request))
-        if flag is not None:
-            flag.set()
+        if self._cancel.cancel(session_of(request)):
             return "Cancelling…"
-        return "No run in progress."
+        gr.Info("No run in progress: nothing to cancel.")  # the status line keeps the last run's outcome
+        return gr.skip()

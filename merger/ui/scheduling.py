@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
+from contextlib import contextmanager
 
 PREVIEW = "preview"  # slider moves, the evaluate endpoint: no Gradio limit, the WorkQueue orders them
 BATCH = "batch"  # sweeps, auto-tune, compare, landscape, runs, lab, exports, analysis
@@ -38,3 +40,41 @@ def as_batch(session, fn):
         with session.batch():
             return fn(*args, **kwargs)
     return call
+
+
+class CancelFlags:
+    """Cancel flags per browser session, one for each job it runs: one page may run several at once
+    (a map and a tune, two runs), and one job's end must not take another's flag with it."""
+
+    def __init__(self):
+        self._flags: dict[str, set[threading.Event]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def job(self, session: str):
+        """A job's flag, set by ``cancel`` while the job runs, gone when it ends."""
+        flag = self.start(session)
+        try:
+            yield flag
+        finally:
+            self.end(session, flag)
+
+    def start(self, session: str) -> threading.Event:
+        flag = threading.Event()
+        with self._lock:
+            self._flags.setdefault(session, set()).add(flag)
+        return flag
+
+    def end(self, session: str, flag: threading.Event) -> None:
+        with self._lock:
+            self._flags.get(session, set()).discard(flag)
+            if not self._flags.get(session, True):
+                del self._flags[session]
+
+    def cancel(self, session: str) -> bool:
+        """Set the flag of each job the session runs; whether there was one."""
+        with self._lock:
+            flags = list(self._flags.get(session, ()))
+        for flag in flags:
+            flag.set()
+        return bool(flags)

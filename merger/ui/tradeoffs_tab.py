@@ -4,8 +4,6 @@ and a seeded TPE search of the per-task weights (Optuna) beside the best single 
 task-wise. The spec around which everything varies is the Merge tab's current one."""
 from __future__ import annotations
 
-import threading
-
 import gradio as gr
 
 from merger import methods, plots
@@ -16,31 +14,19 @@ from merger.methods.adaptive import ADAMERGING_TASK
 from merger.methods.basic import TASK_ARITHMETIC
 from merger.ui.errors import notice
 from merger.ui.merge_events import session_of
-from merger.ui.scheduling import BATCH_EVENT
+from merger.ui.scheduling import BATCH_EVENT, CancelFlags
 
 
 class TradeoffsTab:
     def __init__(self, ctl, events):
         self.ctl = ctl
         self.events = events  # MergeTabEvents: which merges each browser session evaluated
-        self._cancel: dict[str, threading.Event] = {}
-
-    def _flag(self, request) -> threading.Event:
-        flag = threading.Event()
-        self._cancel[session_of(request)] = flag
-        return flag
-
-    def _done(self, request, flag) -> None:
-        """The job of ``flag`` ended: Cancel has nothing of it left to stop."""
-        if self._cancel.get(session_of(request)) is flag:
-            self._cancel.pop(session_of(request))
+        self._cancel = CancelFlags()
 
     def cancel(self, request: gr.Request):
-        flag = self._cancel.get(session_of(request))
-        if flag is None:  # the status line keeps the finished job's summary
+        if not self._cancel.cancel(session_of(request)):  # the status line keeps the finished job's summary
             gr.Info("No trade-offs job in progress: nothing to cancel.")
             return gr.skip()
-        flag.set()
         return "Cancelling after the current evaluation…"
 
     def _spec(self, inputs):
@@ -52,7 +38,10 @@ class TradeoffsTab:
 
     def two_tasks(self, request: gr.Request, task_a, task_b, *inputs, progress=gr.Progress()):
         """(map of A, map of B, Pareto scatter, status) around the Merge tab's spec."""
-        flag = self._flag(request)
+        with self._cancel.job(session_of(request)) as flag:
+            return self._two_tasks(request, flag, task_a, task_b, inputs, progress)
+
+    def _two_tasks(self, request, flag, task_a, task_b, inputs, progress):
         try:
             spec = self._spec(inputs)
             out = co.two_task_map(self.ctl.session, spec, task_a, task_b, progress=lambda f, m: progress(f, desc=m),
@@ -61,8 +50,6 @@ class TradeoffsTab:
             return gr.skip(), gr.skip(), gr.skip(), str(exc)
         except MergerError as exc:  # refused: the maps shown stay, the status says why
             return gr.skip(), gr.skip(), gr.skip(), notice(exc)
-        finally:
-            self._done(request, flag)
         who = session_of(request)
         self.events.saw(who, out["specs"])
         points = co.evaluated_points(self.ctl.session, task_a, task_b, specs=self.events.evaluated(who))
@@ -77,7 +64,10 @@ class TradeoffsTab:
 
     def turn_up(self, request: gr.Request, task, *inputs, progress=gr.Progress()):
         """(the lines of every task's accuracy, their status)."""
-        flag = self._flag(request)
+        with self._cancel.job(session_of(request)) as flag:
+            return self._turn_up(flag, task, inputs, progress)
+
+    def _turn_up(self, flag, task, inputs, progress):
         try:
             spec = self._spec(inputs)
             out = co.turn_one_up(self.ctl.session, spec, task, progress=lambda f, m: progress(f, desc=m),
@@ -86,8 +76,6 @@ class TradeoffsTab:
             return gr.skip(), str(exc)
         except MergerError as exc:
             return gr.skip(), notice(exc)
-        finally:
-            self._done(request, flag)
         curves = {t: (out["values"], [100 * a for a in accs]) for t, accs in out["accuracy"].items()}
         return (plots.lines(curves, f"weight of {task}", "accuracy %", f"Turning {task} up: who gains, who pays"),
                 f"`{spec.label()}` with the weight of **{task}** from 0 to 2.")
@@ -96,7 +84,10 @@ class TradeoffsTab:
 
     def tune(self, request: gr.Request, budget, seed, with_lam, with_ada, *inputs, progress=gr.Progress()):
         """The TPE search of per-task weights beside the best single λ (and AdaMerging task-wise)."""
-        flag = self._flag(request)
+        with self._cancel.job(session_of(request)) as flag:
+            return self._tune(flag, budget, seed, with_lam, with_ada, inputs, progress)
+
+    def _tune(self, flag, budget, seed, with_lam, with_ada, inputs, progress):
         session = self.ctl.session
         try:
             for label, value in (("evaluations (budget)", budget), ("seed", seed)):
@@ -124,8 +115,6 @@ class TradeoffsTab:
             return gr.skip(), str(exc), gr.skip()
         except MergerError as exc:
             return gr.skip(), notice(exc), gr.skip()
-        finally:
-            self._done(request, flag)
         return (rows, f"Best of {tuned['trials']} TPE trials (seed {tuned['seed']}) on validation: "
                       f"`{tuned['spec'].label()}`; accuracies on the validation and test splits (the Merge tab "
                       f"shows the live split, a fixed subset of test). Press **Load into the sliders** to drag from "
