@@ -8,8 +8,9 @@ holder (a data-driven run) calls ``yield_point`` between steps.
 
 While batch work waits, previews run at most ``PREVIEW_BURST`` in a row, so a room of people
 dragging cannot starve a batch job; among batch jobs, the one with the fewest chunks left goes
-first, unless another's chunk has been passed over ``BATCH_PATIENCE`` times. A preview carries a ticket of its browser session; one superseded by a newer move of the same
-session is dropped before it starts (``Superseded``).
+first, unless another's chunk has been passed over ``BATCH_PATIENCE`` times. A preview carries a
+ticket of its browser session; one superseded by a newer move of the same session is dropped
+before it starts (``Superseded``).
 
 The class of work belongs to the thread: code inside ``with queue.batch():`` is batch work,
 everything else is a preview. The queue is re-entrant for the thread that holds it.
