@@ -124,6 +124,20 @@ def test_start_from_learned_sets_the_sliders_to_what_the_run_learned(ctl):
         ctl.learned_updates(*controls(ctl))
 
 
+def test_the_merge_start_from_learned_sets_is_recorded(ctl):
+    """Loaded into the sliders, the learned weights are a new spec: its result goes into the history
+    like a move's (it was read as a History reload and never written)."""
+    values = with_weights(ctl, controls(ctl, "adamerging_task", steps=3, samples=8, lr=0.05))
+    ctl.session.run(ctl.spec_from_controls(*values))
+    events = MergeTabEvents(ctl, "task_arithmetic")
+    updates = events.start_from_learned(person("me"), *values)
+    loaded = [u.get("value") for u in updates]
+    before = len(ctl.history.rows(limit=10**6))
+    list(events.move(person("me"), None, *loaded))
+    rows = ctl.history.rows(limit=10**6)
+    assert len(rows) == before + 1 and rows[0]["method"] == "task_arithmetic" and "task_weights" in rows[0]["params"]
+
+
 def test_history_reload_restores_the_weights(ctl):
     first = ctl.weight_experts[1]
     values = with_weights(ctl, controls(ctl, lam=0.55)[2:], {first: 1.75}, {"projection": 0.25})

@@ -120,6 +120,22 @@ def test_export_offers_the_cli_files(ctl):
     assert all((sd[k] == ref[k]).all() for k in ref)
 
 
+def test_a_data_driven_export_writes_the_run_on_screen(ctl, monkeypatch):
+    """It once trained the settings' run again, silently, for tens of seconds (or a run never shown)."""
+    from merger.io import export
+
+    ada = controls(ctl, "adamerging_task", steps=4, samples=8)
+    paths, msg = ctl.export(*ada)
+    assert paths is None and "no AdaMerging" in msg and "press Run first" in msg
+    run = ctl.session.run(ctl.spec_from_controls(*ada))
+    monkeypatch.setattr(export, "merge_delta", lambda *a: pytest.fail("the export ran the method again"))
+    paths, msg = ctl.export(*ada)
+    from safetensors.torch import load_file
+    sd = load_file(paths[0])
+    base = ctl.pool.task_vectors.base
+    assert all(torch.equal(sd[k], (base[k].float() + run.delta[k].float()).to(sd[k].dtype)) for k in run.delta)
+
+
 def test_failed_export_leaves_no_partial_file(ctl, monkeypatch, tmp_path):
     from merger.io import export
     from merger.ui import merge_tab as callbacks
@@ -194,6 +210,10 @@ def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch)
     rows = HistoryTab(ctl).history_rows("iso_c", "")
     assert rows and rows[0][2] == "iso_c" and '"lam": 1.25' in rows[0][3]
     assert rows[0][4] == ", ".join(ctl.pool.tasks)  # a space after each comma: the table can wrap there
+    # the summary's notation finds the stored one; % and _ are the characters themselves, not wildcards
+    assert [r[0] for r in HistoryTab(ctl).history_rows("", "lam=1.25")] == [rows[0][0]]
+    assert HistoryTab(ctl).history_rows("", "%") == [] and HistoryTab(ctl).history_rows("", "iso_") != []
+    assert HistoryTab(ctl).history_rows("", "is_c") == []  # '_' once matched any character
     experts, method, *values = ctl.reload(rows[0][0])
     from merger.methods import PARAM_NAMES
     by_name = dict(zip(PARAM_NAMES, values))
@@ -330,6 +350,43 @@ def test_cancelled_run_reports_and_caches_nothing(ctl, monkeypatch):
     assert ctl.session.cached_run(ctl.spec_from_controls(*controls(ctl, "adamerging_layer", steps=5000, samples=8))) is None
 
 
+def test_a_run_that_ends_after_the_settings_changed_shows_nothing_as_theirs(ctl):
+    """A run's result replaces the Merge tab's only where the controls still show its settings: it
+    once drew AdaMerging's 81 % under a TIES dropdown, and Export then wrote the TIES model."""
+    from types import SimpleNamespace
+
+    from merger.ui.merge_events import MergeTabEvents
+    from merger.ui.runs import RunController
+
+    me = SimpleNamespace(session_hash="me")
+    events = MergeTabEvents(ctl, "task_arithmetic")
+    runs = RunController(ctl, events)
+    ada = with_weights(ctl, controls(ctl, "adamerging_task", steps=7, samples=8))
+    list(events.move(me, None, *ada))  # the person picks AdaMerging ...
+    gen = runs.run(me, *ada)  # ... presses Run ...
+    assert next(gen)[0].startswith("⏳")
+    list(events.move(me, None, *with_weights(ctl, controls(ctl, "ties"))))  # ... and moves on to TIES
+    *_, last = gen
+    assert "you have changed them since" in last[0] and all(x == gr.skip() for x in last[1:])
+    spec = ctl.spec_from_controls(*ada)
+    assert ctl.session.cached_run(spec) is not None  # kept: setting them again shows it
+    # back on the run's settings, a new run of them shows its result, and the panel knows it
+    list(events.move(me, None, *ada))
+    steps9 = with_weights(ctl, controls(ctl, "adamerging_task", steps=9, samples=8))
+    list(events.move(me, None, *steps9))
+    *_, last = runs.run(me, *steps9)
+    assert last[0].startswith("✅") and last[1] != gr.skip() and last[-1] != gr.skip()
+    # a cancelled run leaves the panel as for its settings (no run), not its stopped curve beside an
+    # earlier run's coefficients
+    steps5000 = with_weights(ctl, controls(ctl, "adamerging_task", steps=5000, samples=8))
+    list(events.move(me, None, *steps5000))
+    gen = runs.run(me, *steps5000)
+    next(gen)
+    runs.cancel(me)
+    *_, last = gen
+    assert "cancelled" in last[0] and all("no data-driven run" in fig.layout.annotations[0].text for fig in last[1:4])
+
+
 def test_analysis_tab_callbacks(ctl):
     from merger.ui.analysis_tab import AnalysisController
 
@@ -411,3 +468,7 @@ def test_every_kept_refusal_fits_its_listeners_outputs(ctl):
         with pytest.warns(UserWarning, match="refused"):
             refusal = kept("refused", len(bf.outputs))
         asyncio.run(app.postprocess_data(bf, refusal, None))  # raises for a value that fits no output
+    # Run streams its progress in its status line: a control's refused value is then a toast alone (with
+    # Gradio's progress overlay it was an error badge over every output of the Merge tab)
+    run = next(bf for bf in app.fns.values() if bf.name == "run" and len(bf.outputs) == 8)
+    assert run.show_progress == "hidden"

@@ -65,12 +65,13 @@ def check_export_target(pool, out: str | Path) -> tuple[Path, Path]:
     return out, yaml_path
 
 
-def export_merge(pool, spec: Spec, out: str | Path) -> tuple[Path, Path]:
+def export_merge(pool, spec: Spec, out: str | Path, delta: dict | None = None) -> tuple[Path, Path]:
     """Merge and write ``out`` (.safetensors) and its spec beside it. Both are written to temporary
     files first and then renamed together: on any failure the pair on disk is the old one (or
-    none), never new weights beside an old spec."""
+    none), never new weights beside an old spec. ``delta``: the spec's Δ where the caller holds it
+    (the app's data-driven run: the one on screen, not a second run)."""
     out, yaml_path = check_export_target(pool, out)  # before a merge that may take minutes
-    delta = merge_delta(pool, spec)  # fails before anything is written
+    delta = merge_delta(pool, spec) if delta is None else delta  # fails before anything is written
     record = spec_record(pool, spec, out)
     text = yaml.safe_dump(record, sort_keys=False)
     layout = {k: (v.dtype, tuple(v.shape)) for k, v in pool.base.items()}

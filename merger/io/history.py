@@ -88,9 +88,16 @@ class History:
                 args.append(value)
         text = (text or "").strip()
         if text:
-            where.append("(method LIKE ? OR params LIKE ? OR experts LIKE ?)")
-            # experts are stored "a,b" and shown "a, b": either form finds them
-            args += [f"%{text}%", f"%{text}%", f"%{text.replace(', ', ',')}%"]
+            def like(t):  # the text itself: % and _ are not wildcards here
+                return "%" + t.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+            where.append("(method LIKE ? ESCAPE '\\' OR params LIKE ? ESCAPE '\\' OR params LIKE ? ESCAPE '\\' "
+                         "OR experts LIKE ? ESCAPE '\\')")
+            # "lam=0.3" as the summary writes it finds the stored '"lam": 0.3'; experts are stored "a,b"
+            # and shown "a, b": either form finds them
+            name, sep, value = text.partition("=")
+            written = f'"{name.strip()}": {value.strip()}' if sep and name.strip() and value.strip() else text
+            args += [like(text), like(text), like(written), like(text.replace(", ", ","))]
         sql = "SELECT * FROM evaluations" + (" WHERE " + " AND ".join(where) if where else "")
         sql += " ORDER BY time DESC, id DESC LIMIT ?"
         with self._lock:

@@ -40,9 +40,11 @@ class MergeTabEvents:
         self.ctl = ctl
         self.landscape = landscape  # LandscapeController: the live marker follows each move
         self.initial_method = initial_method
-        self._targets: dict[str, tuple[object, float, bool]] = {}  # session -> (spec, expiry, arrived)
+        # session -> (spec, expiry, arrived, record: a new spec, not a History row's)
+        self._targets: dict[str, tuple[object, float, bool, bool]] = {}
         self._methods: dict[str, str] = {}  # the method each session shows (to tell its defaults)
         self._panel: dict[str, int | None] = {}  # the run each session's data-driven panel shows
+        self._shown: dict[str, object] = {}  # session -> the spec its Merge tab's controls last set
         self._evaluated: dict[str, OrderedDict] = {}  # session -> the specs its moves and grids evaluated
         self._lock = threading.Lock()
 
@@ -62,6 +64,17 @@ class MergeTabEvents:
         with self._lock:
             return list(self._evaluated.get(who, ()))
 
+    def still_shown(self, who: str, spec) -> bool:
+        """Whether the session's controls still describe ``spec`` (as of its last move; yes when it
+        made none): a run that ends after they changed must not show its result as theirs."""
+        with self._lock:
+            return who not in self._shown or self._shown[who] == spec.rounded()
+
+    def panel_shows(self, who: str, run) -> None:
+        """The data-driven panel was redrawn outside a move (a run's end): for ``_learned``."""
+        with self._lock:
+            self._panel[who] = id(run) if run is not None else None
+
     def _target(self, request):
         with self._lock:
             entry = self._targets.get(session_of(request))
@@ -72,7 +85,8 @@ class MergeTabEvents:
 
     def _reload_step(self, request, experts, method, values) -> str:
         """What a move is while a History reload is pending: "reload" (the row's own spec: computed,
-        not recorded), "skip" (an in-between spec of the reload) or "move" (a person's move). The
+        not recorded), "loaded" (the spec Start from learned or tuned weights set: computed and
+        recorded), "skip" (an in-between spec of the reload) or "move" (a person's move). The
         reload stays pending after its spec arrived, so that its method change, whenever it comes,
         keeps the row's values; the person's next different move ends it."""
         key = session_of(request)
@@ -81,9 +95,10 @@ class MergeTabEvents:
             return "move"
         if self._spec(experts, method, values) == target:
             with self._lock:
-                if key in self._targets:
-                    self._targets[key] = (*self._targets[key][:2], True)
-            return "reload"
+                entry = self._targets.get(key)
+                if entry is not None:
+                    self._targets[key] = (*entry[:2], True, entry[3])
+            return "loaded" if entry is not None and entry[3] else "reload"
         with self._lock:
             matched = key in self._targets and self._targets[key][2]
             if matched:
@@ -99,14 +114,14 @@ class MergeTabEvents:
     # Gradio injects the request only among positional parameters: it comes first.
     def reload(self, request: gr.Request, row_id, experts, method, *values):
         """A History row into every Merge-tab input."""
-        return self.set_or_warn(request, lambda: self.ctl.reload(row_id), experts, method, values)
+        return self.set_or_warn(request, lambda: self.ctl.reload(row_id), experts, method, values, record=False)
 
     def start_from_learned(self, request: gr.Request, experts, method, *values):
         """The current data-driven run's coefficients into the coefficient sliders (task arithmetic)."""
         return self.set_or_warn(request, lambda: self.ctl.learned_updates(experts, method, *values),
                                  experts, method, values)
 
-    def set_or_warn(self, request, updates, experts, method, values):
+    def set_or_warn(self, request, updates, experts, method, values, record: bool = True):
         """``set_inputs`` of updates(), or, where those fail, their message as a warning and every
         input as it was: raised, the error would replace each input it targets by an error badge."""
         try:
@@ -115,15 +130,16 @@ class MergeTabEvents:
             return kept(exc.message, 2 + len(values))
         except MergerError as exc:
             return kept(exc, 2 + len(values))
-        return self.set_inputs(request, got, experts, method, values)
+        return self.set_inputs(request, got, experts, method, values, record)
 
-    def set_inputs(self, request, updates, experts, method, values):
-        """Set every input at once; the change events that follow are read as one request (above)."""
+    def set_inputs(self, request, updates, experts, method, values, record: bool = True):
+        """Set every input at once; the change events that follow are read as one request (above),
+        its result recorded in the history unless it came from there (``record``)."""
         target = self._spec(updates[0]["value"], updates[1]["value"], [u.get("value") for u in updates[2:]])
         if target is None or target == self._spec(experts, method, values):
             return tuple(gr.skip() for _ in updates)  # nothing changes: no event will follow
         with self._lock:
-            self._targets[session_of(request)] = (target, time.monotonic() + EXPIRY_S, False)
+            self._targets[session_of(request)] = (target, time.monotonic() + EXPIRY_S, False, record)
         return updates
 
     def method_controls(self, request: gr.Request, method, experts, *values):
@@ -147,8 +163,10 @@ class MergeTabEvents:
         if step == "skip":
             yield skip  # a step of a History reload, not a request
             return
-        record = step == "move"  # a reloaded row is in the history already
+        record = step in ("move", "loaded")  # a reloaded row is in the history already
         who = session_of(request)
+        with self._lock:
+            self._shown[who] = self._spec(experts, method, values)
         queue = self.ctl.session.queue
         ticket = queue.ticket(who)
         learned = self._learned(who, experts, method, values)

@@ -176,7 +176,9 @@ class Controller(ControlPanel):
         experts = [e for e in row["experts"].split(",") if e]
         params = json.loads(row["params"])
         task_weights, block_weights = params.pop("task_weights", {}), params.pop("block_weights", {})
-        return self.spec_updates(experts, row["method"], params, task_weights, block_weights)
+        updates = self.spec_updates(experts, row["method"], params, task_weights, block_weights)
+        gr.Info(f"History row {text} ({row['method']}) is in the Merge tab's controls now.")
+        return updates
 
     def spec_updates(self, experts, method: str, params: dict, task_weights: dict, block_weights: dict) -> tuple:
         """Updates of every Merge-tab input (experts, method, parameter controls, coefficient
@@ -231,9 +233,15 @@ class Controller(ControlPanel):
         """Merged safetensors + spec YAML (the CLI's files), offered as downloads."""
         try:
             spec = self.spec_from_controls(experts, method, *values).rounded()
+            delta = None
+            if methods.get(spec.method).data_driven:  # the run on screen, not a silent second one
+                if self.session.cached_run(spec) is None:
+                    raise MergerError(f"no {methods.get(spec.method).display_name} run for these settings: press "
+                                      "Run first (the export writes the run whose numbers you see)")
+                delta = self.session.delta(spec)
             out = EXPORT_ROOT / uuid.uuid4().hex / f"merged-{spec.method}.safetensors"
             with self.session.batch(), self.session.lock:
-                weights, spec_yaml = export_merge(self.pool, spec, out)
+                weights, spec_yaml = export_merge(self.pool, spec, out, delta)
         except (MergerError, OSError) as exc:
             return None, notice(f"export failed: {exc}")
         return [str(weights), str(spec_yaml)], f"Exported `{spec.label()}`."
@@ -284,8 +292,11 @@ def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str
         method.change(events.method_controls, [method, experts, *controls], [*controls, about], queue=False,
                       api_visibility="private")
         experts.change(ctl.refresh_limits, inputs, controls, queue=False, api_visibility="private")
-        runs = RunController(ctl)
-        run_btn.click(runs.run, inputs, [run_status, *learned, *outputs], **BATCH_EVENT, api_visibility="private")
+        runs = RunController(ctl, events)
+        # No progress overlay: the status line streams the run's progress, and a value a control
+        # refuses then comes as its toast alone, not as error badges over every Merge-tab output.
+        run_btn.click(runs.run, inputs, [run_status, *learned, *outputs], **BATCH_EVENT, show_progress="hidden",
+                      api_visibility="private")
         cancel_btn.click(runs.cancel, None, run_status, concurrency_id="cancel", concurrency_limit=None,
                          api_visibility="private")
         pin_btn.click(ctl.pin, [pins, *inputs], [pins, pins_md], api_visibility="private")

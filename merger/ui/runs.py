@@ -19,9 +19,13 @@ RUNS_LABEL = "Runs: data-driven methods and slow preparations"
 
 
 class RunController:
-    def __init__(self, controller):
+    def __init__(self, controller, events=None):
         self.ctl = controller
+        self.events = events  # MergeTabEvents: what each browser session's controls show now
         self._cancel = CancelFlags()
+
+    def _shown(self, session: str, spec) -> bool:
+        return self.events is None or self.events.still_shown(session, spec)
 
     @staticmethod
     def objective_label(method: str) -> str:
@@ -90,13 +94,25 @@ class RunController:
         label = self.objective_label(spec.method)
         while worker.is_alive():
             time.sleep(0.5)
-            curve = plots.objective_curve(live["values"], f"Objective ({label})", label) if m.data_driven else gr.skip()
+            # the live curve only while the controls still show this run's settings
+            curve = (plots.objective_curve(live["values"], f"Objective ({label})", label)
+                     if m.data_driven and self._shown(session, spec) else gr.skip())
             yield (f"⏳ {m.display_name}: {live['msg']}", curve, *(gr.skip(),) * 6)
         self._cancel.end(session, flag)  # not on a closed page: the run goes on (and is cached)
+        here = self._shown(session, spec)
         if "error" in box:
             err = box["error"]
             msg = "cancelled: nothing was cached; the app is as before" if isinstance(err, Cancelled) else str(err)
-            yield (notice(msg), gr.skip(), *(gr.skip(),) * 6)
+            # the panel as for these settings again (an earlier run's, or none): not the stopped curve
+            panel = self.ctl.learned(experts, method, *values) if here and m.data_driven else (gr.skip(),) * 3
+            if here and m.data_driven and self.events is not None:
+                self.events.panel_shows(session, self.ctl.session.cached_run(spec))
+            yield (notice(msg), *panel, *(gr.skip(),) * 4)
+            return
+        if not here:  # the controls moved on during the run: its result is cached, not shown as theirs
+            took = f"{box['prepared']:.1f}" if "prepared" in box else f"{box['run'].seconds:.1f}"
+            yield (f"✅ {m.display_name}: done in {took} s, for the settings of when you pressed Run; you have "
+                   "changed them since: set them again to see its result.", *skip7)
             return
         acc, loss, radar, summary = self.ctl.preview(experts, method, *values)
         if "prepared" in box:
@@ -106,6 +122,8 @@ class RunController:
         run = box["run"]
         done = (f"{len(run.trace['objective'])} steps" if run.trace.get("objective")
                 else f"{len(run.tasks)} experts' statistics")
+        if self.events is not None:
+            self.events.panel_shows(session, run)
         yield (f"✅ {m.display_name}: {done} in {run.seconds:.1f} s", *self.views(run),
                acc, loss, radar, summary)
 
