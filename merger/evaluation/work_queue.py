@@ -8,9 +8,9 @@ holder (a data-driven run) calls ``yield_point`` between steps.
 
 While batch work waits, previews run at most ``PREVIEW_BURST`` in a row, so a room of people
 dragging cannot starve a batch job; among batch jobs, the one with the fewest chunks left goes
-first, unless another's chunk has been passed over ``BATCH_PATIENCE`` times. A preview carries a
-ticket of its browser session; one superseded by a newer move of the same session is dropped
-before it starts (``Superseded``).
+first; a job that does not say how many it has waits for those, but not for more than
+``BATCH_PATIENCE`` chunks at a time. A preview carries a ticket of its browser session; one
+superseded by a newer move of the same session is dropped before it starts (``Superseded``).
 
 The class of work belongs to the thread: code inside ``with queue.batch():`` is batch work,
 everything else is a preview. The queue is re-entrant for the thread that holds it.
@@ -36,9 +36,11 @@ class WorkQueue:
     # a Sweep in a room of 10 draggers took 2.25× its time alone (goal 2×); with one, 1.65× while
     # the sliders' p95 went from 413 to 637 ms (goal 800): `python -m merger bench workshop`.
     PREVIEW_BURST = 1
-    # A batch chunk passed over by this many chunks of other batch jobs goes next, whatever their
-    # length: shortest-first alone let a script's stream of one-chunk evaluations (the endpoint's
-    # val and test) hold a 40-chunk sweep at 4 chunks while they took 146.
+    # A chunk of a job that did not say its length (the endpoint's val/test evaluations, Compare, a
+    # run) goes next once this many chunks of counted jobs passed it: shortest-first puts it after
+    # them, and a long auto-tune would otherwise hold it to the end. Counted jobs keep shortest-first
+    # among themselves: patience there slowed a Sweep beside an Auto-tune from 4.6× to 5.7× its time
+    # alone (`bench workshop`), and marking a script's evaluations as one-chunk jobs starved a sweep.
     BATCH_PATIENCE = 4
 
     def __init__(self):
@@ -94,10 +96,12 @@ class WorkQueue:
         return self
 
     def _next_chunk(self) -> int | None:
-        """Shortest job first (then first come), unless a chunk has waited BATCH_PATIENCE grants."""
+        """Shortest job first (then first come), unless an uncounted job's chunk has waited
+        BATCH_PATIENCE grants."""
         if not self._chunks:
             return None
-        overdue = [t for t, (_, _, since) in self._chunks.items() if self._granted - since >= self.BATCH_PATIENCE]
+        overdue = [t for t, (left, _, since) in self._chunks.items()
+                   if left == math.inf and self._granted - since >= self.BATCH_PATIENCE]
         if overdue:
             return min(overdue, key=lambda t: self._chunks[t][1])
         return min(self._chunks, key=lambda t: self._chunks[t][:2])

@@ -87,7 +87,7 @@ def evaluate_endpoint(ctl):
             spec = ctl.session.spec(method, experts=experts, task_weights=task_weights or None,
                                     block_weights=block_weights or None, **params)
             cached = ctl.session.cached(spec, split) is not None
-            with ctl.session.batch(chunks=1) if split != "live" else contextlib.nullcontext():
+            with ctl.session.batch() if split != "live" else contextlib.nullcontext():
                 result = ctl.session.preview(spec, split)
         except MergerError as exc:
             fail(exc)
