@@ -222,11 +222,12 @@ def cmd_cache(args) -> int:
     from merger.io.disk_cache import DiskCache
 
     cache = DiskCache()
-    heads = sorted(heads_cache_dir().glob("*.safetensors")) if heads_cache_dir().is_dir() else []
+    heads_dir = heads_cache_dir()
+    heads = sorted(heads_dir.glob("*.safetensors")) if heads_dir.is_dir() else []
     if args.action == "clear":
         for path in heads:  # rebuilt from the text tower on the next open (cached whether or not the rest is)
             path.unlink(missing_ok=True)
-        print(f"{heads_cache_dir()}: removed {len(heads)} zero-shot heads")
+        print(f"{heads_dir}: removed {len(heads)} zero-shot heads")
     if not cache.enabled:
         print("the disk cache of prepared methods is off (MERGER_DISK_CACHE=off)")
         return 0
@@ -238,7 +239,7 @@ def cmd_cache(args) -> int:
     total = sum(e["bytes"] for e in entries)
     print(f"{cache.root}: {len(entries)} entries, {total / 2**30:.2f} GB of a {cache.cap / 2**30:.1f} GB cap "
           "(MERGER_CACHE_GB); least recently used first")
-    print(f"{heads_cache_dir()}: {len(heads)} zero-shot heads, {sum(p.stat().st_size for p in heads) / 2**20:.1f} MB "
+    print(f"{heads_dir}: {len(heads)} zero-shot heads, {sum(p.stat().st_size for p in heads) / 2**20:.1f} MB "
           "(keyed by text tower, classes, templates and tokenizer; not capped)")
     for e in entries:
         print(f"  {e['bytes'] / 2**20:9.1f} MB  {e['path'].name[:16]}  {cache.describe(e['path'])}")
@@ -335,8 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--moves", type=positive_int, default=None,
                    help="live / api / scale: distinct λ values per method; load: moves per client (50)")
-    p.add_argument("--images", type=positive_int, default=None, help="scale: synthetic images per task (128); open: test "
-                                                              "images per task (32)")
+    p.add_argument("--images", type=positive_int, default=None,
+                   help="scale: synthetic images per task (128); open: test images per task (32)")
     p.add_argument("--device", default="cpu", help="scale: cpu or cuda")
     p.add_argument("--naive", type=int, default=30, help="live: how many of them to repeat naively")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods")

@@ -23,7 +23,7 @@ def user_password(text: str) -> tuple[str, str]:
 
 
 def positive_int(text: str, least: int = 1) -> int:
-    """An argparse type: a whole number ≥ 1 (a count of clients, moves, repeats, grid points)."""
+    """An argparse type: a whole number ≥ ``least`` (1: a count of clients, moves, repeats, grid points)."""
     try:
         value = int(text)
     except ValueError:
@@ -202,7 +202,7 @@ def _given_values(text: str, names, axis: str, n_experts: int) -> list[float]:
     methods' ranges is named for them (those points are skipped), not dropped unsaid."""
     import math
 
-    from merger.evaluation.tuning import inside
+    from merger.methods.registry import inside
 
     values = []
     for item in text.split(","):

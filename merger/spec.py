@@ -11,7 +11,7 @@ import torch
 
 from merger import methods
 from merger.errors import MergerError, listed
-from merger.pool.task_vectors import TaskVectors
+from merger.pool.task_vectors import TaskVectors, check_subset
 
 
 def parse_experts(experts: str | Iterable[str] | None, names: Sequence[str],
@@ -23,13 +23,7 @@ def parse_experts(experts: str | Iterable[str] | None, names: Sequence[str],
     if isinstance(experts, str):
         experts = [e.strip() for e in experts.split(",") if e.strip()]
     chosen = [str(e) for e in experts]
-    if not chosen:
-        raise MergerError("experts: empty subset, pick at least one expert")
-    unknown = [e for e in chosen if e not in names]
-    if unknown:
-        raise MergerError(f"experts: unknown task(s) {listed(unknown)}; known: {', '.join(names)}")
-    if len(set(chosen)) != len(chosen):
-        raise MergerError(f"experts: named twice: {listed(n for n, c in Counter(chosen).items() if c > 1)}")
+    check_subset(chosen, names)
     return tuple(t for t in names if t in chosen)
 
 

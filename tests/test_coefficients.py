@@ -127,6 +127,7 @@ def test_spec_yaml_round_trip_with_weights_replays_identical_tensors(pool, tmp_p
     ({"block_weights": {"block0": True}}, "block_weights.block0: 'True' is not a number"),
     ({"task_weights": "=1"}, "task_weights: a weight without a name ('=w'); known: task0"),
     ({"task_weights": [[["task0"], 1.0]]}, "task_weights: every name must be a string"),
+    ({"experts": ["task0", "task1", "task0"]}, "experts: named twice: task0"),
     ({"experts": ["x" * 100000]}, "experts: unknown task(s) " + "x" * 60 + "…; known"),
     ({"experts": [f"e{i}" for i in range(20000)]}, "experts: unknown task(s) e0, e1, e2, e3, e4, e5, e6, e7, e8, "
                                                    "e9, … (20000 in all); known"),

@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 
 from merger import methods
 from merger.errors import MergerError
+from merger.methods.registry import inside
 
 Progress = Callable[[float, str], None] | None
 
@@ -148,12 +149,6 @@ def sweep(session, method_names: Sequence[str], axis: str, values: Sequence[floa
         for t in res.tasks:
             out[m]["per_task"][t].append(res.accuracy[t])
     return out
-
-
-def inside(value: float, bounds: tuple[float, float]) -> bool:
-    """A swept value within a method's range (the top taken as reached: 1/T is not exactly a float)."""
-    lo, hi = bounds
-    return lo <= value <= hi + 1e-12
 
 
 def sweep_plan(session, method_names, axis, values, experts=None, fixed=None) -> list[tuple[str, float, object]]:

@@ -12,6 +12,7 @@ import torch
 from merger import methods
 from merger.errors import MergerError
 from merger.io import checkpoints
+from merger.methods.registry import inside
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 
@@ -96,8 +97,8 @@ def parameter_path(landscape, method: str, axis: str, values: Sequence[float], f
     if axis not in m.param_names:
         raise MergerError(f"{m.name} has no parameter {axis}")
     points, steps = [], []
-    lo, hi = m.bounds(axis, len(experts) if experts else len(landscape.pool.tasks))
-    for v in [v for v in values if lo <= v <= hi + 1e-12]:  # TSV-M's rank path stops at 1/T
+    bounds = m.bounds(axis, len(experts) if experts else len(landscape.pool.tasks))
+    for v in [v for v in values if inside(v, bounds)]:  # TSV-M's rank path stops at 1/T
         params = dict(fixed or {})
         params[axis] = v
         spec = landscape.pool.make_spec(m.name, params, experts, task_weights, block_weights)

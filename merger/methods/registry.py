@@ -217,6 +217,13 @@ class Method:
         return p.min, min(p.max, limits[name][0]) if name in limits else p.max
 
 
+def inside(value: float, bounds: tuple[float, float]) -> bool:
+    """A value within a parameter's range (``Method.bounds``), the top taken as reached: 1/T (TSV-M's
+    rank cap) is not exactly a float."""
+    lo, hi = bounds
+    return lo <= value <= hi + 1e-12
+
+
 # Where the published numbers come from (anchors-peer-projects.md, section 1.6): the papers' lineage
 # of checkpoints (task_vectors' open_clip experts), not FusionBench's Hugging Face ones.
 CART_README = "CART README, Table 1 (task_vectors checkpoints)"

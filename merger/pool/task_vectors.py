@@ -41,6 +41,18 @@ def storage_dtype(choice: str, entries: int) -> torch.dtype:
     return DTYPES[choice]
 
 
+def check_subset(chosen: Sequence[str], known: Sequence[str]) -> None:
+    """An expert subset: not empty, every name known, none twice (the one message for each)."""
+    if not chosen:
+        raise MergerError("experts: empty subset, pick at least one expert")
+    unknown = [e for e in chosen if e not in known]
+    if unknown:
+        raise MergerError(f"experts: unknown task(s) {listed(unknown)}; known: {', '.join(known)}")
+    twice = [e for e, count in Counter(chosen).items() if count > 1]
+    if twice:
+        raise MergerError(f"experts: named twice: {listed(twice)}")
+
+
 class TaskVectors:
     """Base weights (fp32) and stacked task vectors (``dtype``) for the merged keys, on ``device``."""
 
@@ -108,13 +120,7 @@ class TaskVectors:
     def subset(self, tasks: Sequence[str]) -> "TaskVectors":
         """Task vectors of the named tasks, in the given order (no copy when nothing changes)."""
         tasks = list(tasks)
-        if not tasks:
-            raise MergerError("experts: empty subset, pick at least one expert")
-        unknown = [t for t in tasks if t not in self.tasks]
-        if unknown:
-            raise MergerError(f"experts: unknown task(s) {listed(unknown)}; known: {', '.join(self.tasks)}")
-        if len(set(tasks)) != len(tasks):
-            raise MergerError(f"experts: named twice: {listed(t for t, c in Counter(tasks).items() if c > 1)}")
+        check_subset(tasks, self.tasks)
         if tasks == self.tasks:
             return self
         idx = torch.tensor([self.tasks.index(t) for t in tasks], device=self.device)

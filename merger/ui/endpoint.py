@@ -9,16 +9,17 @@ from typing import Optional
 from merger import methods
 from merger.errors import MergerError
 from merger.methods.registry import param_record, with_param
+from merger.ui.compare_tab import SPLITS_SHOWN
 from merger.ui.errors import fail
 
 FIXED = ("method", "experts", "split", "task_weights", "block_weights")  # all but the method's parameters
 # The first endpoint's parameters, in its positional order (method, lam, rank_ratio, sparsity, seed,
 # experts, split); every later one comes after task_weights and block_weights, so no positional call breaks.
 FIRST = ("lam", "rank_ratio", "sparsity", "seed")
-# The splits the page offers. The live split is a slider move's forward (a preview); val and test
-# are Compare's, run as batch work so that they wait for the room's slider moves; the train split
-# (31,500 images on the demo, a held model for seconds) is the CLI's: `python -m merger eval`.
-SPLITS = ("live", "val", "test")
+# The endpoint evaluates the splits the page offers (SPLITS_SHOWN). The live split is a slider
+# move's forward (a preview); val and test are Compare's, run as batch work so that they wait for
+# the room's slider moves; the train split (31,500 images on the demo, a held model for seconds) is
+# the CLI's: `python -m merger eval`.
 
 
 def endpoint_params() -> list[str]:
@@ -69,8 +70,8 @@ def evaluate_endpoint(ctl):
         given = dict(bound.arguments)
         method, experts, split, task_weights, block_weights = (given.pop(k) for k in FIXED)
         try:
-            if split not in SPLITS:
-                raise MergerError(f"split {str(split)[:40]!r}: the endpoint evaluates {', '.join(SPLITS)} "
+            if split not in SPLITS_SHOWN:
+                raise MergerError(f"split {str(split)[:40]!r}: the endpoint evaluates {', '.join(SPLITS_SHOWN)} "
                                   "(other splits: python -m merger eval --split …)")
             if methods.get(method).data_driven:
                 raise MergerError(f"{method} learns from data: run it in the Merge tab or with `python -m merger merge`")
