@@ -268,6 +268,59 @@ def test_previews_cannot_starve_batch_work_and_the_shorter_job_goes_first():
     assert order[:4] == ["p0", "short", "p1", "long"] and sorted(order[4:]) == ["p2", "p3"], order
 
 
+def test_a_shorter_job_between_two_of_its_chunks_keeps_its_turn():
+    """Between two chunks a job records its result and updates its progress. A longer job's chunk,
+    always waiting, once took the model in each of those gaps: a Sweep beside an Auto-tune took
+    4.3× its time alone (`bench workshop`)."""
+    q, order, lock = WorkQueue(), [], threading.Lock()
+
+    def job(name, n, gap):
+        with q.batch(chunks=n):
+            for _ in range(n):
+                with q:
+                    with lock:
+                        order.append(name)
+                    time.sleep(0.005)
+                time.sleep(gap)  # outside the queue, as a result is recorded
+
+    with q.batch(), q:
+        long_job = threading.Thread(target=job, args=("long", 8, 0.0))
+        short_job = threading.Thread(target=job, args=("short", 4, 0.01))
+        _line_up(q, [long_job, short_job], q.batch_waiting)
+    t0 = time.monotonic()
+    for th in (long_job, short_job):
+        th.join()
+    assert order == ["short"] * 4 + ["long"] * 8, order
+    assert time.monotonic() - t0 < 5 * WorkQueue.HANDOFF_S + 1  # the end of the short job frees the turn at once
+
+
+def test_a_handoff_ends_with_its_job_or_after_handoff_s():
+    """A job that ended holds no one up; one that does not come back holds a longer job's chunk
+    HANDOFF_S at most."""
+    q = WorkQueue()
+
+    def longer_chunk_waits() -> float:  # another thread's chunk of a 50-chunk job
+        waited = []
+
+        def chunk():
+            t = time.monotonic()
+            with q.batch(chunks=50), q:
+                waited.append(time.monotonic() - t)
+
+        th = threading.Thread(target=chunk)
+        th.start()
+        th.join(timeout=30)
+        return waited[0]
+
+    with q.batch(chunks=5), q:
+        pass  # one chunk of five, and the job is over
+    assert longer_chunk_waits() < 0.5 * WorkQueue.HANDOFF_S
+    with q.batch(chunks=5):
+        with q:
+            pass
+        assert 0.5 * WorkQueue.HANDOFF_S <= longer_chunk_waits() < 10  # its next chunk did not come
+
+
 def test_a_stream_of_uncounted_jobs_neither_starves_a_sweep_nor_waits_for_its_end():
     """Scripts evaluating val/test through the endpoint are batch jobs that do not say their length,
     one after the other. A sweep (a counted job) goes first, yet they get a turn every

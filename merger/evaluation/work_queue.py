@@ -8,9 +8,10 @@ holder (a data-driven run) calls ``yield_point`` between steps.
 
 While batch work waits, previews run at most ``PREVIEW_BURST`` in a row, so a room of people
 dragging cannot starve a batch job; among batch jobs, the one with the fewest chunks left goes
-first; a job that does not say how many it has waits for those, but not for more than
-``BATCH_PATIENCE`` chunks at a time. A preview carries a ticket of its browser session; one
-superseded by a newer move of the same session is dropped before it starts (``Superseded``).
+first, and keeps its turn for a moment between two of its chunks (``HANDOFF_S``); a job that does
+not say how many it has waits for those, but not for more than ``BATCH_PATIENCE`` chunks at a
+time. A preview carries a ticket of its browser session; one superseded by a newer move of the
+same session is dropped before it starts (``Superseded``).
 
 The class of work belongs to the thread: code inside ``with queue.batch():`` is batch work,
 everything else is a preview. The queue is re-entrant for the thread that holds it.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import Counter, deque
 from contextlib import contextmanager
 
@@ -42,6 +44,11 @@ class WorkQueue:
     # among themselves: patience there slowed a Sweep beside an Auto-tune from 4.6× to 5.7× its time
     # alone (`bench workshop`), and marking a script's evaluations as one-chunk jobs starved a sweep.
     BATCH_PATIENCE = 4
+    # A counted job between two of its chunks (recording a result, a progress update: about 10 ms)
+    # keeps its turn for at most this long. Without it a longer job's chunk, always waiting, took the
+    # model in each of those gaps: a 93-chunk Sweep beside a 125-chunk Auto-tune let 35 of the
+    # Auto-tune's 0.5 s chunks in between its own 0.1 s ones, 4.3× its time alone in `bench workshop`.
+    HANDOFF_S = 0.2
 
     def __init__(self):
         self._cond = threading.Condition()
@@ -53,6 +60,7 @@ class WorkQueue:
         self._arrivals = 0
         self._granted = 0
         self._previews_in_a_row = 0
+        self._between: tuple[int, float, float] | None = None  # (thread, chunks left, until): see HANDOFF_S
         self._latest: dict[str, int] = {}
         self._local = threading.local()
         self.counts: Counter = Counter()  # previews, chunks, yields, dropped: for tests and benches
@@ -71,6 +79,8 @@ class WorkQueue:
             yield
         finally:
             self._local.batch -= 1
+            if outer == 0 or chunks is not None:  # the job this level counted is over
+                self._end_handoff(threading.get_ident())
 
     def in_batch(self) -> bool:
         return getattr(self._local, "batch", 0) > 0
@@ -97,19 +107,35 @@ class WorkQueue:
 
     def _next_chunk(self) -> int | None:
         """Shortest job first (then first come), unless an uncounted job's chunk has waited
-        BATCH_PATIENCE grants."""
+        BATCH_PATIENCE grants; None while a shorter job is between two of its chunks."""
         if not self._chunks:
             return None
         overdue = [t for t, (left, _, since) in self._chunks.items()
                    if left == math.inf and self._granted - since >= self.BATCH_PATIENCE]
         if overdue:
             return min(overdue, key=lambda t: self._chunks[t][1])
-        return min(self._chunks, key=lambda t: self._chunks[t][:2])
+        best = min(self._chunks, key=lambda t: self._chunks[t][:2])
+        if self._handoff_left() is not None and self._between[1] < self._chunks[best][0]:
+            return None
+        return best
+
+    def _handoff_left(self) -> float | None:
+        """Seconds the job between two of its chunks keeps its turn, or None."""
+        if self._between is None:
+            return None
+        left = self._between[2] - time.monotonic()
+        return left if left > 0 else None
+
+    def _end_handoff(self, thread: int) -> None:
+        with self._cond:
+            if self._between is not None and self._between[0] == thread:
+                self._between = None
+                self._cond.notify_all()
 
     def _my_turn(self, me: int, preview: bool) -> bool:
         if self._owner is not None:
             return False
-        batch_due = bool(self._chunks) and self._previews_in_a_row >= self.PREVIEW_BURST
+        batch_due = self._next_chunk() is not None and self._previews_in_a_row >= self.PREVIEW_BURST
         if preview:
             return self._previews[0] == me and not batch_due
         return self._next_chunk() == me and (not self._previews or batch_due)
@@ -120,9 +146,11 @@ class WorkQueue:
         else:
             self._arrivals += 1
             self._chunks[me] = (getattr(self._local, "remaining", math.inf), self._arrivals, self._granted)
+            if self._between is not None and self._between[0] == me:  # back in line: no longer between
+                self._between = None
         try:
             while not self._my_turn(me, preview):
-                self._cond.wait()
+                self._cond.wait(self._handoff_left())  # None: until notified
         finally:
             if preview:
                 self._previews.remove(me)
@@ -135,6 +163,9 @@ class WorkQueue:
             self._depth -= 1
             if self._depth == 0:
                 self._owner = None
+                left = getattr(self._local, "remaining", math.inf)
+                if self.in_batch() and 0 < left < math.inf:
+                    self._between = (threading.get_ident(), left, time.monotonic() + self.HANDOFF_S)
                 self._cond.notify_all()
         return False
 
