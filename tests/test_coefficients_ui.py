@@ -57,6 +57,8 @@ def test_presets(ctl):
 
     with pytest.warns(UserWarning, match="k must be between 1 and"):  # a toast; every slider keeps its value
         assert CoefficientsPanel(ctl).preset("last k only", 99) == tuple(gr.skip() for _ in blocks)
+    with pytest.warns(UserWarning, match="k is empty; type a whole number between 1 and"):
+        assert CoefficientsPanel(ctl).preset("last k only", None) == tuple(gr.skip() for _ in blocks)
 
 
 def test_out_of_range_weights_and_parameters_name_their_field():
@@ -77,9 +79,12 @@ def test_out_of_range_weights_and_parameters_name_their_field():
         seed.preprocess(-1)
     epochs = gr.Number(value=1, precision=0, label="epochs")  # no bounds (the lab's boxes)
     for value, message in (("abc", "epochs: 'abc' is not a number"), (10**400, "epochs: '1000"),
-                           (float("inf"), "epochs: inf is not a finite number")):
+                           (float("inf"), "epochs: inf is not a finite number"),
+                           (2.5, "epochs: 2.5 is not a whole number")):  # Gradio rounded it to 2
         with pytest.raises(gr.Error, match=message):
             epochs.preprocess(value)
+    assert epochs.preprocess(3.0) == 3 and epochs.preprocess(None) is None
+    assert gr.Number(precision=2, label="lr").preprocess(0.25) == 0.25  # only whole-number boxes
 
 
 def test_a_slider_names_its_field_after_a_listener_updated_it():

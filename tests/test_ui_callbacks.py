@@ -78,6 +78,17 @@ def test_cart_says_lambda_has_no_effect_at_full_rank(ctl):
     assert "λ has no effect" in summary
 
 
+def test_a_value_typed_between_slider_steps_is_named_with_the_value_computed(ctl):
+    *_, summary = ctl.preview(*controls(ctl, lam=0.73))
+    assert "computed on the sliders' steps: lam=0.75 (typed 0.73)" in summary
+    assert "lam=0.75" in summary.split("\n\n")[1]  # the label the result is for
+    tasks = ctl.weight_experts
+    *_, weighted = ctl.preview(*with_weights(ctl, controls(ctl, lam=0.75), tasks={tasks[0]: 0.504}))
+    assert f"w.{tasks[0]}=0.5 (typed 0.504)" in weighted and "lam=" not in weighted.split("ℹ️")[-1]
+    *_, on_step = ctl.preview(*controls(ctl, lam=0.75))
+    assert "sliders' steps" not in on_step
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(method="ties", sparsity=1.0), "sparsity=1.0 is out of range"),
     (dict(method="cart", rank_ratio="x"), "rank_ratio='x' is not a number"),

@@ -24,6 +24,8 @@ def preset_values(name: str, blocks: list[str], k: int = 1) -> list[float]:
     if name == "shallower blocks more":
         return ramp[::-1]
     if name == "last k only":
+        if k is None:  # the box left empty
+            raise MergerError(f"last k only: k is empty; type a whole number between 1 and {n} (the block groups)")
         try:
             k = int(k)
         except (TypeError, ValueError):
@@ -90,7 +92,9 @@ def build_coefficients_panel(ctl) -> dict:
 def wire_coefficients_panel(panel: dict, ctl, events, experts, inputs, outputs_all) -> None:
     """Listeners of the panel; ``outputs_all``: every Merge-tab input (what Start from learned sets)."""
     cp = CoefficientsPanel(ctl)
-    panel["apply"].click(cp.preset, [panel["preset"], panel["k"]], panel["blocks"], api_visibility="private")
+    # no progress overlay: a k the box refuses (2.5) is then a toast, not an error badge on every slider
+    panel["apply"].click(cp.preset, [panel["preset"], panel["k"]], panel["blocks"], api_visibility="private",
+                         show_progress="hidden")
     panel["preset"].change(cp.k_shown, panel["preset"], panel["k"], queue=False, api_visibility="private")
     panel["reset"].click(cp.reset_tasks, None, panel["tasks"], api_visibility="private")
     experts.change(cp.shown_for, experts, panel["tasks"], queue=False, api_visibility="private")

@@ -97,23 +97,10 @@ def evaluate_endpoint(ctl):
         out = {"spec": spec.rounded().as_dict(), **result.to_dict()}
         m = methods.get(spec.method)  # the page's note under the result ("the merge is the base", …)
         note = m.note(spec.rounded().kwargs, ctl.session.prepared_state(spec)) if m.note else None
-        snapped = _snapped(spec)
+        snapped = spec.snapped()
         return {**out, **({"note": note} if note else {}), **({"snapped": snapped} if snapped else {})}
 
     evaluate.__signature__ = sig
     evaluate.__annotations__ = hints
     evaluate.__doc__ = evaluate_endpoint.__doc__
     return evaluate
-
-
-def _snapped(spec) -> dict:
-    """The parameters and weights computed at another value than given: a preview's values sit on
-    their sliders' steps (λ 0.333 is computed at 0.35), as the result cache shared with the page
-    keys them. {name: computed value}; task and block weights as "w.NAME" and "b.NAME"."""
-    rounded = spec.rounded()
-    out = {}
-    for tag, given, computed in (("", spec.params, rounded.params), ("w.", spec.task_weights, rounded.task_weights),
-                                 ("b.", spec.block_weights, rounded.block_weights)):
-        computed = dict(computed)  # a weight that snaps to 1 is left out of the rounded spec
-        out.update({tag + n: computed.get(n, 1.0) for n, g in given if g != computed.get(n, 1.0)})
-    return out

@@ -47,7 +47,7 @@ def build_history_tab(ctl, events, merge: dict) -> HistoryTab:
     tab = HistoryTab(ctl)
     with gr.Tab("History", id="history") as history_tab:
         with gr.Row():
-            hist_method = gr.Dropdown([""] + methods.names(), value="", label="method")
+            hist_method = gr.Dropdown([("all methods", "")] + methods.names(), value="", label="method")
             hist_text = gr.Textbox(label="filter (method, parameters or experts contain)")
             hist_refresh = gr.Button("Refresh")
         hist_table = gr.Dataframe(headers=HistoryTab.HISTORY_HEADERS, interactive=False, wrap=True,

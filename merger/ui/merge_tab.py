@@ -157,6 +157,12 @@ class Controller(ControlPanel):
         ]
         if note:
             lines.append(f"ℹ️ {note}")
+        snapped = spec.snapped()
+        if snapped:  # a typed value between two slider steps: say which value the result is for
+            typed = {**spec.kwargs, **{f"w.{n}": w for n, w in spec.task_weights},
+                     **{f"b.{n}": w for n, w in spec.block_weights}}
+            lines.append("ℹ️ computed on the sliders' steps: " + ", ".join(
+                f"{n}={v:g} (typed {typed[n]:g})" for n, v in snapped.items()))
         if self.session.evaluator.notices:
             lines.append(f"⚠️ {self.session.evaluator.notices[-1]}")
         return "\n\n".join(lines)
