@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import threading
@@ -64,6 +65,11 @@ def main(argv=None) -> int:
     from merger.ui import build_app
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    taken = _cannot_bind(args.host, args.port)
+    if taken:  # said now, not after the pool's load (seconds to minutes)
+        print(f"error: --host {args.host} --port {args.port}: cannot serve there ({taken}); pick another --port, "
+              "or --host an address of this machine", file=sys.stderr)
+        return 2
     try:
         roots = [r.strip() for r in args.roots.split(",") if r.strip()]
         missing = [r for r in roots if not os.path.isdir(os.path.expanduser(r))]
@@ -91,13 +97,38 @@ def main(argv=None) -> int:
     app = build_app(session, history, cluster=cluster)
     app.queue(default_concurrency_limit=1)
     try:
+        # quiet: Gradio's own lines speak of its Python API (share=True in launch()), not of this app's flags
         app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=args.auth,
-                   footer_links=["api"], css=None)
-    except OSError as exc:  # the port is taken, or the host is not this machine's
+                   footer_links=["api"], css=None, quiet=True, prevent_thread_lock=True)
+    except OSError:  # taken since the check above
         print(f"error: --host {args.host} --port {args.port}: cannot serve there: the port is taken, or "
-              f"{args.host} is not an address of this machine ({exc})", file=sys.stderr)
+              f"{args.host} is not an address of this machine; pick another --port", file=sys.stderr)
         return 2
+    print(f"serving {pool.name} at {app.local_url}" + (f" and {app.share_url}" if args.share and app.share_url else "")
+          + " (Ctrl+C stops it)", flush=True)
+    try:
+        app.block_thread()
+    except KeyboardInterrupt:
+        pass
     return 0
+
+
+def _cannot_bind(host: str, port: int) -> str | None:
+    """Why (host, port) cannot be served, or None (the server binds it a moment later)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"{host} is not a host name or address here: {exc.strerror or exc}"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            return "the port is taken" if exc.errno == errno.EADDRINUSE else f"{exc.strerror or exc}"
+    return None
 
 
 if __name__ == "__main__":

@@ -117,8 +117,10 @@ def cmd_eval(args) -> int:
     _run_data_driven(pool, spec)
     # Exact parameters (not snapped to slider steps): merge, then evaluate.
     result = ex.evaluate_exact(spec, args.split)
+    m = methods.get(spec.method)
+    note = m.note(spec.kwargs, ex.prepared_state(spec)) if m.note else None  # what the page says beside it
     if args.json:
-        print(json.dumps({"spec": spec.as_dict(), **result.to_dict()}, indent=2))
+        print(json.dumps({"spec": spec.as_dict(), **result.to_dict(), **({"note": note} if note else {})}, indent=2))
         return 0
     print(f"{spec.label()} over {', '.join(spec.experts)}; {args.split} split")
     print(f"{'task':<14}{'accuracy %':>11}{'loss':>9}{'normalised %':>14}")
@@ -134,6 +136,8 @@ def cmd_eval(args) -> int:
     if zero:
         print(f"normalised n/a: the expert of {', '.join(zero)} scores 0 % on its own task on the {args.split} split "
               f"({', '.join(f'{result.counts[t]} images' for t in zero)})")
+    if note:
+        print(f"note: {note}")
     return 0
 
 
@@ -274,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="build: output folder (default: the shipped assets/demo)")
     p.add_argument("--small", action="store_true", help="build: the reduced configuration used in CI")
     p.add_argument("--pool", default="demo", help="report: which pool")
-    p.add_argument("--split", default="test")
+    p.add_argument("--split", default="test", help="report: test (default), val, live or probe")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("landscape", help="loss/accuracy surface on a plane, as standalone HTML + JSON grid")

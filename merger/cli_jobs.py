@@ -86,7 +86,8 @@ def add_job_commands(sub) -> None:
     p.add_argument("--methods", default=None, help="comma list (default: the featured methods that take --axis)")
     p.add_argument("--axis", default="lam", help="a parameter with sweep values (lam, rank_ratio, sparsity, t, ...)")
     p.add_argument("--values", default=None, help="comma list (default: the parameter's sweep values)")
-    p.add_argument("--split", default="live")
+    p.add_argument("--split", default="live", help="live (default: the split the app's sliders show), val, test, "
+                                                     "train or probe")
     p.add_argument("--experts", default=None, help="comma-separated task names (default: all)")
     p.add_argument("--out", default=None, help="also write the curves as JSON here")
     p.set_defaults(func=cmd_sweep)
@@ -184,6 +185,7 @@ def cmd_sweep(args) -> int:
     with progress_bar("sweep") as update:
         out = sweep(session, names, args.axis, values, args.split, experts, progress=update, cluster=cluster,
                     on_result=on_result, known=known)
+    print(f"average accuracy % on the {args.split} split, against {args.axis}:")
     for m, curve in out.items():
         print(f"{m}: " + "  ".join(f"{x:g}→{100 * a:.1f}" for x, a in zip(curve["x"], curve["average"])))
     where = f"on {args.workers} Ray workers ({args.ray})" if cluster else "here"

@@ -104,8 +104,9 @@ class Spec:
                            "not a ticked expert (weights apply to the experts merged)")
         bw = parse_weights(block_weights, "block_weights", list(blocks), "not a block group of this pool")
         if (tw or bw) and m.data_driven:
-            raise MergerError(f"task_weights/block_weights: {m.name} learns its own coefficients; load them "
-                              "with 'start from learned' and edit them under task arithmetic instead")
+            raise MergerError(f"task_weights/block_weights: {m.name} learns its own coefficients; the weights "
+                              "are for static methods (an AdaMerging or FW-Merging run's coefficients load into "
+                              "them with 'start from learned', under task arithmetic)")
         return cls(m.name, tuple(sorted(resolved.items())), chosen, tw, bw)
 
     def task_weight_list(self) -> list[float]:

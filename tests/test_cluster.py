@@ -90,6 +90,7 @@ def test_resume_skips_the_points_the_history_holds(pool, tmp_path):
     again = subprocess.run(cmd + ["--values", "0.1,0.2,0.3", "--resume"], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert "1 evaluated, 2 from the history" in again.stdout
+    assert "average accuracy % on the live split, against lam:" in again.stdout  # the split it defaults to
     assert len(History(tmp_path / "h.sqlite").rows()) == 3
 
 

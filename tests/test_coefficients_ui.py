@@ -57,6 +57,8 @@ def test_presets(ctl):
 
     with pytest.warns(UserWarning, match="k must be between 1 and"):  # a toast; every slider keeps its value
         assert CoefficientsPanel(ctl).preset("last k only", 99) == tuple(gr.skip() for _ in blocks)
+    with pytest.warns(UserWarning, match="k must be a whole number, got 2.5"):  # Gradio rounded it to 2
+        assert CoefficientsPanel(ctl).preset("last k only", 2.5) == tuple(gr.skip() for _ in blocks)
     with pytest.warns(UserWarning, match="k is empty; type a whole number between 1 and"):
         assert CoefficientsPanel(ctl).preset("last k only", None) == tuple(gr.skip() for _ in blocks)
 
@@ -79,12 +81,11 @@ def test_out_of_range_weights_and_parameters_name_their_field():
         seed.preprocess(-1)
     epochs = gr.Number(value=1, precision=0, label="epochs")  # no bounds (the lab's boxes)
     for value, message in (("abc", "epochs: 'abc' is not a number"), (10**400, "epochs: '1000"),
-                           (float("inf"), "epochs: inf is not a finite number"),
-                           (2.5, "epochs: 2.5 is not a whole number")):  # Gradio rounded it to 2
+                           (float("inf"), "epochs: inf is not a finite number")):
         with pytest.raises(gr.Error, match=message):
             epochs.preprocess(value)
-    assert epochs.preprocess(3.0) == 3 and epochs.preprocess(None) is None
-    assert gr.Number(precision=2, label="lr").preprocess(0.25) == 0.25  # only whole-number boxes
+    # 2.5 reaches the listener as it is (Gradio rounded it to 2), whose own check refuses it
+    assert epochs.preprocess(2.5) == 2.5 and epochs.preprocess(3.0) == 3 and epochs.preprocess(None) is None
 
 
 def test_a_slider_names_its_field_after_a_listener_updated_it():
@@ -180,6 +181,8 @@ def test_tradeoffs_tab_views(ctl):
     assert (table, kept) == (gr.skip(), gr.skip()) and msg == "⚠️ evaluations (budget): empty or not a number"
     _, msg, _ = tab.tune(person(), 4, 2**40, False, False, *inputs, progress=lambda *x, **k: None)
     assert msg == "⚠️ seed: 1099511627776 is outside [0, 2^32 − 1]"  # not Optuna's words, mid-job
+    table, msg, kept = tab.tune(person(), 2.5, 0, False, False, *inputs, progress=lambda *x, **k: None)
+    assert (table, kept) == (gr.skip(), gr.skip()) and msg == "⚠️ evaluations (budget): 2.5 is not a whole number"
     rows, msg, tuned = tab.tune(person(), 4, 0, False, False, *inputs, progress=lambda *x, **k: None)
     assert rows[0][0] == "TPE per-task weights" and rows[0][2] == 4 and rows[1][0].startswith("best single λ")
     updates = tab.load(tuned, *inputs)

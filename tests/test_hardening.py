@@ -171,8 +171,13 @@ def test_app_refuses_a_bad_or_taken_port_in_one_line(tmp_path):
         port = taken.getsockname()[1]
         res = subprocess.run([sys.executable, app, "--pool", str(pool), "--port", str(port), "--history", ""],
                              capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and f"error: --host 127.0.0.1 --port {port}: cannot serve there" in res.stderr
-    assert "Traceback" not in res.stderr
+    assert res.returncode == 2 and f"error: --host 127.0.0.1 --port {port}: cannot serve there (the port is taken)" \
+        in res.stderr
+    assert "Traceback" not in res.stderr and "launch()" not in res.stderr  # this app's flags, not Gradio's API
+    assert "one live forward" not in res.stdout  # said before the pool's load
+    res = subprocess.run([sys.executable, app, "--pool", str(pool), "--host", "no-such-host.invalid", "--history", ""],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "no-such-host.invalid is not a host name or address here" in res.stderr
 
 
 # ---- a live server ------------------------------------------------------------------------

@@ -116,11 +116,19 @@ def test_a_point_that_names_nothing_and_a_repeated_point_are_refused_by_name(lan
     from merger.landscape.figure import make_plane
 
     task = land.pool.tasks[0]
-    with pytest.raises(MergerError, match=f"landscape point 'nosuchtask': A point is base, a task \\({task}, "):
+    with pytest.raises(MergerError, match=f"landscape point 'nosuchtask': not a task or a method: 'nosuchtask'; "
+                                          f"A point is base, a task \\({task}, "):
         land.named_points(["base", "nosuchtask", task])
     typo = task[:-1] + "x" + task[-1]  # one letter in: the task is suggested
-    with pytest.raises(MergerError, match=f"landscape point '{typo}': did you mean '{task}'\\? A point is base"):
+    with pytest.raises(MergerError, match=f"landscape point '{typo}': .*; did you mean '{task}'\\? A point is base"):
         land.named_points(["base", typo, task])
+    with pytest.raises(MergerError, match="landscape point 'tiess:lam=0.3': not a task, and no method is called "
+                                          "'tiess'; did you mean 'ties:lam=0.3'\\?"):
+        land.named_points(["base", "tiess:lam=0.3", task])
+    from merger.landscape.trajectories import finetune_trajectory
+
+    with pytest.raises(MergerError, match=f"path 'nope': not a task of the pool \\({task}, .*METHOD@lam"):
+        finetune_trajectory(land, "nope")
     with pytest.raises(MergerError, match=f"exactly three different points \\(got 2: base, {task}\\)"):
         make_plane(land, "points", land.named_points(["base", task, task]))
 

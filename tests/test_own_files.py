@@ -239,6 +239,14 @@ def test_an_expert_at_0_percent_prints_no_nan(pool_path, capsys, monkeypatch):
     assert "nan" not in out and "n/a" in out and "scores 0 % on its own task on the test split" in out
 
 
+def test_eval_prints_the_note_the_page_shows(pool_path, capsys):
+    """Consensus TA with k above the experts merged is the base: the app says so, and so does eval."""
+    assert cli_main(["eval", "--pool", str(pool_path), "--method", "consensus_ta", "--agree", "9"]) == 0
+    assert "note: " in capsys.readouterr().out
+    assert cli_main(["eval", "--pool", str(pool_path), "--method", "consensus_ta", "--agree", "9", "--json"]) == 0
+    assert "the merge is the base" in json.loads(capsys.readouterr().out)["note"]
+
+
 def test_short_messages_for_a_mistyped_architecture_broken_yaml_and_api_misuse(pool_path, tmp_path, monkeypatch,
                                                                               capsys):
     from merger.io import disk_cache

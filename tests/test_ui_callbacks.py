@@ -76,6 +76,11 @@ def test_preview_shows_what_evaluate_computes(ctl):
 def test_cart_says_lambda_has_no_effect_at_full_rank(ctl):
     *_, summary = ctl.preview(*controls(ctl, "cart", lam=2.0, rank_ratio=1.0))
     assert "λ has no effect" in summary
+    one = [ctl.pool.tasks[0]]
+    *_, summary = ctl.preview(*controls(ctl, "cart", experts=one, lam=0.5, rank_ratio=0.1))
+    assert "λ has no effect: with one expert" in summary
+    *_, summary = ctl.preview(*controls(ctl, "cart", lam=0.5, rank_ratio=0.1))
+    assert "λ has no effect" not in summary
 
 
 def test_a_value_typed_between_slider_steps_is_named_with_the_value_computed(ctl):
@@ -223,6 +228,10 @@ def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch)
     assert rows[0][4] == ", ".join(ctl.pool.tasks)  # a space after each comma: the table can wrap there
     # the summary's notation finds the stored one; % and _ are the characters themselves, not wildcards
     assert [r[0] for r in HistoryTab(ctl).history_rows("", "lam=1.25")] == [rows[0][0]]
+    assert HistoryTab(ctl).history_rows("", "lam=1.2") == []  # that value, not every λ it begins
+    t0 = ctl.weight_experts[0]
+    ctl.preview(*with_weights(ctl, controls(ctl, "iso_c", lam=1.25), tasks={t0: 0.0}))
+    assert len(HistoryTab(ctl).history_rows("", f"{t0}=0")) == 1  # the summary's w[t0=0], stored as 0.0
     assert HistoryTab(ctl).history_rows("", "%") == [] and HistoryTab(ctl).history_rows("", "iso_") != []
     assert HistoryTab(ctl).history_rows("", "is_c") == []  # '_' once matched any character
     experts, method, *values = ctl.reload(rows[0][0])
@@ -359,6 +368,31 @@ def test_cancelled_run_reports_and_caches_nothing(ctl, monkeypatch):
     assert "cancelled" in last[0]
     assert runs.cancel() == gr.skip()  # nothing runs now: the status line keeps "cancelled"
     assert ctl.session.cached_run(ctl.spec_from_controls(*controls(ctl, "adamerging_layer", steps=5000, samples=8))) is None
+
+
+def test_pin_and_export_refuse_values_the_page_never_computed(ctl):
+    """A λ typed out of range is refused, and the browser puts it back in range (5 → 3) or reads an
+    emptied box as 0, with no move: Pin and Export once saved task_arithmetic(lam=3), never shown."""
+    from types import SimpleNamespace
+
+    from merger.ui.merge_events import MergeTabEvents
+
+    me, events = SimpleNamespace(session_hash="me"), MergeTabEvents(ctl, "task_arithmetic")
+    shown, clamped = with_weights(ctl, controls(ctl, lam=0.3)), with_weights(ctl, controls(ctl, lam=3.0))
+    pins, _ = events.pin(me, [], *clamped)  # no move yet: the controls are what the page shows
+    assert [p.kwargs["lam"] for p in pins] == [3.0]
+    list(events.move(me, None, *shown))
+    with pytest.warns(UserWarning, match=r"Pin: the controls hold `task_arithmetic\(lam=3\)`, but the merge on "
+                                         r"screen is `task_arithmetic\(lam=0.3\)`"):
+        assert events.pin(me, [], *clamped)[0] == []
+    files, msg = events.export(me, *clamped)
+    assert files is None and "export refused" in msg and "`task_arithmetic(lam=0.3)`" in msg
+    pins, _ = events.pin(me, [], *shown)
+    assert [p.kwargs["lam"] for p in pins] == [0.3]
+    files, msg = events.export(me, *shown)
+    assert len(files) == 2 and msg == "Exported `task_arithmetic(lam=0.3)`."
+    other = SimpleNamespace(session_hash="someone else")  # another page's moves are not mine
+    assert events.not_on_screen(other, clamped[0], clamped[1], clamped[2:]) is None
 
 
 def test_a_run_that_ends_after_the_settings_changed_shows_nothing_as_theirs(ctl):

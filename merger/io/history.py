@@ -91,13 +91,18 @@ class History:
             def like(t):  # the text itself: % and _ are not wildcards here
                 return "%" + t.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
-            where.append("(method LIKE ? ESCAPE '\\' OR params LIKE ? ESCAPE '\\' OR params LIKE ? ESCAPE '\\' "
-                         "OR experts LIKE ? ESCAPE '\\')")
-            # "lam=0.3" as the summary writes it finds the stored '"lam": 0.3'; experts are stored "a,b"
-            # and shown "a, b": either form finds them
-            name, sep, value = text.partition("=")
-            written = f'"{name.strip()}": {value.strip()}' if sep and name.strip() and value.strip() else text
-            args += [like(text), like(text), like(written), like(text.replace(", ", ","))]
+            # "lam=0.3" as the summary writes it finds the stored '"lam": 0.3' (that value, not 0.35);
+            # experts are stored "a,b" and shown "a, b": either form finds them
+            ors = [("method", like(text)), ("params", like(text)), ("experts", like(text.replace(", ", ",")))]
+            name, sep, value = (part.strip() for part in text.partition("="))
+            if sep and name and value:
+                try:
+                    forms = {value, json.dumps(float(value))}  # w[shape=0] is stored as 0.0
+                except ValueError:
+                    forms = {value}
+                ors += [("params", like(f'"{name}": {f}')[:-1] + end) for f in sorted(forms) for end in (",%", "}%")]
+            where.append("(" + " OR ".join(f"{col} LIKE ? ESCAPE '\\'" for col, _ in ors) + ")")
+            args += [pattern for _, pattern in ors]
         sql = "SELECT * FROM evaluations" + (" WHERE " + " AND ".join(where) if where else "")
         sql += " ORDER BY time DESC, id DESC LIMIT ?"
         with self._lock:

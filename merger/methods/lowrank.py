@@ -101,6 +101,8 @@ def apply_cart(derived: dict, lam: float, rank_ratio: float) -> dict:
 def cart_note(params, prepared) -> str | None:
     if params.get("rank_ratio", 0) >= 1.0:
         return "λ has no effect: at full rank CART equals weight averaging."
+    if prepared is not None and prepared.get("T") == 1:
+        return "λ has no effect: with one expert θavg is that expert, and θt − θavg is zero."
     return None
 
 

@@ -56,10 +56,11 @@ def format_demo_report(n: dict) -> str:
     tasks = list(n["experts"])
     best = n["by_lam"][n["best_lam"]]
     cols = ["chance", "base", "expert", f"TA λ={n['best_lam']:g}*"] + list(n["others"])
-    lines = [f"demo pool, {n['split']} split, accuracy %", f"{'task':<12}" + "".join(f"{c[:12]:>13}" for c in cols)]
+    widths = [max(13, len(c) + 2) for c in cols]  # a method's whole name (weight_averaging was cut)
+    lines = [f"demo pool, {n['split']} split, accuracy %", f"{'task':<12}" + "".join(f"{c:>{w}}" for c, w in zip(cols, widths))]
 
     def row(name, vals):
-        return f"{name:<12}" + "".join(f"{100 * v:13.1f}" for v in vals)
+        return f"{name:<12}" + "".join(f"{100 * v:{w}.1f}" for v, w in zip(vals, widths))
 
     for t in tasks:
         lines.append(row(t, [n["chance"][t], n["base"].accuracy[t], n["experts"][t], best.accuracy[t]]

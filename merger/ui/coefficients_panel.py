@@ -27,9 +27,12 @@ def preset_values(name: str, blocks: list[str], k: int = 1) -> list[float]:
         if k is None:  # the box left empty
             raise MergerError(f"last k only: k is empty; type a whole number between 1 and {n} (the block groups)")
         try:
-            k = int(k)
+            whole = float(k) % 1 == 0
         except (TypeError, ValueError):
-            raise MergerError(f"last k only: k must be a whole number, got {k!r}") from None
+            whole = False
+        if not whole:
+            raise MergerError(f"last k only: k must be a whole number, got {k!r}")
+        k = int(k)
         if not 1 <= k <= n:
             raise MergerError(f"last k only: k must be between 1 and {n} (the block groups), got {k}")
         return [0.0] * (n - k) + [1.0] * k

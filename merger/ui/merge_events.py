@@ -25,7 +25,7 @@ import gradio as gr
 from merger import methods
 from merger.errors import MergerError
 from merger.evaluation.work_queue import Superseded
-from merger.ui.errors import kept
+from merger.ui.errors import kept, notice, warn
 
 EXPIRY_S = 10.0  # a reload whose target never shows up stops guarding the session after this
 EVALUATED_PER_SESSION = 4096  # the merges a browser session remembers as its own (Trade-offs' Pareto)
@@ -69,6 +69,33 @@ class MergeTabEvents:
         made none): a run that ends after they changed must not show its result as theirs."""
         with self._lock:
             return who not in self._shown or self._shown[who] == spec.rounded()
+
+    def not_on_screen(self, request, experts, method, values) -> str | None:
+        """Why Pin or Export must not take the controls' values, or None: they hold a spec the page
+        did not compute. A value a box refused stays in the browser, put back in range (λ 5 → 3) or
+        read as 0 (an emptied box) with no move: Pin and Export would save a merge never shown."""
+        spec = self._spec(experts, method, values)
+        with self._lock:
+            who = session_of(request)
+            if who not in self._shown or spec is None or self._shown[who] == spec:
+                return None  # no move yet, or the controls' own message follows
+            shown = self._shown[who]
+        on_screen = f"the merge on screen is `{shown.label()}`" if shown is not None else "no merge is on screen"
+        return (f"the controls hold `{spec.label()}`, but {on_screen}: a value a box refused was put back in "
+                "range, or its move has not started yet. Set the value again (or wait for its result), then retry")
+
+    def pin(self, request: gr.Request, pins, experts, method, *values):
+        why = self.not_on_screen(request, experts, method, values)
+        if why is not None:
+            warn(f"Pin: {why}")
+            return pins, self.ctl.pins_text(pins)
+        return self.ctl.pin(pins, experts, method, *values)
+
+    def export(self, request: gr.Request, experts, method, *values):
+        why = self.not_on_screen(request, experts, method, values)
+        if why is not None:
+            return None, notice(f"export refused: {why}")
+        return self.ctl.export(experts, method, *values)
 
     def panel_shows(self, who: str, run) -> None:
         """The data-driven panel was redrawn outside a move (a run's end): for ``_learned``."""

@@ -305,8 +305,8 @@ def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str
                       api_visibility="private")
         cancel_btn.click(runs.cancel, None, run_status, concurrency_id="cancel", concurrency_limit=None,
                          api_visibility="private")
-        pin_btn.click(ctl.pin, [pins, *inputs], [pins, pins_md], api_visibility="private")
-        export_btn.click(batch(ctl.export), inputs, [files, export_msg], **BATCH_EVENT, api_visibility="private")
+        pin_btn.click(events.pin, [pins, *inputs], [pins, pins_md], api_visibility="private")
+        export_btn.click(batch(events.export), inputs, [files, export_msg], **BATCH_EVENT, api_visibility="private")
         wire_coefficients_panel(panel, ctl, events, experts, inputs, inputs)
     return {"experts": experts, "method": method, "controls": controls, "about": about, "pins": pins,
             "inputs": inputs, "outputs": outputs, "learned": learned, "weights": weights}

@@ -4,7 +4,9 @@ Gradio checks a Slider's or Number's bounds before any listener runs, with a mes
 no field ("Value 5 is greater than maximum value 3.0."): with a dozen weight boxes on screen a
 person cannot tell which one. Here that check names the label and the range, and a slider's box
 left empty (or holding text) is refused by name, where Gradio's own check failed on it unnamed. A
-box of whole numbers (precision 0) refuses 2.5, which Gradio would round to 2 unseen.
+box of whole numbers (precision 0) passes 2.5 on as it is, where Gradio rounded it to 2 unseen: the
+listener refuses it by name (a method's parameter check, the lab's, Trade-offs', a preset's) and,
+refusing there, keeps its outputs (a refusal here put an error badge on each of them).
 
 The check sits on the classes' ``preprocess``, not on each instance: when a listener updates a
 component's props (a method switch shows, hides and relabels the controls), Gradio rebuilds the
@@ -20,7 +22,7 @@ import gradio as gr
 from merger.ui.errors import fail
 
 
-def _check(label: str, value, minimum, maximum, required: bool = False, whole: bool = False) -> None:
+def _check(label: str, value, minimum, maximum, required: bool = False) -> None:
     label = label or "value"
     if value is None:
         if required:  # a slider's box cleared, or text typed in it (the browser sends no number)
@@ -38,14 +40,13 @@ def _check(label: str, value, minimum, maximum, required: bool = False, whole: b
         lo = "-∞" if minimum is None else f"{minimum:g}"
         hi = "∞" if maximum is None else f"{maximum:g}"
         fail(f"{label}: {number:g} is outside [{lo}, {hi}]")
-    if whole and number != math.floor(number):  # Gradio would round it (2.5 steps ran as 2)
-        fail(f"{label}: {number:g} is not a whole number")
 
 
 def _naming(preprocess):
     def named(self, payload):
-        _check(self.label, payload, self.minimum, self.maximum, required=isinstance(self, gr.Slider),
-               whole=getattr(self, "precision", None) == 0)
+        _check(self.label, payload, self.minimum, self.maximum, required=isinstance(self, gr.Slider))
+        if getattr(self, "precision", None) == 0 and payload is not None and float(payload) % 1:
+            return float(payload)  # not rounded: the listener's own check names it, its outputs kept
         return preprocess(self, payload)
 
     named.names_its_field = True

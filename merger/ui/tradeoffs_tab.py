@@ -93,6 +93,8 @@ class TradeoffsTab:
             for label, value in (("evaluations (budget)", budget), ("seed", seed)):
                 if value is None:  # the box left empty, or text typed in it (the browser sends no number)
                     raise MergerError(f"{label}: empty or not a number")
+                if float(value) % 1:
+                    raise MergerError(f"{label}: {value:g} is not a whole number")
             spec = self._spec(inputs)
             tuned = tune_weights(session, spec.method, spec.kwargs, list(spec.experts), budget=int(budget),
                                  seed=int(seed), with_lam=bool(with_lam),
