@@ -228,10 +228,10 @@ def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch)
     assert rows[0][4] == ", ".join(ctl.pool.tasks)  # a space after each comma: the table can wrap there
     # the summary's notation finds the stored one; % and _ are the characters themselves, not wildcards
     assert [r[0] for r in HistoryTab(ctl).history_rows("", "lam=1.25")] == [rows[0][0]]
-    assert HistoryTab(ctl).history_rows("", "lam=1.2") == []  # that value, not every λ it begins
+    assert HistoryTab(ctl).history_rows("iso_c", "lam=1.2") == []  # that value, not every λ it begins
     t0 = ctl.weight_experts[0]
     ctl.preview(*with_weights(ctl, controls(ctl, "iso_c", lam=1.25), tasks={t0: 0.0}))
-    assert len(HistoryTab(ctl).history_rows("", f"{t0}=0")) == 1  # the summary's w[t0=0], stored as 0.0
+    assert len(HistoryTab(ctl).history_rows("iso_c", f"{t0}=0")) == 1  # the summary's w[t0=0], stored as 0.0
     assert HistoryTab(ctl).history_rows("", "%") == [] and HistoryTab(ctl).history_rows("", "iso_") != []
     assert HistoryTab(ctl).history_rows("", "is_c") == []  # '_' once matched any character
     experts, method, *values = ctl.reload(rows[0][0])
