@@ -114,22 +114,26 @@ def main(argv=None) -> int:
 
 
 def _cannot_bind(host: str, port: int) -> str | None:
-    """Why (host, port) cannot be served, or None (the server binds it a moment later)."""
+    """Why (host, port) cannot be served, or None (the server binds it a moment later). As the server
+    does, an address this machine lacks (::1 with IPv6 off) is skipped where another one binds."""
     import socket
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
         return f"{host} is not a host name or address here: {exc.strerror or exc}"
-    family, _, _, _, address = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    reasons = []
+    for family, kind, proto, _, address in infos:
         try:
-            s.bind(address)
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(address)
+            return None
         except OSError as exc:
-            return "the port is taken" if exc.errno == errno.EADDRINUSE else f"{exc.strerror or exc}"
-    return None
-
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                return "the port is taken" if exc.errno == errno.EADDRINUSE else f"{exc.strerror or exc}"
+            reasons.append(exc.strerror or str(exc))
+    return "; ".join(dict.fromkeys(reasons)) or f"{host} has no address"
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -127,7 +127,7 @@ def test_a_point_that_names_nothing_and_a_repeated_point_are_refused_by_name(lan
         land.named_points(["base", "tiess:lam=0.3", task])
     from merger.landscape.trajectories import finetune_trajectory
 
-    with pytest.raises(MergerError, match=f"path 'nope': not a task of the pool \\({task}, .*METHOD@lam"):
+    with pytest.raises(MergerError, match=f"path 'nope': not an expert of the pool \\({task}, .*METHOD@lam"):
         finetune_trajectory(land, "nope")
     with pytest.raises(MergerError, match=f"exactly three different points \\(got 2: base, {task}\\)"):
         make_plane(land, "points", land.named_points(["base", task, task]))

@@ -298,27 +298,67 @@ def test_a_handoff_ends_with_its_job_or_after_handoff_s():
     """A job that ended holds no one up; one that does not come back holds a longer job's chunk
     HANDOFF_S at most."""
     q = WorkQueue()
+    q.HANDOFF_S = 2.0  # long against a slow machine's thread start
 
-    def longer_chunk_waits() -> float:  # another thread's chunk of a 50-chunk job
-        waited = []
+    def longer_chunk_granted() -> float:  # another thread's chunk of a 50-chunk job: when it got the model
+        granted = []
 
         def chunk():
-            t = time.monotonic()
             with q.batch(chunks=50), q:
-                waited.append(time.monotonic() - t)
+                granted.append(time.monotonic())
 
         th = threading.Thread(target=chunk)
         th.start()
         th.join(timeout=30)
-        return waited[0]
+        return granted[0]
 
     with q.batch(chunks=5), q:
         pass  # one chunk of five, and the job is over
-    assert longer_chunk_waits() < 0.5 * WorkQueue.HANDOFF_S
+    ended = time.monotonic()
+    assert longer_chunk_granted() - ended < 1.0
     with q.batch(chunks=5):
         with q:
             pass
-        assert 0.5 * WorkQueue.HANDOFF_S <= longer_chunk_waits() < 10  # its next chunk did not come
+        left = time.monotonic()
+        assert 1.6 <= longer_chunk_granted() - left < 10  # its next chunk did not come
+
+
+def test_work_after_a_nested_counted_job_is_not_taken_for_its_last_chunk():
+    """A Trade-offs tune runs AdaMerging after its grid (a counted job inside it): that run once lined
+    up with the grid's 0 chunks left, ahead of every counted job, and a Sweep waited for all of it."""
+    q, order, lock = WorkQueue(), [], threading.Lock()
+    grid_done, go = threading.Event(), threading.Event()
+
+    def tune():
+        with q.batch():
+            with q.batch(chunks=1), q:
+                pass  # the grid
+            grid_done.set()
+            go.wait(30)
+            with q:  # a step of the run that follows
+                with lock:
+                    order.append("run")
+
+    def sweep():
+        with q.batch(chunks=3):
+            for _ in range(3):
+                with q:
+                    with lock:
+                        order.append("sweep")
+
+    tuner = threading.Thread(target=tune)
+    tuner.start()
+    assert grid_done.wait(30)
+    with q.batch(), q:  # held while both line up
+        sweeper = threading.Thread(target=sweep)
+        _line_up(q, [sweeper], q.batch_waiting)
+        go.set()
+        deadline = time.monotonic() + 30
+        while q.batch_waiting() < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    for th in (tuner, sweeper):
+        th.join()
+    assert order == ["sweep"] * 3 + ["run"], order
 
 
 def test_a_stream_of_uncounted_jobs_neither_starves_a_sweep_nor_waits_for_its_end():

@@ -379,8 +379,9 @@ def test_pin_and_export_refuse_values_the_page_never_computed(ctl):
 
     me, events = SimpleNamespace(session_hash="me"), MergeTabEvents(ctl, "task_arithmetic")
     shown, clamped = with_weights(ctl, controls(ctl, lam=0.3)), with_weights(ctl, controls(ctl, lam=3.0))
-    pins, _ = events.pin(me, [], *clamped)  # no move yet: the controls are what the page shows
-    assert [p.kwargs["lam"] for p in pins] == [3.0]
+    events.load(me, *shown)  # the page's first answer: λ 0.3; then 5 typed, refused, put back at 3
+    with pytest.warns(UserWarning, match="Pin: the controls hold"):
+        assert events.pin(me, [], *clamped)[0] == []
     list(events.move(me, None, *shown))
     with pytest.warns(UserWarning, match=r"Pin: the controls hold `task_arithmetic\(lam=3\)`, but the merge on "
                                          r"screen is `task_arithmetic\(lam=0.3\)`"):

@@ -72,14 +72,17 @@ class WorkQueue:
         that says how many chunks it has goes before longer ones (shortest remaining first: the
         mean wait is least); jobs that do not say take turns after them."""
         outer = getattr(self._local, "batch", 0)
-        if outer == 0 or chunks is not None:
+        counts = outer == 0 or chunks is not None
+        if counts:
+            saved = getattr(self._local, "remaining", math.inf)
             self._local.remaining = float(chunks) if chunks is not None else math.inf
         self._local.batch = outer + 1
         try:
             yield
         finally:
             self._local.batch -= 1
-            if outer == 0 or chunks is not None:  # the job this level counted is over
+            if counts:  # the job this level counted is over: the enclosing one's count again
+                self._local.remaining = saved  # (a tune's AdaMerging run after its grid is not 0 chunks long)
                 self._end_handoff(threading.get_ident())
 
     def in_batch(self) -> bool:
@@ -120,11 +123,15 @@ class WorkQueue:
         return best
 
     def _handoff_left(self) -> float | None:
-        """Seconds the job between two of its chunks keeps its turn, or None."""
+        """Seconds the job between two of its chunks keeps its turn, or None (an expired handoff is
+        dropped here: a wait given None would sleep past it until some other notify)."""
         if self._between is None:
             return None
         left = self._between[2] - time.monotonic()
-        return left if left > 0 else None
+        if left <= 0:
+            self._between = None
+            return None
+        return left
 
     def _end_handoff(self, thread: int) -> None:
         with self._cond:
@@ -150,7 +157,8 @@ class WorkQueue:
                 self._between = None
         try:
             while not self._my_turn(me, preview):
-                self._cond.wait(self._handoff_left())  # None: until notified
+                # the clock read again: a handoff may have lapsed since _my_turn (wait(0) looks again at once)
+                self._cond.wait(None if self._between is None else max(0.0, self._between[2] - time.monotonic()))
         finally:
             if preview:
                 self._previews.remove(me)

@@ -96,9 +96,10 @@ class History:
             ors = [("method", like(text)), ("params", like(text)), ("experts", like(text.replace(", ", ",")))]
             name, sep, value = (part.strip() for part in text.partition("="))
             if sep and name and value:
-                try:
-                    forms = {value, json.dumps(float(value))}  # w[shape=0] is stored as 0.0
-                except ValueError:
+                try:  # w[shape=0] is stored as 0.0, agree=2.0 as 2
+                    number = float(value)
+                    forms = {value, json.dumps(number)} | ({str(int(number))} if number.is_integer() else set())
+                except (ValueError, OverflowError):
                     forms = {value}
                 ors += [("params", like(f'"{name}": {f}')[:-1] + end) for f in sorted(forms) for end in (",%", "}%")]
             where.append("(" + " OR ".join(f"{col} LIKE ? ESCAPE '\\'" for col, _ in ors) + ")")

@@ -75,7 +75,7 @@ def has_trajectory(pool, expert: str) -> bool:
 def finetune_trajectory(landscape, task: str) -> Trajectory:
     info = landscape.pool.expert_info.get(task)
     if info is None:
-        raise MergerError(f"path '{task}': not a task of the pool ({', '.join(landscape.pool.tasks)}) "
+        raise MergerError(f"path '{task}': not an expert of the pool ({', '.join(landscape.pool.experts)}) "
                           "nor METHOD@lam|rank_ratio|sparsity")
     if info.get("lab_trajectory"):  # fine-tuned in the expert lab: checkpoints kept in memory
         base = landscape.pool.task_vectors.base

@@ -50,5 +50,5 @@ def build_app(session, history=None, title: str = "merger", cluster=None) -> gr.
         gr.api(evaluate_endpoint(ctl), api_name="evaluate", **PREVIEW_EVENT)
         app.load(ctl.method_controls, [merge["method"], merge["experts"], *merge["controls"]],
                  [*merge["controls"], merge["about"]], api_visibility="private")
-        app.load(ctl.preview, merge["inputs"], merge["outputs"], **PREVIEW_EVENT, api_visibility="private")
+        app.load(events.load, merge["inputs"], merge["outputs"], **PREVIEW_EVENT, api_visibility="private")
     return app

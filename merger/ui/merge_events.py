@@ -84,6 +84,12 @@ class MergeTabEvents:
         return (f"the controls hold `{spec.label()}`, but {on_screen}: a value a box refused was put back in "
                 "range, or its move has not started yet. Set the value again (or wait for its result), then retry")
 
+    def load(self, request: gr.Request, experts, method, *values):
+        """The page's first answer (its load event): from then on, what Pin and Export may take."""
+        with self._lock:
+            self._shown[session_of(request)] = self._spec(experts, method, values)
+        return self.ctl.preview(experts, method, *values)
+
     def pin(self, request: gr.Request, pins, experts, method, *values):
         why = self.not_on_screen(request, experts, method, values)
         if why is not None:
