@@ -520,3 +520,26 @@ def test_a_move_frees_the_oldest_delta_before_it_computes_its_own(tmp_path, monk
     merges.delta(session.spec("task_arithmetic", lam=0.3))
     assert seen == {"first": False, "second": True}
     assert len(merges._deltas) == merges.delta_size == 2
+
+
+def test_a_split_is_read_before_its_first_evaluation_takes_the_model(tmp_path):
+    """Reading a split's images needs no model: an auto-tune's first val point once held every other
+    job for the 5 s the demo's val split takes to read (and the experts' 7 forwards on it)."""
+    c = ui_controller(tmp_path)
+    session = c.session
+    read = threading.Event()
+    original = session.evaluator._read
+
+    def reading(split):
+        out = original(split)
+        read.set()
+        return out
+
+    session.evaluator._read = reading
+    result = {}
+    with session.batch(), session.queue:  # another job holds the model
+        worker = threading.Thread(target=lambda: result.update(r=session.preview(session.spec("task_arithmetic"), "val")))
+        worker.start()
+        assert read.wait(10)  # read while the model was held
+    worker.join(60)
+    assert result["r"].split == "val"

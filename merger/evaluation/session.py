@@ -212,6 +212,11 @@ class PoolSession:
         rounded = spec.rounded()
         if methods.get(rounded.method).data_driven:
             self.run(rounded)  # batch work of its own, before this evaluation takes the model
+        # A split's images are read (once), and the experts' accuracies on it computed (once, each on
+        # its own turn), before this evaluation takes the model: an auto-tune's first val point
+        # otherwise held every other job for 5 s.
+        self.evaluator.inputs(split)
+        self.expert_accuracy(split)
         with self.queue:
             self.queue.drop_if_superseded(session, ticket)
             hit = self.cached(spec, split)  # computed by someone else while this one waited
@@ -261,6 +266,7 @@ class PoolSession:
         if key not in self._expert_acc:
             self._expert_acc[key] = self.linear.expert_accuracy(expert, split)
         if self._expert_acc[key] is None:
+            self.evaluator.inputs(split)  # read outside the queue (see preview)
             with self.queue:
                 tv = self.pool.task_vectors
                 i = tv.tasks.index(expert)
