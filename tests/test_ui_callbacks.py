@@ -371,8 +371,9 @@ def test_cancelled_run_reports_and_caches_nothing(ctl, monkeypatch):
 
 
 def test_pin_and_export_refuse_values_the_page_never_computed(ctl):
-    """A λ typed out of range is refused, and the browser puts it back in range (5 → 3) or reads an
-    emptied box as 0, with no move: Pin and Export once saved task_arithmetic(lam=3), never shown."""
+    """A λ typed out of range is refused; the browser puts it back in range (5 → 3; an emptied box
+    → 0) as the box loses focus to the Pin or Export button, whose click then arrives before that
+    value's move: they once saved task_arithmetic(lam=-3), never shown."""
     from types import SimpleNamespace
 
     from merger.ui.merge_events import MergeTabEvents

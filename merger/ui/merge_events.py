@@ -72,8 +72,9 @@ class MergeTabEvents:
 
     def not_on_screen(self, request, experts, method, values) -> str | None:
         """Why Pin or Export must not take the controls' values, or None: they hold a spec the page
-        did not compute. A value a box refused stays in the browser, put back in range (λ 5 → 3) or
-        read as 0 (an emptied box) with no move: Pin and Export would save a merge never shown."""
+        has not computed. A value a box refused is put back in range by the browser (λ 5 → 3; an
+        emptied box → 0) when the box loses focus, to the Pin or Export button clicked: that click
+        arrives before the move of the new value, and would save a merge nobody saw."""
         spec = self._spec(experts, method, values)
         with self._lock:
             who = session_of(request)
