@@ -117,8 +117,7 @@ def cmd_eval(args) -> int:
     _run_data_driven(pool, spec)
     # Exact parameters (not snapped to slider steps): merge, then evaluate.
     result = ex.evaluate_exact(spec, args.split)
-    m = methods.get(spec.method)
-    note = m.note(spec.kwargs, ex.prepared_state(spec)) if m.note else None  # what the page says beside it
+    note = ex.note(spec)  # what the page says beside it
     if args.json:
         print(json.dumps({"spec": spec.as_dict(), **result.to_dict(), **({"note": note} if note else {})}, indent=2))
         return 0

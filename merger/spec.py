@@ -141,13 +141,13 @@ class Spec:
     def snapped(self) -> dict:
         """The parameters and weights a preview computes at another value than given: they sit on
         their sliders' steps (λ 0.333 is computed at 0.35), as the result cache keys them.
-        {name: computed value}; task and block weights as "w.NAME" and "b.NAME"."""
+        {name: (given, computed)}; task and block weights as "w.NAME" and "b.NAME"."""
         rounded = self.rounded()
         out = {}
         for tag, given, computed in (("", self.params, rounded.params), ("w.", self.task_weights, rounded.task_weights),
                                      ("b.", self.block_weights, rounded.block_weights)):
             computed = dict(computed)  # a weight that snaps to 1 is left out of the rounded spec
-            out.update({tag + n: computed.get(n, 1.0) for n, g in given if g != computed.get(n, 1.0)})
+            out.update({tag + n: (g, computed.get(n, 1.0)) for n, g in given if g != computed.get(n, 1.0)})
         return out
 
     def label(self) -> str:

@@ -124,6 +124,12 @@ class PoolSession:
     def prepared_state(self, spec: Spec):
         return self.merges.prepared_state(spec)
 
+    def note(self, spec: Spec) -> str | None:
+        """The method's note on these parameters ("λ has no effect", "the merge is the base"): the page
+        shows it under the result, the endpoint and ``eval`` beside theirs."""
+        m = methods.get(spec.method)
+        return m.note(spec.kwargs, self.prepared_state(spec)) if m.note else None
+
     def is_prepared(self, spec: Spec) -> bool:
         return self.merges.is_prepared(spec)
 

@@ -118,20 +118,16 @@ class WorkQueue:
         if overdue:
             return min(overdue, key=lambda t: self._chunks[t][1])
         best = min(self._chunks, key=lambda t: self._chunks[t][:2])
-        if self._handoff_left() is not None and self._between[1] < self._chunks[best][0]:
+        if self._handing_off() and self._between[1] < self._chunks[best][0]:
             return None
         return best
 
-    def _handoff_left(self) -> float | None:
-        """Seconds the job between two of its chunks keeps its turn, or None (an expired handoff is
-        dropped here: a wait given None would sleep past it until some other notify)."""
-        if self._between is None:
-            return None
-        left = self._between[2] - time.monotonic()
-        if left <= 0:
+    def _handing_off(self) -> bool:
+        """Whether a job between two of its chunks keeps its turn (an expired handoff is dropped here:
+        a wait given no timeout would sleep past it until some other notify)."""
+        if self._between is not None and self._between[2] <= time.monotonic():
             self._between = None
-            return None
-        return left
+        return self._between is not None
 
     def _end_handoff(self, thread: int) -> None:
         with self._cond:

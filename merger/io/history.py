@@ -88,8 +88,8 @@ class History:
                 args.append(value)
         text = (text or "").strip()
         if text:
-            def like(t):  # the text itself: % and _ are not wildcards here
-                return "%" + t.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            def like(t, tail="%"):  # the text itself: % and _ are not wildcards here
+                return "%" + t.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + tail
 
             # "lam=0.3" as the summary writes it finds the stored '"lam": 0.3' (that value, not 0.35);
             # experts are stored "a,b" and shown "a, b": either form finds them
@@ -101,7 +101,7 @@ class History:
                     forms = {value, json.dumps(number)} | ({str(int(number))} if number.is_integer() else set())
                 except (ValueError, OverflowError):
                     forms = {value}
-                ors += [("params", like(f'"{name}": {f}')[:-1] + end) for f in sorted(forms) for end in (",%", "}%")]
+                ors += [("params", like(f'"{name}": {f}', tail)) for f in sorted(forms) for tail in (",%", "}%")]
             where.append("(" + " OR ".join(f"{col} LIKE ? ESCAPE '\\'" for col, _ in ors) + ")")
             args += [pattern for _, pattern in ors]
         sql = "SELECT * FROM evaluations" + (" WHERE " + " AND ".join(where) if where else "")

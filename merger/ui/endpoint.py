@@ -95,9 +95,8 @@ def evaluate_endpoint(ctl):
         if ctl.history is not None and not cached:
             ctl.history.record(ctl.pool_ref, spec.rounded(), result)
         out = {"spec": spec.rounded().as_dict(), **result.to_dict()}
-        m = methods.get(spec.method)  # the page's note under the result ("the merge is the base", …)
-        note = m.note(spec.rounded().kwargs, ctl.session.prepared_state(spec)) if m.note else None
-        snapped = spec.snapped()
+        note = ctl.session.note(spec.rounded())  # the page's note under the result ("the merge is the base", …)
+        snapped = {name: computed for name, (_, computed) in spec.snapped().items()}
         return {**out, **({"note": note} if note else {}), **({"snapped": snapped} if snapped else {})}
 
     evaluate.__signature__ = sig

@@ -75,12 +75,11 @@ class MergeTabEvents:
         has not computed. A value a box refused is put back in range by the browser (λ 5 → 3; an
         emptied box → 0) when the box loses focus, to the Pin or Export button clicked: that click
         arrives before the move of the new value, and would save a merge nobody saw."""
-        spec = self._spec(experts, method, values)
+        spec, who = self._spec(experts, method, values), session_of(request)
+        if spec is None or self.still_shown(who, spec):
+            return None  # on screen (or no move yet), or the controls' own message follows
         with self._lock:
-            who = session_of(request)
-            if who not in self._shown or spec is None or self._shown[who] == spec:
-                return None  # no move yet, or the controls' own message follows
-            shown = self._shown[who]
+            shown = self._shown.get(who)
         on_screen = f"the merge on screen is `{shown.label()}`" if shown is not None else "no merge is on screen"
         return (f"the controls hold `{spec.label()}`, but {on_screen}: a value a box refused was put back in "
                 "range, or its move has not started yet. Set the value again (or wait for its result), then retry")

@@ -130,9 +130,8 @@ class Controller(ControlPanel):
     def summary(self, spec, result, cached: bool, estimated: bool = False) -> str:
         """The summary markdown; ``estimated``: this move showed the linear estimate first (its
         error against this exact answer is then stated)."""
-        m = methods.get(spec.method)
         rounded = spec.rounded()
-        note = m.note(rounded.kwargs, self.session.prepared_state(spec)) if m.note else None
+        note = self.session.note(rounded)
         timing = "cached" if cached else f"{1000 * result.seconds:.0f} ms"
         if result.partial:
             timing += " · ⏳ partial: the first images of each task; the whole live split follows"
@@ -159,10 +158,8 @@ class Controller(ControlPanel):
             lines.append(f"ℹ️ {note}")
         snapped = spec.snapped()
         if snapped:  # a typed value between two slider steps: say which value the result is for
-            typed = {**spec.kwargs, **{f"w.{n}": w for n, w in spec.task_weights},
-                     **{f"b.{n}": w for n, w in spec.block_weights}}
             lines.append("ℹ️ computed on the sliders' steps: " + ", ".join(
-                f"{n}={v:g} (typed {typed[n]:g})" for n, v in snapped.items()))
+                f"{n}={computed:g} (typed {given:g})" for n, (given, computed) in snapped.items()))
         if self.session.evaluator.notices:
             lines.append(f"⚠️ {self.session.evaluator.notices[-1]}")
         return "\n\n".join(lines)
