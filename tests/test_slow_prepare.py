@@ -72,7 +72,7 @@ def test_on_a_large_pool_a_move_asks_for_run_and_run_prepares_with_progress(ctl)
     assert ctl.session.counts["prepares"] == 0 and ctl.session.evaluator.forwards == 0  # the move did no work
 
     status = [f[0] for f in RunController(ctl).run(None, *inputs)]
-    assert status[-1].startswith("✅ TSV-Merge: prepared in") and ctl.session.counts["prepares"] == 1
+    assert status[-1].startswith("✓ TSV-Merge: prepared in") and ctl.session.counts["prepares"] == 1
     frames = list(events.move(SimpleNamespace(session_hash="p"), None, *controls(ctl, "tsv_m", rank_ratio="auto",
                                                                                   lam=1.1)))
     assert "Average accuracy" in frames[0][3] and ctl.session.counts["prepares"] == 1

@@ -339,7 +339,7 @@ def test_data_driven_run_from_the_merge_tab(ctl):
     runs = RunController(ctl)
     frames = list(runs.run(None, *controls(ctl, "adamerging_task", steps=6)))
     status, objective, heat, fw, acc, loss, radar, summary = frames[-1]
-    assert status.startswith("✅") and len(objective.data[0].y) == 6
+    assert status.startswith("✓") and len(objective.data[0].y) == 6
     run = ctl.session.cached_run(ctl.spec_from_controls(*controls(ctl, "adamerging_task", steps=6)))
     assert list(heat.data[0].y) == ctl.pool.tasks
     expected = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "adamerging_task", steps=6, lr=1e-3, init=0.3,
@@ -347,7 +347,7 @@ def test_data_driven_run_from_the_merge_tab(ctl):
     assert shown_average(summary) == pytest.approx(100 * expected.average_accuracy, abs=0.005)
     # FW: barycentric weights and gap are drawn
     *_, last = runs.run(None, *controls(ctl, "fw_hard", steps=3))
-    assert last[0].startswith("✅") and any(t.name == "FW gap" for t in last[3].data)
+    assert last[0].startswith("✓") and any(t.name == "FW gap" for t in last[3].data)
     # the iterates are a trajectory on the landscape
     lc = LandscapeController(ctl)
     frames = list(lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 5, "contour", [ITERATES],
@@ -362,7 +362,7 @@ def test_cancelled_run_reports_and_caches_nothing(ctl, monkeypatch):
     runs = RunController(ctl)
     gen = runs.run(None, *controls(ctl, "adamerging_layer", steps=5000, samples=8))
     first = next(gen)
-    assert first[0].startswith("⏳")
+    assert first[0].startswith("◷")
     assert runs.cancel() == "Cancelling…"
     last = list(gen)[-1]
     assert "cancelled" in last[0]
@@ -411,7 +411,7 @@ def test_a_run_that_ends_after_the_settings_changed_shows_nothing_as_theirs(ctl)
     ada = with_weights(ctl, controls(ctl, "adamerging_task", steps=7, samples=8))
     list(events.move(me, None, *ada))  # the person picks AdaMerging ...
     gen = runs.run(me, *ada)  # ... presses Run ...
-    assert next(gen)[0].startswith("⏳")
+    assert next(gen)[0].startswith("◷")
     list(events.move(me, None, *with_weights(ctl, controls(ctl, "ties"))))  # ... and moves on to TIES
     *_, last = gen
     assert "you have changed them since" in last[0] and all(x == gr.skip() for x in last[1:])
@@ -422,7 +422,7 @@ def test_a_run_that_ends_after_the_settings_changed_shows_nothing_as_theirs(ctl)
     steps9 = with_weights(ctl, controls(ctl, "adamerging_task", steps=9, samples=8))
     list(events.move(me, None, *steps9))
     *_, last = runs.run(me, *steps9)
-    assert last[0].startswith("✅") and last[1] != gr.skip() and last[-1] != gr.skip()
+    assert last[0].startswith("✓") and last[1] != gr.skip() and last[-1] != gr.skip()
     # a cancelled run leaves the panel as for its settings (no run), not its stopped curve beside an
     # earlier run's coefficients
     steps5000 = with_weights(ctl, controls(ctl, "adamerging_task", steps=5000, samples=8))

@@ -134,10 +134,10 @@ class Controller(ControlPanel):
         note = self.session.note(rounded)
         timing = "cached" if cached else f"{1000 * result.seconds:.0f} ms"
         if result.partial:
-            timing += " · ⏳ partial: the first images of each task; the whole live split follows"
+            timing += " · ◷ partial: the first images of each task; the whole live split follows"
         if result.estimate:
             timing = (f"≈ {LINEAR_LABEL}: f(θ0) + Σ wₜ (f(θt) − f(θ0)) per image from the experts' cached forwards "
-                      "(no forward of its own) · ⏳ the exact answer follows")
+                      "(no forward of its own) · ◷ the exact answer follows")
         shown = self.session.linear.shown(spec, result.split) if estimated and not result.provisional else None
         if shown is not None:
             err = self.session.linear.error(shown, result)

@@ -97,7 +97,7 @@ class RunController:
             # the live curve only while the controls still show this run's settings
             curve = (plots.objective_curve(live["values"], f"Objective ({label})", label)
                      if m.data_driven and self._shown(session, spec) else gr.skip())
-            yield (f"⏳ {m.display_name}: {live['msg']}", curve, *(gr.skip(),) * 6)
+            yield (f"◷ {m.display_name}: {live['msg']}", curve, *(gr.skip(),) * 6)
         self._cancel.end(session, flag)  # not on a closed page: the run goes on (and is cached)
         here = self._shown(session, spec)
         if "error" in box:
@@ -111,12 +111,12 @@ class RunController:
             return
         if not here:  # the controls moved on during the run: its result is cached, not shown as theirs
             took = f"{box['prepared']:.1f}" if "prepared" in box else f"{box['run'].seconds:.1f}"
-            yield (f"✅ {m.display_name}: done in {took} s, for the settings of when you pressed Run; you have "
+            yield (f"✓ {m.display_name}: done in {took} s, for the settings of when you pressed Run; you have "
                    "changed them since: set them again to see its result.", *skip7)
             return
         acc, loss, radar, summary = self.ctl.preview(experts, method, *values)
         if "prepared" in box:
-            yield (f"✅ {m.display_name}: prepared in {box['prepared']:.1f} s; its sliders are live now", *(gr.skip(),) * 3,
+            yield (f"✓ {m.display_name}: prepared in {box['prepared']:.1f} s; its sliders are live now", *(gr.skip(),) * 3,
                    acc, loss, radar, summary)
             return
         run = box["run"]
@@ -124,7 +124,7 @@ class RunController:
                 else f"{len(run.tasks)} experts' statistics")
         if self.events is not None:
             self.events.panel_shows(session, run)
-        yield (f"✅ {m.display_name}: {done} in {run.seconds:.1f} s", *self.views(run),
+        yield (f"✓ {m.display_name}: {done} in {run.seconds:.1f} s", *self.views(run),
                acc, loss, radar, summary)
 
     def cancel(self, request: gr.Request = None):
