@@ -75,6 +75,11 @@ def test_out_of_range_weights_and_parameters_name_their_field():
             w.preprocess(value)
     with pytest.raises(gr.Error, match=r"w · size: empty or not a number; type a number in \[-3, 3\]"):
         w.preprocess(None)  # its box cleared, or 'abc' typed: Gradio's own check raised a TypeError
+    rank = param_control("rank_ratio", 3)  # the methods refuse 0: its range reads (0, 1], as theirs
+    for value, shown in ((-0.5, "-0.5"), (1.5, "1.5")):
+        with pytest.raises(gr.Error, match=rf"{rank.label}: {shown} is outside \(0, 1\]"):
+            rank.preprocess(value)
+    assert rank.preprocess(0) == 0 and rank.preprocess(1) == 1  # 0 itself: the method's check, outputs kept
     seed = param_control("seed", 3)
     assert seed.get_block_name() == "number"
     with pytest.raises(gr.Error, match=r"seed: -1 is outside \[0, 2.14748e\+09\]"):

@@ -19,14 +19,19 @@ import math
 
 import gradio as gr
 
+from merger.errors import MethodError
+from merger.methods.registry import param_record
 from merger.ui.errors import fail
 
 
-def _check(label: str, value, minimum, maximum, required: bool = False) -> None:
+def _check(label: str, value, minimum, maximum, required: bool = False, open_ends=(False, False)) -> None:
     label = label or "value"
+    lo = "-∞" if minimum is None else f"{minimum:g}"
+    hi = "∞" if maximum is None else f"{maximum:g}"
+    span = f"{'(' if open_ends[0] else '['}{lo}, {hi}{')' if open_ends[1] else ']'}"
     if value is None:
         if required:  # a slider's box cleared, or text typed in it (the browser sends no number)
-            fail(f"{label}: empty or not a number; type a number in [{minimum:g}, {maximum:g}]")
+            fail(f"{label}: empty or not a number; type a number in {span}")
         return
     try:
         number = float(value)
@@ -34,17 +39,31 @@ def _check(label: str, value, minimum, maximum, required: bool = False) -> None:
         fail(f"{label}: {str(value)[:40]!r} is not a number")
     if not math.isfinite(number) and minimum is None and maximum is None:
         fail(f"{label}: {number:g} is not a finite number")
+    # an open end itself (the rank ratio's 0) goes on to the listener, whose check refuses it and
+    # keeps the outputs (a refusal here puts an error badge on each); the range reads as the method's
     below = minimum is not None and number < minimum
     above = maximum is not None and number > maximum
     if not math.isfinite(number) or below or above:
-        lo = "-∞" if minimum is None else f"{minimum:g}"
-        hi = "∞" if maximum is None else f"{maximum:g}"
-        fail(f"{label}: {number:g} is outside [{lo}, {hi}]")
+        fail(f"{label}: {number:g} is outside {span}")
+
+
+def _open_ends(component) -> tuple[bool, bool]:
+    """Whether a method parameter's control (elem_id ctl-<name>) refuses its bounds themselves (the
+    rank ratio's 0): its range then reads (0, 1], as the method's own check says."""
+    elem_id = getattr(component, "elem_id", None) or ""
+    if not elem_id.startswith("ctl-"):
+        return False, False
+    try:
+        _, param = param_record(elem_id[len("ctl-"):])
+    except MethodError:  # a control of another panel named alike
+        return False, False
+    return param.min_open, param.max_open
 
 
 def _naming(preprocess):
     def named(self, payload):
-        _check(self.label, payload, self.minimum, self.maximum, required=isinstance(self, gr.Slider))
+        _check(self.label, payload, self.minimum, self.maximum, required=isinstance(self, gr.Slider),
+               open_ends=_open_ends(self))
         if getattr(self, "precision", None) == 0 and payload is not None and float(payload) % 1:
             return float(payload)  # not rounded: the listener's own check names it, its outputs kept
         return preprocess(self, payload)
