@@ -26,6 +26,11 @@ class Cancelled(MergerError):
     or written."""
 
 
+class Unfollowed(Cancelled):
+    """This caller cancelled a run or a preparation that another caller of the same settings still
+    follows: it goes on for that one, and is cached when done."""
+
+
 def listed(names, most: int = 10, width: int = 60) -> str:
     """Names a person gave, for a message: at most ``most`` of them, each cut at ``width``
     characters (a script's 20,000 names, or one of 100,000 characters, must not become the message)."""

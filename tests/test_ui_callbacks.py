@@ -1,6 +1,7 @@
 """The app's callbacks and plot builders, without a browser."""
 import csv
 import re
+import time
 
 import gradio as gr
 import pytest
@@ -354,6 +355,39 @@ def test_data_driven_run_from_the_merge_tab(ctl):
                              *controls(ctl, "fw_hard", steps=3), progress=lambda *a, **k: None))
     assert any(t.name == "fw_hard iterates" for t in frames[-1][1].data)
     assert len(run.iterates) >= 2
+
+
+def test_two_pages_pressing_run_on_the_same_settings_share_one_run(ctl, monkeypatch):
+    """A workshop's pages (or one page again after a reload) pressing Run on the same settings while
+    it goes: one run, and each page shows its whole objective curve and its result."""
+    from types import SimpleNamespace
+
+    from merger.ui.runs import RunController
+
+    session = ctl.session
+    computed = []
+    compute_run = session._compute_run
+
+    def counted(*args):  # the run starts once both pages follow it (it takes 0.6 s: B came later)
+        computed.append(1)
+        job = next(iter(session._running._jobs.values()))
+        for _ in range(1000):
+            if len(job._followers) == 2:
+                break
+            time.sleep(0.01)
+        return compute_run(*args)
+
+    monkeypatch.setattr(session, "_compute_run", counted)
+    runs = RunController(ctl)
+    inputs = controls(ctl, "adamerging_task", steps=40)
+    page_a = runs.run(SimpleNamespace(session_hash="a"), *inputs)
+    page_b = runs.run(SimpleNamespace(session_hash="b"), *inputs)
+    frames_a, frames_b = [next(page_a)], [next(page_b)]
+    last_a, last_b = [*frames_a, *page_a][-1], [*frames_b, *page_b][-1]
+    assert computed == [1]
+    for last in (last_a, last_b):
+        assert last[0].startswith("✓ AdaMerging") and len(last[1].data[0].y) == 40
+    assert session.cached_run(ctl.spec_from_controls(*inputs)) is not None
 
 
 def test_cancelled_run_reports_and_caches_nothing(ctl, monkeypatch):

@@ -10,6 +10,7 @@ from collections import Counter, OrderedDict
 from merger import allocator, methods
 from merger.io import disk_cache
 from merger.errors import MergerError
+from merger.evaluation.shared_work import SharedWork
 from merger.spec import Spec, with_block_weights
 
 
@@ -52,6 +53,7 @@ class Merges:
         self._prepared: OrderedDict = OrderedDict()
         self._derived: OrderedDict = OrderedDict()
         self._deltas: OrderedDict = OrderedDict()
+        self._preparing = SharedWork()  # slow preparations under way (Run), each followed by every caller
         self.disk = disk_cache.DiskCache()
 
     @staticmethod
@@ -153,13 +155,18 @@ class Merges:
         m, args, scale = self._prepare_args(spec)
         if m.data_driven:
             raise MergerError(f"{m.name} learns from data: it has a run, not a preparation")
-        if self.is_prepared(spec):
+        key = self._prepared_key(m, spec.experts, args, scale)
+        if key in self._prepared:
             return
+
         # A preparation reads the task vectors, never the resident model: it runs beside the
         # previews instead of holding the queue for a minute, and only its result goes in under it.
-        state = self._compute(m, spec.experts, args, scale, progress, cancel)
-        with self.queue:
-            self._store_prepared(self._prepared_key(m, spec.experts, args, scale), state)
+        def compute(progress, cancel):
+            state = self._compute(m, spec.experts, args, scale, progress, cancel)
+            with self.queue:
+                self._store_prepared(key, state)
+
+        self._preparing.get(key, compute, progress, cancel)  # callers of the same one follow it
 
     def _derived_size(self) -> int:
         """How many derived states to keep: each (CART's rank-k sums, TIES' merge at λ = 1, TSV-M's

@@ -29,6 +29,7 @@ from merger.errors import MergerError
 from merger.evaluation.evaluator import Evaluator, Result, result_subset
 from merger.evaluation.linear_estimate import LinearEstimate
 from merger.evaluation.merges import Merges, lru_put
+from merger.evaluation.shared_work import SharedWork
 from merger.evaluation.work_queue import WorkQueue
 from merger.spec import Spec
 
@@ -56,6 +57,7 @@ class PoolSession:
         self._base: dict[str, Result] = {}
         self._expert_acc: dict[tuple[str, str], float] = {}
         self._runs: dict = {}
+        self._running = SharedWork()  # runs under way, each followed by every caller of its settings
         self._run_model = None
         self._statistics: OrderedDict = OrderedDict()  # data statistics of runs (Context.statistic), 2 kept
         self._plane_values: dict[tuple, tuple[dict, dict]] = {}
@@ -165,22 +167,26 @@ class PoolSession:
     # ---- data-driven runs -------------------------------------------------------------------
     def run(self, spec: Spec, progress=None, cancel=None):
         """A data-driven method's run (batch work; cached by spec; deterministic for its seed). It
-        trains on its own copy of the image tower and lets waiting previews go between steps."""
-        from merger.methods.adaptive import Context
-
+        trains on its own copy of the image tower and lets waiting previews go between steps. Callers
+        of the same settings while it runs follow that one run (``SharedWork``)."""
         m = methods.get(spec.method)
         if not m.data_driven:
             raise MergerError(f"{m.name} is a static method: it has no run")
         key = spec.rounded()
         if key in self._runs:
             return self._runs[key]
+        return self._running.get(key, lambda progress, cancel: self._compute_run(m, key, progress, cancel),
+                                 progress, cancel)
+
+    def _compute_run(self, m, key: Spec, progress, cancel):
+        from merger.methods.adaptive import Context
 
         with self.batch_job(cancel) as checkpoint:
             if key in self._runs:
                 return self._runs[key]
             if self._run_model is None:
                 self._run_model = copy.deepcopy(self.evaluator.model.visual)
-            ctx = Context(self.pool, self.evaluator, spec.experts)
+            ctx = Context(self.pool, self.evaluator, key.experts)
             ctx.model = self._run_model
             ctx.statistics = self._statistics
             run = m.run(ctx, progress, checkpoint, **key.kwargs)

@@ -10,7 +10,7 @@ import traceback
 import gradio as gr
 
 from merger import methods, plots
-from merger.errors import Cancelled, MergerError
+from merger.errors import Cancelled, MergerError, Unfollowed
 from merger.ui.errors import notice
 from merger.ui.merge_events import session_of
 from merger.ui.scheduling import CancelFlags
@@ -102,7 +102,8 @@ class RunController:
         here = self._shown(session, spec)
         if "error" in box:
             err = box["error"]
-            msg = "cancelled: nothing was cached; the app is as before" if isinstance(err, Cancelled) else str(err)
+            msg = (f"cancelled: {err}" if isinstance(err, Unfollowed) else
+                   "cancelled: nothing was cached; the app is as before" if isinstance(err, Cancelled) else str(err))
             # the panel as for these settings again (an earlier run's, or none): not the stopped curve
             panel = self.ctl.learned(experts, method, *values) if here and m.data_driven else (gr.skip(),) * 3
             if here and m.data_driven and self.events is not None:

@@ -1,0 +1,116 @@
+"""merger/evaluation/shared_work.py: callers of the same run or preparation while it goes follow
+one computation, and it stops only when all of them have cancelled."""
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from merger.errors import Cancelled, Unfollowed
+from merger.evaluation.shared_work import SharedWork
+
+
+def in_thread(fn):
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001
+            box["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, box
+
+
+def wait_until(condition, seconds: float = 10) -> bool:
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def followers(work, key) -> int:
+    job = work._jobs.get(key)
+    return 0 if job is None else len(job._followers)
+
+
+def stepped_work(release: threading.Event, started: threading.Event, computed: list, steps: int = 50):
+    """A work of ``steps`` checks: two curve points said at once, then one step per 10 ms once released."""
+    def compute(progress, cancel):
+        computed.append(1)
+        for i in range(steps):
+            progress((i + 1) / steps, f"step {i + 1}", float(i))
+            if i == 1:
+                started.set()
+                release.wait(10)
+            if cancel():
+                raise Cancelled("cancelled: nothing was cached")
+            release.wait(0.01)
+        return SimpleNamespace(steps=steps)
+    return compute
+
+
+def test_callers_of_the_same_key_follow_one_computation_and_get_its_curve_so_far():
+    work, release, started, computed = SharedWork(), threading.Event(), threading.Event(), []
+    compute = stepped_work(release, started, computed)
+    seen_a, seen_b = [], []
+    a, box_a = in_thread(lambda: work.get("k", compute, lambda *c: seen_a.append(c)))
+    assert started.wait(10) and work.running("k")
+    b, box_b = in_thread(lambda: work.get("k", compute, lambda *c: seen_b.append(c)))
+    assert wait_until(lambda: len(seen_b) >= 2)  # b has joined: it got the curve so far
+    assert followers(work, "k") == 2 and seen_b[:2] == [(1 / 50, "step 1", 0.0), (2 / 50, "step 2", 1.0)]
+    release.set()
+    a.join(10), b.join(10)
+    assert computed == [1] and box_a["value"] is box_b["value"] and box_a["value"].steps == 50
+    assert [c[2] for c in seen_b] == [float(i) for i in range(50)] == [c[2] for c in seen_a]  # the whole curve
+    assert not work.running("k")
+    # once it has ended, the same key computes again (the session's cache answers before that)
+    assert work.get("k", stepped_work(threading.Event(), threading.Event(), computed, steps=3)).steps == 3
+    assert computed == [1, 1]
+
+
+def test_a_caller_that_cancels_stops_following_and_the_work_goes_on_for_the_other():
+    work, release, started, computed = SharedWork(), threading.Event(), threading.Event(), []
+    compute = stepped_work(release, started, computed)
+    stop_b = threading.Event()
+    a, box_a = in_thread(lambda: work.get("k", compute))
+    assert started.wait(10)
+    b, box_b = in_thread(lambda: work.get("k", compute, cancel=stop_b.is_set))
+    assert wait_until(lambda: followers(work, "k") == 2)
+    stop_b.set()
+    b.join(10)
+    assert isinstance(box_b["error"], Unfollowed) and "goes on for that page" in str(box_b["error"])
+    release.set()
+    a.join(10)
+    assert box_a["value"].steps == 50 and computed == [1]
+
+
+def test_the_work_stops_when_every_caller_has_cancelled_and_each_gets_its_cancel():
+    work, release, started, computed = SharedWork(), threading.Event(), threading.Event(), []
+    compute = stepped_work(release, started, computed)
+    stop = threading.Event()
+    a, box_a = in_thread(lambda: work.get("k", compute, cancel=stop.is_set))
+    assert started.wait(10)
+    b, box_b = in_thread(lambda: work.get("k", compute, cancel=stop.is_set))
+    assert wait_until(lambda: followers(work, "k") == 2)
+    stop.set()
+    release.set()
+    a.join(10), b.join(10)
+    for box in (box_a, box_b):  # the work's own Cancelled (nothing cached), not "it goes on"
+        assert type(box["error"]) is Cancelled
+    assert not work.running("k")
+
+
+def test_an_error_reaches_every_caller():
+    work = SharedWork()
+
+    def compute(progress, cancel):
+        raise ValueError("bad file")
+
+    with pytest.raises(ValueError, match="bad file"):
+        work.get("k", compute)
+    assert not work.running("k")
+
