@@ -185,6 +185,9 @@ def cmd_sweep(args) -> int:
     with progress_bar("sweep") as update:
         out = sweep(session, names, args.axis, values, args.split, experts, progress=update, cluster=cluster,
                     on_result=on_result, known=known)
+    moved = _moved_to_steps(session, names, args.axis, values, experts)
+    if moved:
+        print("computed on the sliders' steps: " + ", ".join(f"{args.axis}={v:g} at {x:g}" for v, x in moved))
     print(f"average accuracy % on the {args.split} split, against {args.axis}:")
     for m, curve in out.items():
         print(f"{m}: " + "  ".join(f"{x:g}→{100 * a:.1f}" for x, a in zip(curve["x"], curve["average"])))
@@ -197,6 +200,24 @@ def cmd_sweep(args) -> int:
 
         write_text_atomic(out_path, json.dumps(out))
     return 0
+
+
+def _moved_to_steps(session, names, axis: str, values, experts) -> list[tuple[float, float]]:
+    """(given, computed) of each value a sweep computes elsewhere: a point is a preview, so a static
+    method's value sits on its slider's step (λ 0.333 at 0.35)."""
+    from merger.evaluation.tuning import computed_at
+    from merger.methods.registry import inside
+
+    n = len(experts or session.tasks)
+    moved = set()
+    for m in names:
+        if axis in methods.get(m).param_names:
+            for v in values:
+                if inside(v, methods.get(m).bounds(axis, n)):
+                    computed = computed_at(session.spec(m, experts=experts, **{axis: v}), axis)
+                    if computed != v:
+                        moved.add((v, computed))
+    return sorted(moved)
 
 
 def _given_values(text: str, names, axis: str, n_experts: int) -> list[float]:

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from merger import methods
-from merger.errors import MergerError, listed
+from merger.errors import MergerError, MethodError, listed
 from merger.pool.task_vectors import TaskVectors, check_subset
 
 
@@ -81,6 +81,21 @@ def parse_weights(given, field: str, allowed: Sequence[str], why: str) -> tuple[
     return tuple((n, out[n]) for n in allowed if n in out and out[n] != 1.0)
 
 
+def _on_step(m, param, value: float) -> float:
+    """The slider step nearest a valid value, inside the parameter's range: a step that rounds past
+    an end the method refuses (sparsity 0.995 → 1.0, rank ratio 0.001 → 0) is taken one step in
+    (0.99, 0.01); a range narrower than a step keeps the value as given."""
+    step = param.step
+    on = round(round(value / step) * step, 10)
+    for candidate in (on, round(on - step if on > value else on + step, 10)):
+        try:
+            param.check(candidate, m.name)
+            return candidate
+        except MethodError:
+            continue
+    return value
+
+
 @dataclass(frozen=True)
 class Spec:
     """A method, its resolved parameter values and the expert subset: canonical and hashable.
@@ -126,11 +141,8 @@ class Spec:
         m = methods.get(self.method)
         if m.data_driven:
             return self
-        out = []
-        for name, value in self.params:
-            step = m.param(name).step
-            snap = isinstance(value, float)
-            out.append((name, round(round(value / step) * step, 10) if snap else value))
+        out = [(name, _on_step(m, m.param(name), value) if isinstance(value, float) else value)
+               for name, value in self.params]
 
         def snap(weights):
             snapped = ((n, snap_weight(w)) for n, w in weights)

@@ -96,6 +96,22 @@ def test_preview_cache(demo_like):
     assert res.accuracy == r1.accuracy
 
 
+def test_a_value_near_an_end_its_method_refuses_snaps_to_the_nearest_step_inside(demo_like):
+    """Snapping to a slider step must not leave the range: TIES' sparsity 0.995 once computed at 1.0
+    (IndexError), DARE's at 1.0 (division by zero), CART's rank 0.001 at 0 (refused if typed)."""
+    from merger.evaluation.tuning import computed_at
+
+    _, pool, ex = demo_like
+    for method, name, given, computed in (("ties", "sparsity", 0.995, 0.99), ("dare_linear", "sparsity", 0.996, 0.99),
+                                          ("cart", "rank_ratio", 0.001, 0.01), ("breadcrumbs", "beta", 0.999, 0.99),
+                                          ("breadcrumbs", "gamma", 0.001, 0.01), ("task_arithmetic", "lam", 2.99, 3.0)):
+        spec = ex.spec(method, **{name: given})
+        assert spec.snapped() == {name: (given, computed)} and computed_at(spec, name) == computed
+        result = ex.preview(spec)
+        assert result is ex.preview(ex.spec(method, **{name: computed}))  # the same point, cached once
+    assert ex.preview(ex.spec("ties", sparsity=0.995)).average_accuracy >= 0
+
+
 def test_normalized_accuracy_is_mean_of_ratios(demo_like):
     _, pool, ex = demo_like
     r = ex.preview(ex.spec("weight_averaging"))

@@ -2,6 +2,7 @@
 output replaces a file the pool reads or a folder; a build never deletes what it did not make;
 heads follow the tokenizer; bad --values, --device, --history, --task and weights are named."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -130,6 +131,16 @@ def test_sweep_values_are_numbers_inside_a_methods_range(capsys):
             _given_values(text, ["ties"], "lam", 3)
     assert _given_values("0.1,0.5", ["tsv_m", "cart"], "rank_ratio", 3) == [0.1, 0.5]
     assert "tsv_m: 0.5 skipped (its rank_ratio lies in [0, 0.333333] with 3 experts)" in capsys.readouterr().out
+
+
+def test_a_sweep_shows_the_values_it_computed(pool_path, capsys):
+    """A sweep point is a preview: λ 0.333 is computed at 0.35, and the curve, its JSON and the
+    printout say 0.35 (they said 0.333 beside 0.35's numbers); two values on one step are one point."""
+    assert cli_main(["sweep", "--pool", str(pool_path), "--methods", "ta", "--axis", "lam", "--values", "0.333,0.34,0.5",
+                 "--split", "live", "--history", ""]) == 0
+    out = capsys.readouterr().out
+    assert "computed on the sliders' steps: lam=0.333 at 0.35, lam=0.34 at 0.35" in out
+    assert re.search(r"task_arithmetic: 0\.35→[0-9.]+  0\.5→[0-9.]+\n", out) and "0.333→" not in out
 
 
 def test_bad_device_history_and_landscape_task_are_named_before_any_work(pool_path, tmp_path, monkeypatch):

@@ -152,7 +152,8 @@ def sweep(session, method_names: Sequence[str], axis: str, values: Sequence[floa
 
 
 def sweep_plan(session, method_names, axis, values, experts=None, fixed=None) -> list[tuple[str, float, object]]:
-    """(method, value, spec) of every point a sweep visits (values outside a method's range skipped)."""
+    """(method, value, spec) of every point a sweep visits (values outside a method's range skipped),
+    the value as computed (``computed_at``)."""
     axes = sweep_axes()
     if axis not in axes:
         raise MergerError(f"sweep axis '{axis}' unknown; one of {', '.join(axes)}")
@@ -165,12 +166,23 @@ def sweep_plan(session, method_names, axis, values, experts=None, fixed=None) ->
         if axis not in rec.param_names:
             raise MergerError(f"{m} has no parameter {axis}: it cannot be swept along {axes[axis][0]}")
         bounds = rec.bounds(axis, n_experts)  # e.g. TSV-M's rank ratio stops at 1/T
+        seen = set()
         for v in values:
             if inside(v, bounds):
                 params = {k: val for k, val in (fixed or {}).get(m, {}).items() if k != axis}
                 params[axis] = v
-                plan.append((m, v, session.spec(m, experts=experts, **params)))
+                spec = session.spec(m, experts=experts, **params)
+                computed = computed_at(spec, axis)
+                if computed not in seen:  # 0.333 and 0.35 are one point: λ = 0.35
+                    seen.add(computed)
+                    plan.append((m, computed, spec))
     return plan
+
+
+def computed_at(spec, axis: str) -> float:
+    """The value of ``axis`` a sweep point computes (evaluated as a preview: a static method's on
+    its slider's step, λ 0.333 at 0.35), which its curve and the history show."""
+    return dict(spec.rounded().params).get(axis, dict(spec.params)[axis])
 
 
 def sweep_num_tasks(session, method: str, params: dict | None = None, subsets: int = 5, split: str = "live",
