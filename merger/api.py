@@ -41,14 +41,17 @@ def merge_delta(pool, spec: Spec) -> Mapping[str, torch.Tensor]:
     return with_block_weights(m.delta(prepared, **spec.kwargs, **m.weights_kwargs(spec)), spec)
 
 
-def _state_dict(value, where: str) -> Mapping[str, torch.Tensor]:
-    """A state dict as given, or one read from a checkpoint path (safetensors or a weights-only torch file)."""
+def _state_dict(value, where: str) -> tuple[Mapping[str, torch.Tensor], tuple, str]:
+    """(state dict, keys an expert may lack that the base fills, its name in messages): as given, or
+    read from a checkpoint path (safetensors or a weights-only torch file) as a pool reads its
+    experts: a Hugging Face CLIP vision model has no visual.proj, which the base gives."""
     if isinstance(value, (str, os.PathLike)):  # open_clip or Hugging Face CLIP weights, as a pool's
-        return checkpoints.load_weights(value)[0]
+        sd, form = checkpoints.load_weights(value)
+        return sd, ("visual.proj",) if form == "hf_clip_vision" else (), f"{value} ({where})"
     if not isinstance(value, Mapping):
         raise MergerError(f"merge_state_dicts: {where}: expected a state dict (name → tensor) or a checkpoint path, "
                           f"got {type(value).__name__}")
-    return value
+    return value, (), where
 
 
 def merge_state_dicts(
@@ -71,7 +74,7 @@ def merge_state_dicts(
         named = {str(k): _state_dict(v, f"experts.{k}") for k, v in expert_sds.items()}
     else:
         named = {f"expert_{i + 1}": _state_dict(sd, f"experts[{i}]") for i, sd in enumerate(expert_sds)}
-    base_sd = _state_dict(base_sd, "base")
+    base_sd = _state_dict(base_sd, "base")[0]
     if not named:
         raise MergerError("no experts: merging needs at least one expert")
     m = methods.get(method)
@@ -81,7 +84,7 @@ def merge_state_dicts(
     checkpoints.validate_base(base, "base")
     spec = Spec.make(m.name, params, experts, list(named), task_weights=task_weights, block_weights=block_weights,
                      blocks=block_groups(checkpoints.merge_scope(base)))
-    aligned = {t: checkpoints.validate_expert(named[t], base, t) for t in spec.experts}
+    aligned = {t: checkpoints.validate_expert(named[t][0], base, named[t][2], named[t][1]) for t in spec.experts}
     tv = TaskVectors(base, aligned, device=device)
     scale = () if m.task_weighted else spec.task_weights
     prepared = m.prepare(tv.scaled(dict(scale)) if scale else tv, **{k: spec.kwargs[k] for k in m.prepare_params})

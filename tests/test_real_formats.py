@@ -116,6 +116,21 @@ def test_mixed_formats_open_and_map_onto_open_clip(mixed_pool):
     merger.merge(pool, "ties", lam=1.0, sparsity=0.8)  # and it merges
 
 
+def test_merge_state_dicts_reads_the_files_a_pool_reads(mixed_pool):
+    """merge_state_dicts takes checkpoint paths "as a pool reads its experts": a Hugging Face
+    CLIPVisionModel folder (no visual.proj) was refused ("expert_1: … missing keys: visual.proj")."""
+    root, _, _ = mixed_pool
+    pool = merger.open_pool(root / "pool.yaml")
+    files = [root / "experts" / name for name in ("hf_expert", "tower.pt", "full.safetensors")]
+    merged = merger.merge_state_dicts(root / "base.safetensors", files, "task_arithmetic", lam=0.4)
+    expected = merger.merge(pool, "task_arithmetic", lam=0.4)
+    assert all(torch.allclose(merged[k], expected[k], atol=1e-6) for k in expected)
+    other = dict(CONFIG, vision_cfg=dict(CONFIG["vision_cfg"], patch_size=16))
+    save_safetensors(open_clip().CLIP(**other).state_dict(), root / "b16.safetensors")
+    with pytest.raises(CheckpointError, match=r"b16.safetensors \(experts\[1\]\): does not match the base"):
+        merger.merge_state_dicts(root / "base.safetensors", [files[0], root / "b16.safetensors"], "task_arithmetic")
+
+
 def test_expert_of_another_architecture_is_named(mixed_pool):
     root, _, _ = mixed_pool
     other = dict(CONFIG, vision_cfg=dict(CONFIG["vision_cfg"], patch_size=16))
