@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_job_args(p, history=False)
     p.add_argument("--plane", default="pca", help="pca (of --points), tasks (base + two task vectors), points (three)")
     p.add_argument("--points", default="base,experts",
-                   help="comma list: base, experts, a task, file:PATH, METHOD:param=value (ta = task_arithmetic)")
+                   help="comma list: base, experts, a task, file:PATH (relative to this folder), METHOD:param=value "
+                        "(ta = task_arithmetic)")
     p.add_argument("--tasks", default=None, help="the two tasks of --plane tasks")
     p.add_argument("--grid", type=positive_int, default=21)
     p.add_argument("--metric", default="loss", choices=["loss", "accuracy"])

@@ -8,6 +8,7 @@ import contextlib
 import json
 import sys
 import time
+from pathlib import Path
 
 from merger import methods
 from merger.errors import MergerError
@@ -293,7 +294,7 @@ def cmd_landscape(args) -> int:
         html, js = write_landscape(session.landscape, args.out, args.plane, args.points.split(","), args.grid,
                                    args.metric, task=args.task, tasks=[t for t in (args.tasks or "").split(",") if t],
                                    split=args.split, path_names=(args.paths or "").split(","), view=args.view,
-                                   progress=update, cluster=cluster)
+                                   progress=update, cluster=cluster, files_relative_to=Path.cwd())
     where = f" on {args.workers} Ray workers ({args.ray})" if cluster else ""
     print(f"wrote {html} and {js} ({args.grid}×{args.grid}{where}, {time.perf_counter() - t0:.1f} s)")
     return 0

@@ -1,7 +1,9 @@
 """Planes, surfaces and trajectories."""
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,6 +154,25 @@ def test_point_from_another_architecture(land, tmp_path):
     save_safetensors(experts[0], tmp_path / "other.safetensors")
     with pytest.raises(CheckpointError, match="other.safetensors: does not match the base: mis-shaped"):
         land.named_points([f"file:{tmp_path / 'other.safetensors'}"])
+
+
+def test_a_file_point_is_relative_to_the_pool_in_the_app_and_to_the_working_folder_on_the_command_line(
+        land, tmp_path):
+    """`merge --out merged.safetensors`, then `landscape --points file:merged.safetensors` in the same
+    folder: the file was looked for beside the pool's YAML ("file not found")."""
+    merged = merger.merge(land.pool, "task_arithmetic", lam=0.3)
+    save_safetensors(merged, tmp_path / "merged.safetensors")
+    with pytest.raises(CheckpointError, match="merged.safetensors: file not found"):
+        land.named_points(["file:merged.safetensors"])  # the app: beside the pool
+    point = land.named_points(["file:merged.safetensors"], files_relative_to=tmp_path)["merged.safetensors"]
+    (computed,) = land.named_points(["ta:lam=0.3"]).values()
+    assert torch.allclose(point, computed, atol=1e-6)
+    res = subprocess.run([sys.executable, "-m", "merger", "landscape", "--pool", str(Path(land.pool.source).resolve()),
+                          "--points", "base,experts,file:merged.safetensors", "--grid", "3", "--out", "ls.html"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(Path(merger.__file__).parents[1])})
+    assert res.returncode == 0, res.stderr
+    assert "merged.safetensors" in json.loads((tmp_path / "ls.json").read_text())["points"]
 
 
 def test_empty_trajectory_folder(land, tmp_path):

@@ -92,7 +92,7 @@ def landscape_figure(land: Landscape, plane, surface, metric: str, task: str | N
 def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_names: Sequence[str], grid: int,
                     metric: str, task: str | None = None, tasks: Sequence[str] = (), split: str = "probe",
                     path_names: Sequence[str] = (), view: str = "contour", progress=None,
-                    cluster=None) -> tuple[Path, Path]:
+                    cluster=None, files_relative_to: Path | None = None) -> tuple[Path, Path]:
     if metric not in METRICS:
         raise MergerError(f"unknown metric '{metric}'; one of {', '.join(METRICS)}")
     out = inputs.check_path(out, "--out", MergerError).expanduser()
@@ -103,7 +103,7 @@ def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_nam
         inputs.check_output_file(path, "--out", MergerError, keep=keep)
     if task is not None and task not in land.pool.tasks:
         raise MergerError(f"--task {task}: not a task of this pool ({', '.join(land.pool.tasks)})")
-    points = land.named_points(point_names)
+    points = land.named_points(point_names, files_relative_to)
     plane = make_plane(land, plane_kind, points, tasks)
     paths = resolve_paths(land, path_names)
     coords = [plane.coords(v)[:2] for v in points.values()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import torch
@@ -187,14 +188,20 @@ class Landscape:
         base = self.pool.task_vectors.base
         return self.space.flatten({k: base[k] + delta[k] for k in self.space.keys})
 
-    def file_point(self, path: str) -> torch.Tensor:
-        """A checkpoint from disk: checked against this pool's base (architecture, keys, shapes)."""
+    def file_point(self, path: str, relative_to: Path | None = None) -> torch.Tensor:
+        """A checkpoint from disk: checked against this pool's base (architecture, keys, shapes); a
+        Hugging Face CLIPVisionModel's visual.proj from the base, as a pool's expert. A relative path
+        is the pool's folder's (the app's), or ``relative_to``'s (the command line's working folder)."""
+        if relative_to is not None and not Path(path).expanduser().is_absolute():
+            path = str(relative_to / path)
         path = self.pool.resolve(path, "landscape point")
-        sd = checkpoints.validate_expert(checkpoints.load_weights(path)[0], self.pool.base, str(path))
-        return self.space.flatten(sd)
+        sd, form = checkpoints.load_weights(path)
+        fill = ("visual.proj",) if form == "hf_clip_vision" else ()
+        return self.space.flatten(checkpoints.validate_expert(sd, self.pool.base, str(path), fill))
 
-    def named_points(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """'base', 'experts', a task name, 'file:PATH', or 'METHOD:param=value:...' (ta = task_arithmetic)."""
+    def named_points(self, names: Sequence[str], files_relative_to: Path | None = None) -> dict[str, torch.Tensor]:
+        """'base', 'experts', a task name, 'file:PATH', or 'METHOD:param=value:...' (ta = task_arithmetic);
+        a relative PATH as ``file_point``'s."""
         out: dict[str, torch.Tensor] = {}
         for raw in names:
             name = raw.strip()
@@ -208,7 +215,7 @@ class Landscape:
             elif name in self.pool.experts:
                 out[name] = self.expert_point(name)
             elif name.startswith("file:"):
-                out[name[5:]] = self.file_point(name[5:])
+                out[name[5:]] = self.file_point(name[5:], files_relative_to)
             else:
                 method, *assignments = name.split(":")
                 try:
