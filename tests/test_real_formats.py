@@ -1,6 +1,8 @@
 """Real-world formats on small random models: HF CLIP vision experts, image folders, heads cache.
 
 Needs the test-only dependency `transformers` (to build the HF reference model)."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -172,6 +174,7 @@ def folder_pool(mixed_pool):
 
 
 def test_folder_tasks_load_with_the_right_labels(folder_pool):
+    (folder_pool / "data" / "test" / ".ipynb_checkpoints").mkdir()  # Jupyter's: no class
     pool = merger.open_pool(folder_pool / "pool.yaml")
     ev = merger.Evaluator(pool)
     test = ev.data.split("a", "test")
@@ -202,6 +205,18 @@ def test_folder_layout_and_class_mismatches(folder_pool):
     ev = merger.Evaluator(merger.open_pool(folder_pool / "pool.yaml"))
     with pytest.raises(DataError, match=r"data/test is missing \(expected <root>/test/<class>/\*.png; found train\)"):
         ev.evaluate(None, "test")
+
+
+@pytest.mark.parametrize("template", ["a {} {}", "a {name}", "a { photo of {}", "a photo"])
+def test_a_template_the_heads_cannot_fill_is_named(folder_pool, template):
+    """A template str.format cannot fill with one class name raised IndexError mid-evaluation."""
+    spec = yaml.safe_load((folder_pool / "pool.yaml").read_text())
+    spec["tasks"]["b"]["templates"] = ["a photo of a {}.", template]
+    (folder_pool / "pool.yaml").write_text(yaml.safe_dump(spec))
+    pool = merger.open_pool(folder_pool / "pool.yaml")
+    with pytest.raises(DataError, match=r"pool.yaml: tasks.b.templates: every template needs one '\{\}' for the class name.*"
+                                        rf"\(not: '{re.escape(template)}'\)"):
+        merger.Evaluator(pool).evaluate(None, "test")  # the heads are built with the evaluator
 
 
 def test_heads_are_cached_on_disk(folder_pool, monkeypatch):

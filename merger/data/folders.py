@@ -43,7 +43,8 @@ def load_folder_split(pool, task: str, entry, split: str, classes: list[str]):
     if not folder.is_dir():
         present = ", ".join(sorted(p.name for p in root.iterdir() if p.is_dir())) or "nothing"
         raise DataError(f"tasks.{task}: {folder} is missing (expected <root>/{base_split}/<class>/*.png; found {present})")
-    found = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    # hidden folders (.ipynb_checkpoints, .DS_Store's kin) are no classes, unless one is named so
+    found = sorted(p.name for p in folder.iterdir() if p.is_dir() and (not p.name.startswith(".") or p.name in classes))
     missing = [c for c in classes if c not in found]
     extra = [c for c in found if c not in classes]
     if missing or extra:

@@ -9,6 +9,7 @@ image tensor, so the evaluator forwards those images once for all of them. Split
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -98,7 +99,29 @@ class TaskDataStore:
         self.pool = pool
         self._cache: dict[tuple[str, str], SplitData] = {}
 
+    @contextmanager
+    def _naming_the_pool(self):
+        """A refusal of a task's key path ("tasks.b.templates: …") names the pool's file first."""
+        try:
+            yield
+        except DataError as exc:
+            if str(exc).startswith("tasks."):
+                raise DataError(f"{self.pool.source}: {exc}") from None
+            raise
+
     def classes(self, task: str) -> list[str]:
+        with self._naming_the_pool():
+            return self._classes(task)
+
+    def templates(self, task: str) -> list[str]:
+        with self._naming_the_pool():
+            return self._templates(task)
+
+    def split(self, task: str, split: str) -> SplitData:
+        with self._naming_the_pool():
+            return self._split(task, split)
+
+    def _classes(self, task: str) -> list[str]:
         """Class names in label order: a list in the YAML, or a file with one name per line."""
         info = self.pool.task_info.get(task)
         if not info or not info.get("classes"):
@@ -112,7 +135,7 @@ class TaskDataStore:
             raise DataError(f"tasks.{task}.classes: a class name appears twice")
         return [str(c) for c in classes]
 
-    def templates(self, task: str) -> list[str]:
+    def _templates(self, task: str) -> list[str]:
         """Prompt templates: a list, a file (one per line), or the standard CLIP set (default)."""
         from merger.data.heads import STANDARD_TEMPLATES
 
@@ -121,10 +144,10 @@ class TaskDataStore:
             return list(STANDARD_TEMPLATES)
         if isinstance(value, str):
             value = self._lines(task, "templates", value, "templates file (or use 'standard')")
-        bad = [t for t in value if "{}" not in str(t)]
+        bad = [t for t in value if not _takes_a_class_name(str(t))]
         if not value or bad:
-            raise DataError(f"tasks.{task}.templates: every template needs a '{{}}' for the class name"
-                            + (f" (not: {bad[0]!r})" if bad else ""))
+            raise DataError(f"tasks.{task}.templates: every template needs one '{{}}' for the class name, and "
+                            "other braces doubled ('{{' for '{')" + (f" (not: {bad[0]!r})" if bad else ""))
         return [str(t) for t in value]
 
     def _lines(self, task: str, key: str, value: str, what: str) -> list[str]:
@@ -138,7 +161,7 @@ class TaskDataStore:
             raise DataError(f"tasks.{task}.{key}: {path} has {len(lines)} lines (at most {MAX_CLASSES})")
         return lines
 
-    def split(self, task: str, split: str) -> SplitData:
+    def _split(self, task: str, split: str) -> SplitData:
         if split not in split_rules.SPLITS:
             raise DataError(f"unknown split '{split}'; known: {', '.join(split_rules.SPLITS)}")
         key = (task, split)
@@ -204,3 +227,12 @@ def preprocess(images: torch.Tensor, cfg: Mapping) -> torch.Tensor:
     mean = torch.tensor(cfg.get("mean", (0.48145466, 0.4578275, 0.40821073)), dtype=x.dtype).view(1, 3, 1, 1)
     std = torch.tensor(cfg.get("std", (0.26862954, 0.26130258, 0.27577711)), dtype=x.dtype).view(1, 3, 1, 1)
     return (x - mean) / std
+
+
+def _takes_a_class_name(template: str) -> bool:
+    """A template that str.format fills with the class name, as the zero-shot heads do ('a {} {}' or
+    'a {name}' raised mid-evaluation, naming no file)."""
+    try:
+        return "\x00" in template.format("\x00")
+    except (IndexError, KeyError, ValueError):
+        return False
