@@ -23,14 +23,14 @@ def _port(text: str) -> int:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description="merger: interactive model-merging explorer")
+    from merger.cli_jobs import Parser, positive_int, user_password
+    from merger.io.history import DEFAULT_PATH
+
+    ap = Parser(description="merger: interactive model-merging explorer")
     ap.add_argument("--pool", default="demo", help='pool YAML, or "demo" (the built-in pool)')
     ap.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     ap.add_argument("--port", type=_port, default=7860, help="TCP port, 1-65535 (default 7860)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    from merger.cli_jobs import positive_int, user_password
-    from merger.io.history import DEFAULT_PATH
-
     ap.add_argument("--history", default=str(DEFAULT_PATH),
                     help="SQLite file of evaluated specs ('' to turn history off)")
     ap.add_argument("--share", action="store_true", help="ask Gradio for a public share link (off by default)")

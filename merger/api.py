@@ -22,7 +22,15 @@ def merge(pool, method: str, *, experts=None, task_weights=None, block_weights=N
     """Merge a pool's experts; returns the full state dict (image tower merged, rest = base).
     ``task_weights`` {expert: wₜ} multiply each task vector before the method combines them;
     ``block_weights`` {block group: b_g} multiply the method's Δ per block (``pool.blocks``)."""
-    return merge_spec(pool, pool.make_spec(method, params, experts, task_weights, block_weights))
+    return merge_spec(_opened(pool, "merge"), pool.make_spec(method, params, experts, task_weights, block_weights))
+
+
+def _opened(pool, where: str):
+    """A pool as the API takes it: opened (a name or a path is refused with how to open it)."""
+    if isinstance(pool, (str, os.PathLike)):
+        raise MergerError(f"{where}: expected an open pool, got {str(pool)[:60]!r}; open it once with "
+                          f"pool = merger.open_pool({str(pool)[:60]!r}) and pass the pool")
+    return pool
 
 
 def merge_spec(pool, spec: Spec) -> dict[str, torch.Tensor]:
@@ -95,6 +103,7 @@ def evaluate(pool, merged: Mapping[str, torch.Tensor] | None, split: str = "live
     """Public entry: evaluate a merged state dict (as returned by ``merger.merge``) on a split. Weights
     from elsewhere are checked against the base first (missing, unexpected, mis-shaped and non-finite
     keys are named), as an expert is."""
+    pool = _opened(pool, "evaluate")
     if merged is not None:
         if not isinstance(merged, Mapping):
             raise MergerError(f"evaluate: expected a state dict (name → tensor), got {type(merged).__name__}")

@@ -9,7 +9,7 @@ import sys
 import threading
 
 from merger import methods
-from merger.cli_jobs import add_job_args, add_job_commands, cmd_landscape, positive_int, progress_bar, user_password
+from merger.cli_jobs import Parser, add_job_args, add_job_commands, cmd_landscape, positive_int, progress_bar, user_password
 from merger.errors import MergerError
 from merger.methods import PARAM_NAMES
 
@@ -250,7 +250,7 @@ def cmd_cache(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m merger", description="Model merging explorer")
+    ap = Parser(prog="python -m merger", description="Model merging explorer")
     ap.add_argument("--debug", action="store_true", help="show a traceback when a command fails")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="merge and evaluate per task")
     p.add_argument("--pool", default="demo", help='pool YAML (or "demo")')
     add_method_args(p)
-    p.add_argument("--split", default="test", help="train, val, test, live or probe")
+    p.add_argument("--split", default="test", help="test (default), train, val, live or probe")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_eval)
@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="build: output folder (default: the shipped assets/demo)")
     p.add_argument("--small", action="store_true", help="build: the reduced configuration used in CI")
     p.add_argument("--pool", default="demo", help="report: which pool")
-    p.add_argument("--split", default="test", help="report: test (default), val, live or probe")
+    p.add_argument("--split", default="test", help="report: test (default), train, val, live or probe")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("landscape", help="loss/accuracy surface on a plane, as standalone HTML + JSON grid")
@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", type=positive_int, default=21)
     p.add_argument("--metric", default="loss", choices=["loss", "accuracy"])
     p.add_argument("--task", default=None, help="one task's metric (default: mean over tasks)")
-    p.add_argument("--split", default="probe", help="probe (default: 48 test images per task), live, val or test")
+    p.add_argument("--split", default="probe", help="probe (default: 48 test images per task), live, val, test or train")
     p.add_argument("--paths", default=None, help="comma list: TASK (fine-tuning path) or METHOD@lam|rank_ratio|sparsity")
     p.add_argument("--view", default="contour", choices=["contour", "surface"])
     p.add_argument("--out", required=True, help="output .html (the grid goes beside it as .json)")

@@ -23,6 +23,14 @@ def user_password(text: str) -> tuple[str, str]:
     return user, password
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a bad flag said in one line (the usage block buried it): the command line's
+    and app.py's parsers, and their subcommands' (argparse makes those of the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+
 def positive_int(text: str, least: int = 1) -> int:
     """An argparse type: a whole number ≥ ``least`` (1: a count of clients, moves, repeats, grid points)."""
     try:

@@ -116,6 +116,15 @@ def test_zero_experts(pair, tmp_path):
     path.write_text(yaml.safe_dump(spec))
     with pytest.raises(PoolError, match="zero experts"):
         merger.open_pool(path)
+    spec["experts"] = ["experts/e0.safetensors"]  # a list, not task: path lines
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(PoolError, match=r"experts must map task names to checkpoint paths \(got a list: write "
+                                        r"'task: path' lines\)"):
+        merger.open_pool(path)
+    for call in (lambda: merger.merge("demo", "task_arithmetic"), lambda: merger.evaluate(str(path), None)):
+        with pytest.raises(MergerError, match=r"expected an open pool, got '.*'; open it once with "
+                                              r"pool = merger.open_pool\("):
+            call()
 
 
 def test_unknown_method(pair):

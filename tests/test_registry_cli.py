@@ -50,6 +50,15 @@ def test_methods_command_lists_every_method():
     assert "--rank-ratio" in out.stdout and "(0, 1]" in out.stdout
 
 
+def test_a_bad_flag_is_one_error_line():
+    """As the README says: one `error:` line and status 2 (argparse printed its usage block first)."""
+    for argv in ([sys.executable, "-m", "merger", "eval", "--method", "ta", "--bogus"],
+                 [sys.executable, "app.py", "--port", "abc"]):
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and "error: " in out.stderr, out.stderr
+        assert "--help lists the flags" in out.stderr
+
+
 @pytest.mark.parametrize("method, flags", [("ties", ["--lam", "0.9", "--sparsity", "0.7"]),
                                            ("cart", ["--lam", "1.5", "--rank-ratio", "0.25"]),
                                            ("dare_ties", ["--seed", "7", "--experts", "task0,task2"]),

@@ -123,7 +123,8 @@ def _preprocess(value: Any, source: str) -> dict:
 
 def _experts(experts: Any, source: str, in_memory: bool) -> dict:
     if not isinstance(experts, Mapping) or not experts:
-        raise E(f"{source}: experts must map task names to checkpoint paths (zero experts given)")
+        got = "zero experts given" if not experts else f"got a {type(experts).__name__}: write 'task: path' lines"
+        raise E(f"{source}: experts must map task names to checkpoint paths ({got})")
     if len(experts) > MAX_EXPERTS:
         raise E(f"{source}: experts: {len(experts)} experts (at most {MAX_EXPERTS})")
     out = {}
