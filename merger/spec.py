@@ -11,6 +11,7 @@ import torch
 
 from merger import methods
 from merger.errors import MergerError, MethodError, listed
+from merger.methods.registry import inside
 from merger.pool.task_vectors import TaskVectors, check_subset
 
 
@@ -81,18 +82,20 @@ def parse_weights(given, field: str, allowed: Sequence[str], why: str) -> tuple[
     return tuple((n, out[n]) for n in allowed if n in out and out[n] != 1.0)
 
 
-def _on_step(m, param, value: float) -> float:
-    """The slider step nearest a valid value, inside the parameter's range: a step that rounds past
-    an end the method refuses (sparsity 0.995 → 1.0, rank ratio 0.001 → 0) is taken one step in
-    (0.99, 0.01); a range narrower than a step keeps the value as given."""
+def _on_step(m, param, value: float, num_experts: int) -> float:
+    """The slider step nearest a valid value, inside the parameter's range for this many experts: a
+    step that rounds past an end the method refuses (sparsity 0.995 → 1.0, rank ratio 0.001 → 0,
+    TSV-M's 0.166 → 0.17 above its 1/6 with 6 experts) is taken one step in (0.99, 0.01, 0.16); a
+    range narrower than a step keeps the value as given."""
     step = param.step
     on = round(round(value / step) * step, 10)
     for candidate in (on, round(on - step if on > value else on + step, 10)):
         try:
             param.check(candidate, m.name)
-            return candidate
         except MethodError:
             continue
+        if inside(candidate, m.bounds(param.name, num_experts)):
+            return candidate
     return value
 
 
@@ -141,7 +144,7 @@ class Spec:
         m = methods.get(self.method)
         if m.data_driven:
             return self
-        out = [(name, _on_step(m, m.param(name), value) if isinstance(value, float) else value)
+        out = [(name, _on_step(m, m.param(name), value, len(self.experts)) if isinstance(value, float) else value)
                for name, value in self.params]
 
         def snap(weights):

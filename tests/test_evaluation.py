@@ -110,6 +110,11 @@ def test_a_value_near_an_end_its_method_refuses_snaps_to_the_nearest_step_inside
         result = ex.preview(spec)
         assert result is ex.preview(ex.spec(method, **{name: computed}))  # the same point, cached once
     assert ex.preview(ex.spec("ties", sparsity=0.995)).average_accuracy >= 0
+    # a range that depends on the number of experts: TSV-M's rank ratio is at most 1/T (1/6 here)
+    from merger.spec import Spec
+
+    six = Spec.make("tsv_m", {"rank_ratio": 0.166}, None, [f"e{i}" for i in range(6)])
+    assert six.snapped() == {"rank_ratio": (0.166, 0.16)} and computed_at(six, "rank_ratio") == 0.16
 
 
 def test_normalized_accuracy_is_mean_of_ratios(demo_like):

@@ -165,6 +165,8 @@ def test_a_file_point_is_relative_to_the_pool_in_the_app_and_to_the_working_fold
     with pytest.raises(CheckpointError, match="merged.safetensors: file not found"):
         land.named_points(["file:merged.safetensors"])  # the app: beside the pool
     point = land.named_points(["file:merged.safetensors"], files_relative_to=tmp_path)["merged.safetensors"]
+    with pytest.raises(MergerError, match="expected a file path"):  # not the working folder itself
+        land.named_points(["file:"], files_relative_to=tmp_path)
     (computed,) = land.named_points(["ta:lam=0.3"]).values()
     assert torch.allclose(point, computed, atol=1e-6)
     res = subprocess.run([sys.executable, "-m", "merger", "landscape", "--pool", str(Path(land.pool.source).resolve()),

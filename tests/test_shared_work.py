@@ -34,7 +34,7 @@ def wait_until(condition, seconds: float = 10) -> bool:
 
 def followers(work, key) -> int:
     job = work._jobs.get(key)
-    return 0 if job is None else len(job._followers)
+    return 0 if job is None else len(job._callers)
 
 
 def stepped_work(release: threading.Event, started: threading.Event, computed: list, steps: int = 50):
@@ -114,3 +114,123 @@ def test_an_error_reaches_every_caller():
         work.get("k", compute)
     assert not work.running("k")
 
+
+
+def test_a_caller_after_every_caller_cancelled_starts_afresh_and_is_never_told_cancelled():
+    """The work's check found every caller cancelled: it stops, and the job is closed at once; a
+    caller arriving while it unwinds gets a fresh work (it once joined the dying one and got a
+    Cancelled it never asked for)."""
+    work, unwinding, computed = SharedWork(), threading.Event(), []
+    stop = threading.Event()
+
+    def slow_to_stop(progress, cancel):
+        computed.append(1)
+        while not cancel():
+            time.sleep(0.01)
+        unwinding.set()
+        time.sleep(0.3)  # still unwinding when the next caller comes
+        raise Cancelled("cancelled: nothing was cached")
+
+    a, box_a = in_thread(lambda: work.get("k", slow_to_stop, cancel=stop.is_set))
+    assert wait_until(lambda: computed == [1])
+    stop.set()
+    assert unwinding.wait(10)
+    assert work.get("k", lambda progress, cancel: "fresh") == "fresh"
+    a.join(10)
+    assert type(box_a["error"]) is Cancelled
+
+
+def test_a_follower_who_cancelled_leaves_as_soon_as_another_caller_follows_again():
+    """The last follower out waits for the outcome only while nobody else wants the work: a caller
+    joining before the work's next check keeps it going, and the one who left is told so at once
+    (it once waited for that caller's whole run, then got the result)."""
+    work, release, started, computed = SharedWork(), threading.Event(), threading.Event(), []
+    lead_stop, b_stop = threading.Event(), threading.Event()
+
+    def compute(progress, cancel):  # checks its cancel only once released
+        computed.append(1)
+        started.set()
+        release.wait(10)
+        if cancel():
+            raise Cancelled("cancelled: nothing was cached")
+        return "done"
+
+    a, box_a = in_thread(lambda: work.get("k", compute, cancel=lead_stop.is_set))
+    assert started.wait(10)
+    b, box_b = in_thread(lambda: work.get("k", compute, cancel=b_stop.is_set))
+    assert wait_until(lambda: followers(work, "k") == 2)
+    lead_stop.set(), b_stop.set()  # both cancel: b leaves and waits for the outcome
+    assert wait_until(lambda: followers(work, "k") == 1)
+    c, box_c = in_thread(lambda: work.get("k", compute))  # someone wants it again before the check
+    b.join(5)
+    assert not b.is_alive() and isinstance(box_b["error"], Unfollowed)
+    release.set()
+    a.join(10), c.join(10)
+    assert box_a["value"] == box_c["value"] == "done" and computed == [1]
+
+
+def test_a_late_caller_gets_the_curve_so_far_in_order_while_points_keep_coming():
+    """Its replay and the new points come in one order (they once interleaved: 101, 1, 102, 3)."""
+    work, midway, computed, seen = SharedWork(), threading.Event(), [], []
+
+    def fast(progress, cancel):
+        computed.append(1)
+        for i in range(100_000):
+            progress(i / 100_000, "step", float(i))
+            if i == 100:
+                midway.set()
+        return "done"
+
+    a, _ = in_thread(lambda: work.get("k", fast))
+    assert midway.wait(10)
+    b, box_b = in_thread(lambda: work.get("k", fast, lambda *call: seen.append(call[2])))
+    a.join(30), b.join(30)
+    assert box_b["value"] == "done" and computed == [1]  # b followed the running one
+    assert seen == [float(i) for i in range(100_000)]
+
+
+def test_a_followers_failing_progress_is_its_own_error_and_the_work_goes_on():
+    work, release, started, computed = SharedWork(), threading.Event(), threading.Event(), []
+    compute = stepped_work(release, started, computed, steps=5)
+
+    def broken(*call):
+        raise BrokenPipeError("the page is gone")
+
+    a, box_a = in_thread(lambda: work.get("k", compute))
+    assert started.wait(10)
+    b, box_b = in_thread(lambda: work.get("k", compute, broken))
+    b.join(10)  # the replay of the curve so far already fails it
+    release.set()
+    a.join(10)
+    assert isinstance(box_b["error"], BrokenPipeError) and box_a["value"].steps == 5 and computed == [1]
+
+
+def test_an_interrupted_first_caller_stops_its_followers_with_a_cancel():
+    """The first caller computes on its own thread, so Ctrl+C (or SIGTERM) there stops the work
+    as before; a follower is told it stopped, not handed the KeyboardInterrupt."""
+    work, release, started, computed = SharedWork(), threading.Event(), threading.Event(), []
+
+    def interrupted(progress, cancel):
+        computed.append(1)
+        started.set()
+        release.wait(10)
+        raise KeyboardInterrupt
+
+    a, box_a = in_thread(lambda: work.get("k", interrupted))
+    assert started.wait(10)
+    b, box_b = in_thread(lambda: work.get("k", interrupted))
+    assert wait_until(lambda: followers(work, "k") == 2)
+    release.set()
+    a.join(10), b.join(10)
+    assert isinstance(box_a["error"], KeyboardInterrupt)
+    assert type(box_b["error"]) is Cancelled and "interrupted" in str(box_b["error"])
+
+
+def test_a_caller_holding_what_the_work_needs_computes_on_its_own():
+    work, release, started, computed = SharedWork(), threading.Event(), threading.Event(), []
+    a, box_a = in_thread(lambda: work.get("k", stepped_work(release, started, computed, steps=3)))
+    assert started.wait(10)
+    assert work.get("k", lambda progress, cancel: "its own", alone=True) == "its own"  # no wait for a's
+    release.set()
+    a.join(10)
+    assert box_a["value"].steps == 3

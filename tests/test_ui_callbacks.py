@@ -372,7 +372,7 @@ def test_two_pages_pressing_run_on_the_same_settings_share_one_run(ctl, monkeypa
         computed.append(1)
         job = next(iter(session._running._jobs.values()))
         for _ in range(1000):
-            if len(job._followers) == 2:
+            if len(job._callers) == 2:
                 break
             time.sleep(0.01)
         return compute_run(*args)
@@ -389,6 +389,24 @@ def test_two_pages_pressing_run_on_the_same_settings_share_one_run(ctl, monkeypa
         assert last[0].startswith("✓ AdaMerging") and len(last[1].data[0].y) == 40
     assert session.cached_run(ctl.spec_from_controls(*inputs)) is not None
 
+
+
+def test_a_run_asked_for_while_holding_the_model_runs_there(ctl):
+    """session.lock holds the model; a run asked for inside it runs on that thread (a run shared on
+    another thread would wait for the model this one holds)."""
+    import threading
+
+    spec = ctl.session.spec("adamerging_task", steps=2, seed=11)
+    box = {}
+
+    def held():
+        with ctl.session.lock:
+            box["run"] = ctl.session.run(spec)
+
+    thread = threading.Thread(target=held, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive() and box["run"] is ctl.session.cached_run(spec)
 
 def test_cancelled_run_reports_and_caches_nothing(ctl, monkeypatch):
     from merger.ui.runs import RunController

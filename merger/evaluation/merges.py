@@ -162,11 +162,14 @@ class Merges:
         # A preparation reads the task vectors, never the resident model: it runs beside the
         # previews instead of holding the queue for a minute, and only its result goes in under it.
         def compute(progress, cancel):
+            if key in self._prepared:  # stored by a preparation that ended since the check above
+                return
             state = self._compute(m, spec.experts, args, scale, progress, cancel)
             with self.queue:
                 self._store_prepared(key, state)
 
-        self._preparing.get(key, compute, progress, cancel)  # callers of the same one follow it
+        # callers of the same one follow it (one holding the model prepares on its own)
+        self._preparing.get(key, compute, progress, cancel, alone=self.queue.held_here())
 
     def _derived_size(self) -> int:
         """How many derived states to keep: each (CART's rank-k sums, TIES' merge at λ = 1, TSV-M's

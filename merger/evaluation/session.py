@@ -176,7 +176,7 @@ class PoolSession:
         if key in self._runs:
             return self._runs[key]
         return self._running.get(key, lambda progress, cancel: self._compute_run(m, key, progress, cancel),
-                                 progress, cancel)
+                                 progress, cancel, alone=self.queue.held_here())
 
     def _compute_run(self, m, key: Spec, progress, cancel):
         from merger.methods.adaptive import Context

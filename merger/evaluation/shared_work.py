@@ -3,16 +3,21 @@
 A run or a slow preparation takes minutes. In a workshop ten pages press Run on the same default
 settings; a person who reloads the page presses Run again to see the run they started. Each of
 those once computed it again, beside the first, at a fraction of the speed. Here the first caller
-starts the work on a thread of its own and every caller follows it: each gets its progress (a late
-one first gets what was said so far, so its objective curve starts where the run is), and its
-result or error. A caller that cancels stops following; the work stops only when every one of
-them has cancelled, and the last one out waits for its outcome (its Cancel may come after the last
-step: then it gets the result, as a single caller always did)."""
+computes it on its own thread, as it always did (the model's queue, its batch marks and an
+interrupt stay its own), and every later caller follows it: each gets its progress (a late one
+first gets what was said so far, in order, so its objective curve starts where the run is), and
+its result or error.
+
+Cancel: the work's own check stops it only when every caller has cancelled (asked at each check,
+as a single caller's cancel always was). A follower that cancels leaves at once, told that the
+work goes on for another caller (``Unfollowed``), or, where none is left, gets the outcome; the
+first caller cannot leave its own thread's work, so its Cancel stops it only once the followers
+have cancelled too. A stopped work is closed for good: a caller after that starts a fresh one."""
 from __future__ import annotations
 
 import threading
 
-from merger.errors import Unfollowed
+from merger.errors import Cancelled, Unfollowed
 
 
 class SharedWork:
@@ -25,79 +30,131 @@ class SharedWork:
     def running(self, key) -> bool:
         return key in self._jobs
 
-    def get(self, key, compute, progress=None, cancel=None):
-        """compute(progress, cancel) once for every caller of ``key`` while it runs; its result,
-        or its error raised."""
-        with self._lock:
-            job = self._jobs.get(key)
-            fresh = job is None
-            if fresh:
-                job = self._jobs[key] = _Job()
-            me = job.join(progress, cancel)
-        if fresh:
-            threading.Thread(target=self._compute, args=(key, job, compute), daemon=True,
-                             name="merger-shared-work").start()
-        return job.follow(me, self.POLL_S)
-
-    def _compute(self, key, job: _Job, compute) -> None:
-        try:
-            job.result = compute(job.progress, job.abandoned)
-        except BaseException as exc:  # noqa: BLE001  (handed to every follower, raised there)
-            job.error = exc
-        finally:
+    def get(self, key, compute, progress=None, cancel=None, alone: bool = False):
+        """compute(progress, cancel) once for every caller of ``key`` while it runs; its result, or
+        its error raised. ``alone``: the caller holds what the work needs (the model's queue), so
+        it could neither wait for another caller's work nor be followed: it computes on its own."""
+        if alone:
+            return compute(progress, cancel or (lambda: False))
+        while True:
             with self._lock:
+                job = self._jobs.get(key)
+                leads = job is None or job.closed
+                if leads:
+                    job = self._jobs[key] = _Job(lambda job: self._forget(key, job))
+            me = job.join(progress, cancel)
+            if me is not None:
+                break  # else it closed between the two locks: ask again (a fresh one)
+        return job.lead(me, compute) if leads else job.follow(me, self.POLL_S)
+
+    def _forget(self, key, job) -> None:
+        with self._lock:
+            if self._jobs.get(key) is job:
                 del self._jobs[key]
-            job.done.set()
+
+
+class _Caller:
+    __slots__ = ("progress", "cancel", "error")
+
+    def __init__(self, progress, cancel):
+        self.progress, self.cancel, self.error = progress, cancel, None
+
+    def cancelled(self) -> bool:
+        return self.cancel is not None and bool(self.cancel())
 
 
 class _Job:
-    def __init__(self):
+    def __init__(self, forget):
+        self._forget = forget
         self.done = threading.Event()
         self.result = None
         self.error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._followers: dict = {}  # a token per caller -> (its progress callback, its cancel), each may be None
-        self._curve: list[tuple] = []  # the progress calls that carried a value (a curve's points), in order
+        self.closed = False  # every caller had cancelled: the work stops at this check
+        self._lock = threading.Lock()  # callers, their deliveries and the replay, in one order
+        self._callers: list[_Caller] = []
+        self._leader: _Caller | None = None
+        self._said: list[tuple] = []  # the progress calls that carried a value (a curve's points)
         self._since: tuple | None = None  # the last call, where it carried no value
 
-    def join(self, progress, cancel):
-        me = object()
+    def join(self, progress, cancel) -> _Caller | None:
+        """This caller, with what was said so far replayed to it; None where the job has closed."""
+        me = _Caller(progress, cancel)
         with self._lock:
-            self._followers[me] = (progress, cancel)
-            said = self._curve + ([self._since] if self._since else [])
-        if progress is not None:
-            for args in said:
-                progress(*args)
+            if self.closed:
+                return None
+            if self._leader is None:
+                self._leader = me
+            self._callers.append(me)
+            if progress is not None:
+                for call in self._said + ([self._since] if self._since else []):
+                    progress(*call)
         return me
 
-    def progress(self, fraction, message, value=None) -> None:
+    def lead(self, me: _Caller, compute):
+        try:
+            self.result = compute(self._progress, self._abandoned)
+            return self.result
+        except BaseException as exc:
+            self.error = exc
+            raise
+        finally:
+            self._forget(self)
+            self.done.set()
+
+    def _progress(self, fraction, message, value=None) -> None:
         call = (fraction, message) if value is None else (fraction, message, value)
         with self._lock:
             if value is not None:
-                self._curve.append(call)
+                self._said.append(call)
             self._since = None if value is not None else call
-            callbacks = [p for p, _ in self._followers.values() if p is not None]
-        for callback in callbacks:
-            callback(*call)
+            for caller in list(self._callers):
+                if caller.progress is None:
+                    continue
+                if caller is self._leader:  # its own callback's error is its work's, as ever
+                    caller.progress(*call)
+                    continue
+                try:
+                    caller.progress(*call)
+                except Exception as exc:  # noqa: BLE001  (that follower's page is gone: it alone gets it)
+                    caller.error = exc
+                    self._callers.remove(caller)
 
-    def abandoned(self) -> bool:
-        """Every caller has cancelled (asked at each of the work's checks, as a single caller's
-        cancel always was): the work's own cancel."""
+    def _abandoned(self) -> bool:
+        """The work's cancel: every caller has cancelled. Once true the job is closed and forgotten,
+        so a caller after this check starts a fresh work instead of joining one that stops."""
         with self._lock:
-            followers = list(self._followers.values())
-        return all(cancel is not None and cancel() for _, cancel in followers)
+            if not self.closed and all(caller.cancelled() for caller in self._callers):
+                self.closed = True
+        if self.closed:
+            self._forget(self)
+        return self.closed
 
-    def follow(self, me, poll_s: float):
-        cancel = self._followers[me][1]
-        while not self.done.wait(poll_s):
-            if cancel is None or not cancel():
-                continue
+    def _goes_on(self) -> bool:
+        with self._lock:
+            return not self.closed and not all(caller.cancelled() for caller in self._callers)
+
+    def follow(self, me: _Caller, poll_s: float):
+        try:
+            while not self.done.wait(poll_s):
+                if me.error is not None:
+                    raise me.error
+                if not me.cancelled():
+                    continue
+                with self._lock:
+                    if me in self._callers:
+                        self._callers.remove(me)
+                while not self.done.wait(poll_s):  # left: the work goes on for another, or stops soon
+                    if self._goes_on():
+                        raise Unfollowed("you stopped following it; another page asked for the same settings, so "
+                                         "it goes on for that page and is kept when done")
+                break
+        except BaseException:
             with self._lock:
-                self._followers.pop(me, None)
-            if not self.abandoned():  # another caller still follows it
-                raise Unfollowed("you stopped following it; another page asked for the same settings, so it goes "
-                                 "on for that page and is kept when done")
-            self.done.wait()  # the last one out: the work stops at its next check (or has just ended)
-        if self.error is not None:
+                if me in self._callers:
+                    self._callers.remove(me)
+            raise
+        if isinstance(self.error, Exception):
             raise self.error
+        if self.error is not None:  # the first caller was interrupted (Ctrl+C where it ran)
+            raise Cancelled("stopped where it ran (interrupted); nothing was cached") from None
         return self.result

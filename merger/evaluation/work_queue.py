@@ -88,6 +88,10 @@ class WorkQueue:
     def in_batch(self) -> bool:
         return getattr(self._local, "batch", 0) > 0
 
+    def held_here(self) -> bool:
+        """This thread holds the model (inside ``with queue``)."""
+        return self._owner == threading.get_ident()
+
     # ---- holding the model ------------------------------------------------------------------
     def __enter__(self):
         me = threading.get_ident()

@@ -192,7 +192,7 @@ class Landscape:
         """A checkpoint from disk: checked against this pool's base (architecture, keys, shapes); a
         Hugging Face CLIPVisionModel's visual.proj from the base, as a pool's expert. A relative path
         is the pool's folder's (the app's), or ``relative_to``'s (the command line's working folder)."""
-        if relative_to is not None and not Path(path).expanduser().is_absolute():
+        if relative_to is not None and path.strip() and not Path(path).expanduser().is_absolute():
             path = str(relative_to / path)
         path = self.pool.resolve(path, "landscape point")
         sd, form = checkpoints.load_weights(path)
