@@ -365,7 +365,7 @@ def test_two_pages_pressing_run_on_the_same_settings_share_one_run(ctl, monkeypa
     from merger.ui.runs import RunController
 
     session = ctl.session
-    computed = []
+    computed, seen = [], {}
     compute_run = session._compute_run
 
     def counted(*args):  # the run starts once both pages follow it (it takes 0.6 s: B came later)
@@ -375,6 +375,7 @@ def test_two_pages_pressing_run_on_the_same_settings_share_one_run(ctl, monkeypa
             if len(job._callers) == 2:
                 break
             time.sleep(0.01)
+        seen["under way"] = runs.under_way()  # what a page loaded now says
         return compute_run(*args)
 
     monkeypatch.setattr(session, "_compute_run", counted)
@@ -388,6 +389,8 @@ def test_two_pages_pressing_run_on_the_same_settings_share_one_run(ctl, monkeypa
     for last in (last_a, last_b):
         assert last[0].startswith("✓ AdaMerging") and len(last[1].data[0].y) == 40
     assert session.cached_run(ctl.spec_from_controls(*inputs)) is not None
+    assert seen["under way"].startswith("◷ Under way on this server: `adamerging_task(") and "steps=40" in seen["under way"]
+    assert runs.under_way() == gr.skip()  # nothing under way now
 
 
 

@@ -169,7 +169,13 @@ class Merges:
                 self._store_prepared(key, state)
 
         # callers of the same one follow it (one holding the model prepares on its own)
-        self._preparing.get(key, compute, progress, cancel, alone=self.queue.held_here())
+        self._preparing.get(key, compute, progress, cancel, alone=self.queue.held_here(),
+                            label=f"preparing {m.display_name}" + ("" if set(spec.experts) == set(self.pool.tasks)
+                                                                   else f" on {', '.join(spec.experts)}"))
+
+    def preparing(self) -> list[str]:
+        """The slow preparations under way."""
+        return self._preparing.under_way()
 
     def _derived_size(self) -> int:
         """How many derived states to keep: each (CART's rank-k sums, TIES' merge at λ = 1, TSV-M's

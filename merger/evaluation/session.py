@@ -176,7 +176,7 @@ class PoolSession:
         if key in self._runs:
             return self._runs[key]
         return self._running.get(key, lambda progress, cancel: self._compute_run(m, key, progress, cancel),
-                                 progress, cancel, alone=self.queue.held_here())
+                                 progress, cancel, alone=self.queue.held_here(), label=_described(key, self.pool))
 
     def _compute_run(self, m, key: Spec, progress, cancel):
         from merger.methods.adaptive import Context
@@ -195,6 +195,10 @@ class PoolSession:
             while len(self._statistics) > 2:
                 self._statistics.popitem(last=False)
         return run
+
+    def under_way(self) -> list[str]:
+        """The runs and slow preparations under way, as a page names them."""
+        return self._running.under_way() + self.merges.preparing()
 
     def cached_run(self, spec: Spec):
         return self._runs.get(spec.rounded())
@@ -361,3 +365,10 @@ class PoolSession:
         nothing is invalidated."""
         with self.queue:
             self.pool.add_expert(name, task, weights, info)
+
+
+def _described(spec: Spec, pool) -> str:
+    """A spec as the page names a run: its label, and its experts where not all of the pool's."""
+    if set(spec.experts) == set(pool.tasks):
+        return spec.label()
+    return f"{spec.label()} on {', '.join(spec.experts)}"

@@ -30,7 +30,12 @@ class SharedWork:
     def running(self, key) -> bool:
         return key in self._jobs
 
-    def get(self, key, compute, progress=None, cancel=None, alone: bool = False):
+    def under_way(self) -> list[str]:
+        """The labels of the works under way (a reloaded page names them, so its Run can follow one)."""
+        with self._lock:
+            return [job.label for job in self._jobs.values() if job.label and not job.closed]
+
+    def get(self, key, compute, progress=None, cancel=None, alone: bool = False, label: str = ""):
         """compute(progress, cancel) once for every caller of ``key`` while it runs; its result, or
         its error raised. ``alone``: the caller holds what the work needs (the model's queue), so
         it could neither wait for another caller's work nor be followed: it computes on its own."""
@@ -41,7 +46,7 @@ class SharedWork:
                 job = self._jobs.get(key)
                 leads = job is None or job.closed
                 if leads:
-                    job = self._jobs[key] = _Job(lambda job: self._forget(key, job))
+                    job = self._jobs[key] = _Job(lambda job: self._forget(key, job), label)
             me = job.join(progress, cancel)
             if me is not None:
                 break  # else it closed between the two locks: ask again (a fresh one)
@@ -64,8 +69,8 @@ class _Caller:
 
 
 class _Job:
-    def __init__(self, forget):
-        self._forget = forget
+    def __init__(self, forget, label: str = ""):
+        self._forget, self.label = forget, label
         self.done = threading.Event()
         self.result = None
         self.error: BaseException | None = None

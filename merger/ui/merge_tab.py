@@ -306,4 +306,5 @@ def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str
         export_btn.click(batch(events.export), inputs, [files, export_msg], **BATCH_EVENT, api_visibility="private")
         wire_coefficients_panel(panel, ctl, events, experts, inputs, inputs)
     return {"experts": experts, "method": method, "controls": controls, "about": about, "pins": pins,
-            "inputs": inputs, "outputs": outputs, "learned": learned, "weights": weights}
+            "inputs": inputs, "outputs": outputs, "learned": learned, "weights": weights, "runs": runs,
+            "run_status": run_status}

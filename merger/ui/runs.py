@@ -128,6 +128,15 @@ class RunController:
         yield (f"✓ {m.display_name}: {done} in {run.seconds:.1f} s", *self.views(run),
                acc, loss, radar, summary)
 
+    def under_way(self):
+        """The page's first Run status (its load event): the runs and preparations under way on this
+        server, which Run follows with the same settings (a page reloaded during its run finds it so)."""
+        work = self.ctl.session.under_way()
+        if not work:
+            return gr.skip()
+        return ("◷ Under way on this server: " + "; ".join(f"`{w}`" for w in work) + ". Press Run with the same "
+                "settings to follow it: its progress so far, then its result (no second run).")
+
     def cancel(self, request: gr.Request = None):
         if self._cancel.cancel(session_of(request)):
             return "Cancelling…"
