@@ -9,7 +9,8 @@ import sys
 import threading
 
 from merger import methods
-from merger.cli_jobs import Parser, add_job_args, add_job_commands, cmd_landscape, positive_int, progress_bar, user_password
+from merger.cli_jobs import (Parser, add_job_args, add_job_commands, cmd_landscape, positive_int, progress_bar,
+                             user_password)
 from merger.errors import MergerError
 from merger.methods import PARAM_NAMES
 

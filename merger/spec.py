@@ -82,6 +82,11 @@ def parse_weights(given, field: str, allowed: Sequence[str], why: str) -> tuple[
     return tuple((n, out[n]) for n in allowed if n in out and out[n] != 1.0)
 
 
+def on_experts(text: str, experts: Sequence[str], tasks: Sequence[str]) -> str:
+    """A run's or a preparation's name as a page shows it: its experts named where not all the pool's."""
+    return text if set(experts) == set(tasks) else f"{text} on {', '.join(experts)}"
+
+
 def _on_step(m, param, value: float, num_experts: int) -> float:
     """The slider step nearest a valid value, inside the parameter's range for this many experts: a
     step that rounds past an end the method refuses (sparsity 0.995 → 1.0, rank ratio 0.001 → 0,

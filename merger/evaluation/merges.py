@@ -11,7 +11,7 @@ from merger import allocator, methods
 from merger.io import disk_cache
 from merger.errors import MergerError
 from merger.evaluation.shared_work import SharedWork
-from merger.spec import Spec, with_block_weights
+from merger.spec import Spec, on_experts, with_block_weights
 
 
 def code_of(fn) -> tuple:
@@ -170,8 +170,7 @@ class Merges:
 
         # callers of the same one follow it (one holding the model prepares on its own)
         self._preparing.get(key, compute, progress, cancel, alone=self.queue.held_here(),
-                            label=f"preparing {m.display_name}" + ("" if set(spec.experts) == set(self.pool.tasks)
-                                                                   else f" on {', '.join(spec.experts)}"))
+                            label=on_experts(f"preparing {m.display_name}", spec.experts, self.pool.tasks))
 
     def preparing(self) -> list[str]:
         """The slow preparations under way."""

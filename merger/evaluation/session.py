@@ -31,7 +31,7 @@ from merger.evaluation.linear_estimate import LinearEstimate
 from merger.evaluation.merges import Merges, lru_put
 from merger.evaluation.shared_work import SharedWork
 from merger.evaluation.work_queue import WorkQueue
-from merger.spec import Spec
+from merger.spec import Spec, on_experts
 
 PARTIAL_BUDGET_S = 0.3  # a full live forward slower than this makes previews progressive
 
@@ -176,7 +176,7 @@ class PoolSession:
         if key in self._runs:
             return self._runs[key]
         return self._running.get(key, lambda progress, cancel: self._compute_run(m, key, progress, cancel),
-                                 progress, cancel, alone=self.queue.held_here(), label=_described(key, self.pool))
+                                 progress, cancel, alone=self.queue.held_here(), label=on_experts(key.label(), key.experts, self.pool.tasks))
 
     def _compute_run(self, m, key: Spec, progress, cancel):
         from merger.methods.adaptive import Context
@@ -365,10 +365,3 @@ class PoolSession:
         nothing is invalidated."""
         with self.queue:
             self.pool.add_expert(name, task, weights, info)
-
-
-def _described(spec: Spec, pool) -> str:
-    """A spec as the page names a run: its label, and its experts where not all of the pool's."""
-    if set(spec.experts) == set(pool.tasks):
-        return spec.label()
-    return f"{spec.label()} on {', '.join(spec.experts)}"
