@@ -100,3 +100,30 @@ def test_a_preparation_does_not_hold_previews_back(ctl):
     assert done["waited"] and ctl.session.is_prepared(spec)
     ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "task_arithmetic", lam=0.35), "live")
     assert result.accuracy == ref.accuracy
+
+
+def test_a_preparation_under_way_is_named_and_a_second_caller_follows_it(ctl):
+    """A page loaded while a slow preparation goes names it; a second Run of it follows (one prepare)."""
+    experts = ctl.pool.tasks[:2]
+    spec = ctl.session.spec("tsv_m", experts=experts)
+    started, release = threading.Event(), threading.Event()
+
+    def progress(fraction, message):
+        started.set()
+        release.wait(10)
+
+    first = threading.Thread(target=ctl.session.prepare, args=(spec, progress))
+    first.start()
+    assert started.wait(10)
+    assert ctl.session.under_way() == [f"preparing TSV-Merge on {', '.join(experts)}"]
+    second = threading.Thread(target=ctl.session.prepare, args=(spec,))
+    second.start()
+    jobs = ctl.session.merges._preparing._jobs
+    for _ in range(1000):  # the second caller has joined the first one's work
+        if any(len(job._callers) == 2 for job in list(jobs.values())):
+            break
+        threading.Event().wait(0.01)
+    assert any(len(job._callers) == 2 for job in list(jobs.values()))
+    release.set()
+    first.join(30), second.join(30)
+    assert ctl.session.is_prepared(spec) and ctl.session.counts["prepares"] == 1 and ctl.session.under_way() == []
