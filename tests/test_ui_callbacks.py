@@ -574,3 +574,15 @@ def test_every_kept_refusal_fits_its_listeners_outputs(ctl):
     # Gradio's progress overlay it was an error badge over every output of the Merge tab)
     run = next(bf for bf in app.fns.values() if bf.name == "run" and len(bf.outputs) == 8)
     assert run.show_progress == "hidden"
+
+
+def test_pin_refuses_a_data_driven_merge_that_was_never_run(ctl):
+    """A pin is a merge on screen: an AdaMerging spec never run was pinned, and Compare then ran it
+    unseen for minutes, with no progress and no Cancel."""
+    inputs = controls(ctl, "adamerging_task", steps=3, seed=21)
+    with pytest.warns(UserWarning, match="Pin: no adamerging_task run for these settings yet; press Run first"):
+        pins, _ = ctl.pin([], *inputs)
+    assert pins == [] and ctl.session.cached_run(ctl.spec_from_controls(*inputs)) is None
+    ctl.session.run(ctl.spec_from_controls(*inputs))
+    pins, text = ctl.pin([], *inputs)
+    assert len(pins) == 1 and "adamerging_task" in text

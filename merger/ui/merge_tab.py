@@ -218,6 +218,9 @@ class Controller(ControlPanel):
     def pin(self, pins, experts, method, *values):
         try:
             spec = self.spec_from_controls(experts, method, *values).rounded()
+            if methods.get(spec.method).data_driven and self.session.cached_run(spec) is None:
+                # a pin is a merge on screen: Compare would otherwise run it unseen, without progress
+                raise MergerError(f"Pin: no {spec.method} run for these settings yet; press Run first")
         except MergerError as exc:
             warn(exc)
             return pins, self.pins_text(pins)
