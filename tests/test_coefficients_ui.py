@@ -133,6 +133,8 @@ def test_start_from_learned_sets_the_sliders_to_what_the_run_learned(ctl):
     assert abs(mine.average_accuracy - theirs.average_accuracy) <= 0.02  # sliders snap to 0.01
     with pytest.raises(gr.Error, match="pick AdaMerging or FW-Merging"):
         ctl.learned_updates(*controls(ctl))
+    with pytest.raises(gr.Error, match=r"Start from learned: no AdaMerging \(task-wise\) run for these settings yet"):
+        ctl.learned_updates(*controls(ctl, "adamerging_task", steps=4, samples=8, lr=0.05))  # never run
 
 
 def test_the_merge_start_from_learned_sets_is_recorded(ctl):

@@ -102,20 +102,26 @@ def test_a_preparation_does_not_hold_previews_back(ctl):
     assert result.accuracy == ref.accuracy
 
 
-def test_a_preparation_under_way_is_named_and_a_second_caller_follows_it(ctl):
+def test_a_preparation_under_way_is_named_and_a_second_caller_follows_it(ctl, monkeypatch):
     """A page loaded while a slow preparation goes names it; a second Run of it follows (one prepare)."""
     experts = ctl.pool.tasks[:2]
     spec = ctl.session.spec("tsv_m", experts=experts)
     started, release = threading.Event(), threading.Event()
+    compute = ctl.session.merges._compute
 
-    def progress(fraction, message):
+    def held(*args):  # held before its first step (a progress callback would hold the job's lock)
         started.set()
-        release.wait(10)
+        release.wait(30)
+        return compute(*args)
 
-    first = threading.Thread(target=ctl.session.prepare, args=(spec, progress))
+    monkeypatch.setattr(ctl.session.merges, "_compute", held)
+    first_cancels = threading.Event()
+    first = threading.Thread(target=ctl.session.prepare, args=(spec, None, first_cancels.is_set))
     first.start()
     assert started.wait(10)
     assert ctl.session.under_way() == [f"preparing TSV-Merge on {', '.join(experts)}"]
+    first_cancels.set()  # with nobody else following it, the first caller's Cancel stops it
+    assert not ctl.session.goes_on_after_cancel(spec)
     second = threading.Thread(target=ctl.session.prepare, args=(spec,))
     second.start()
     jobs = ctl.session.merges._preparing._jobs
@@ -124,6 +130,7 @@ def test_a_preparation_under_way_is_named_and_a_second_caller_follows_it(ctl):
             break
         threading.Event().wait(0.01)
     assert any(len(job._callers) == 2 for job in list(jobs.values()))
+    assert ctl.session.goes_on_after_cancel(spec)  # it goes on for the second: the first page says so
     release.set()
     first.join(30), second.join(30)
     assert ctl.session.is_prepared(spec) and ctl.session.counts["prepares"] == 1 and ctl.session.under_way() == []

@@ -143,7 +143,7 @@ def test_a_data_driven_export_writes_the_run_on_screen(ctl, monkeypatch):
 
     ada = controls(ctl, "adamerging_task", steps=4, samples=8)
     paths, msg = ctl.export(*ada)
-    assert paths is None and "no AdaMerging" in msg and "press Run first" in msg
+    assert paths is None and "no AdaMerging" in msg and "press Run" in msg
     run = ctl.session.run(ctl.spec_from_controls(*ada))
     monkeypatch.setattr(export, "merge_delta", lambda *a: pytest.fail("the export ran the method again"))
     paths, msg = ctl.export(*ada)
@@ -389,8 +389,50 @@ def test_two_pages_pressing_run_on_the_same_settings_share_one_run(ctl, monkeypa
     for last in (last_a, last_b):
         assert last[0].startswith("✓ AdaMerging") and len(last[1].data[0].y) == 40
     assert session.cached_run(ctl.spec_from_controls(*inputs)) is not None
-    assert seen["under way"].startswith("◷ Under way on this server: `adamerging_task(") and "steps=40" in seen["under way"]
-    assert runs.under_way() == gr.skip()  # nothing under way now
+    line, timer = seen["under way"]
+    assert line.startswith("◷ Under way on this server: `adamerging_task(") and "steps=40" in line and timer.active
+    assert runs.under_way()[0] == gr.skip()  # nothing under way now
+    # the page loaded during the run follows it on a timer, and says when it has ended
+    after, timer = runs.still_under_way(line)
+    assert after.startswith("The work under way when this page opened has ended: `adamerging_task(") and not timer.active
+    assert runs.still_under_way("✓ AdaMerging: 40 steps in 1.0 s.")[0] == gr.skip()  # its own Run's line stays
+
+
+def test_the_first_pages_cancel_is_acknowledged_while_another_page_follows_its_run(ctl, monkeypatch):
+    """Page A pressed Run, page B follows the same run, A presses Cancel: the run goes on for B (by
+    design), and A's status line says so instead of ignoring the Cancel."""
+    import threading
+    from types import SimpleNamespace
+
+    from merger.ui.runs import GOES_ON, RunController
+
+    session = ctl.session
+    compute_run, a_cancelled = session._compute_run, threading.Event()
+
+    def slow(*args):  # A leads; it computes once B follows and A has cancelled
+        job = next(iter(session._running._jobs.values()))
+        for _ in range(1000):
+            if len(job._callers) == 2:
+                break
+            time.sleep(0.01)
+        a_cancelled.wait(30)
+        time.sleep(1.2)  # two of the status line's ticks after the Cancel
+        return compute_run(*args)
+
+    monkeypatch.setattr(session, "_compute_run", slow)
+    runs = RunController(ctl)
+    inputs = controls(ctl, "adamerging_task", steps=7)
+    page_a, page_b = runs.run(SimpleNamespace(session_hash="a"), *inputs), runs.run(SimpleNamespace(session_hash="b"), *inputs)
+    frames_a = [next(page_a)]
+    frames_b = [next(page_b)]
+    assert runs.cancel(SimpleNamespace(session_hash="a")) == "Cancelling…"
+    a_cancelled.set()
+    frames_a += list(page_a)
+    frames_b += list(page_b)
+    assert any(f[0].endswith(GOES_ON) for f in frames_a[1:-1])
+    assert frames_a[-1][0].startswith("✓ AdaMerging (task-wise): 7 steps") and "went on after your Cancel" in frames_a[-1][0]
+    assert frames_b[-1][0].startswith("✓ AdaMerging (task-wise): 7 steps") and "Cancel" not in frames_b[-1][0]
+    assert not any(GOES_ON in f[0] for f in frames_b)
 
 
 
@@ -469,7 +511,7 @@ def test_a_run_that_ends_after_the_settings_changed_shows_nothing_as_theirs(ctl)
     assert next(gen)[0].startswith("◷")
     list(events.move(me, None, *with_weights(ctl, controls(ctl, "ties"))))  # ... and moves on to TIES
     *_, last = gen
-    assert "you have changed them since" in last[0] and all(x == gr.skip() for x in last[1:])
+    assert "the controls had changed by then" in last[0] and all(x == gr.skip() for x in last[1:])
     spec = ctl.spec_from_controls(*ada)
     assert ctl.session.cached_run(spec) is not None  # kept: setting them again shows it
     # back on the run's settings, a new run of them shows its result, and the panel knows it
@@ -580,7 +622,7 @@ def test_pin_refuses_a_data_driven_merge_that_was_never_run(ctl):
     """A pin is a merge on screen: an AdaMerging spec never run was pinned, and Compare then ran it
     unseen for minutes, with no progress and no Cancel."""
     inputs = controls(ctl, "adamerging_task", steps=3, seed=21)
-    with pytest.warns(UserWarning, match="Pin: no adamerging_task run for these settings yet; press Run first"):
+    with pytest.warns(UserWarning, match="Pin: no AdaMerging \\(task-wise\\) run for these settings yet: press Run"):
         pins, _ = ctl.pin([], *inputs)
     assert pins == [] and ctl.session.cached_run(ctl.spec_from_controls(*inputs)) is None
     ctl.session.run(ctl.spec_from_controls(*inputs))

@@ -172,6 +172,11 @@ class Merges:
         self._preparing.get(key, compute, progress, cancel, alone=self.queue.held_here(),
                             label=on_experts(f"preparing {m.display_name}", spec.experts, self.pool.tasks))
 
+    def preparation_goes_on(self, spec: Spec) -> bool:
+        """Whether the slow preparation of ``spec`` goes on after a caller's Cancel (another follows it)."""
+        m, args, scale = self._prepare_args(spec)
+        return not m.data_driven and self._preparing.goes_on_after_cancel(self._prepared_key(m, spec.experts, args, scale))
+
     def preparing(self) -> list[str]:
         """The slow preparations under way."""
         return self._preparing.under_way()

@@ -30,6 +30,13 @@ class SharedWork:
     def running(self, key) -> bool:
         return key in self._jobs
 
+    def goes_on_after_cancel(self, key) -> bool:
+        """Whether the work of ``key`` is under way although a caller cancelled it: it goes on for
+        another caller still following (the first caller's page says so after its Cancel)."""
+        with self._lock:
+            job = self._jobs.get(key)
+        return job is not None and job.goes_on()
+
     def under_way(self) -> list[str]:
         """The labels of the works under way (a reloaded page names them, so its Run can follow one)."""
         with self._lock:
@@ -134,7 +141,7 @@ class _Job:
             self._forget(self)
         return self.closed
 
-    def _goes_on(self) -> bool:
+    def goes_on(self) -> bool:
         with self._lock:
             return not self.closed and not all(caller.cancelled() for caller in self._callers)
 
@@ -149,7 +156,7 @@ class _Job:
                     if me in self._callers:
                         self._callers.remove(me)
                 while not self.done.wait(poll_s):  # left: the work goes on for another, or stops soon
-                    if self._goes_on():
+                    if self.goes_on():
                         raise Unfollowed("you stopped following it; another page asked for the same settings, so "
                                          "it goes on for that page and is kept when done")
                 break

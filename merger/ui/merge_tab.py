@@ -202,27 +202,33 @@ class Controller(ControlPanel):
         try:
             spec = self.spec_from_controls(experts, method, *values)
             if not methods.get(spec.method).data_driven:
-                raise MergerError("start from learned: pick AdaMerging or FW-Merging and press Run first")
-            run = self.session.cached_run(spec)
-            if run is None:
-                raise MergerError(f"start from learned: no {spec.method} run for these settings yet; press Run first")
-            got = learned(run, self.pool)
+                raise MergerError("pick AdaMerging or FW-Merging and press Run first")
+            got = learned(self.run_on_screen(spec), self.pool)
         except MergerError as exc:
-            fail(exc)
+            fail(f"Start from learned: {exc}")
         gr.Info(f"Loaded {methods.get(spec.method).display_name}'s coefficients into the sliders (task arithmetic, "
                 f"λ = 1, on the sliders' {WEIGHT_STEP:g} step): {got.note}.")
         target = got.spec(self.session, spec.experts)
         return self.spec_updates(list(spec.experts), target.method, target.kwargs, got.task_weights,
                                  got.block_weights)
 
+    def run_on_screen(self, spec):
+        """The cached run of a data-driven spec: the one whose numbers the page shows. Pin, Export
+        and Start from learned take it, and never start one unseen (Compare would otherwise run a
+        pinned one for minutes, without progress or Cancel)."""
+        run = self.session.cached_run(spec)
+        if run is None:
+            raise MergerError(f"no {methods.get(spec.method).display_name} run for these settings yet: press Run "
+                              f"(in “{RUNS_LABEL}”) first; this takes the run whose numbers the page shows")
+        return run
+
     def pin(self, pins, experts, method, *values):
         try:
             spec = self.spec_from_controls(experts, method, *values).rounded()
-            if methods.get(spec.method).data_driven and self.session.cached_run(spec) is None:
-                # a pin is a merge on screen: Compare would otherwise run it unseen, without progress
-                raise MergerError(f"Pin: no {spec.method} run for these settings yet; press Run first")
+            if methods.get(spec.method).data_driven:
+                self.run_on_screen(spec)
         except MergerError as exc:
-            warn(exc)
+            warn(f"Pin: {exc}")
             return pins, self.pins_text(pins)
         pins = list(pins or [])
         if spec not in pins:
@@ -240,11 +246,8 @@ class Controller(ControlPanel):
         try:
             spec = self.spec_from_controls(experts, method, *values).rounded()
             delta = None
-            if methods.get(spec.method).data_driven:  # the run on screen, not a silent second one
-                if self.session.cached_run(spec) is None:
-                    raise MergerError(f"no {methods.get(spec.method).display_name} run for these settings: press "
-                                      "Run first (the export writes the run whose numbers you see)")
-                delta = self.session.delta(spec)
+            if methods.get(spec.method).data_driven:
+                delta = self.run_on_screen(spec).delta
             out = EXPORT_ROOT / uuid.uuid4().hex / f"merged-{spec.method}.safetensors"
             with self.session.batch(), self.session.lock:
                 weights, spec_yaml = export_merge(self.pool, spec, out, delta)
@@ -276,6 +279,8 @@ def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str
                         cancel_btn = gr.Button("Cancel", elem_id="cancel")
                     run_status = gr.Markdown("A data-driven method learns its coefficients when you press Run; a "
                                              "slow preparation (SVDs, sorts on a large pool) also runs here.")
+                    # follows the work under way when the page opened, until it ends (RunController)
+                    status_timer = gr.Timer(2.0, active=False)
                 pins = gr.State([])
                 pins_md = gr.Markdown(Controller.pins_text([]))
                 files = gr.File(label="exported files", file_count="multiple", interactive=False)
@@ -305,9 +310,11 @@ def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str
                       api_visibility="private")
         cancel_btn.click(runs.cancel, None, run_status, concurrency_id="cancel", concurrency_limit=None,
                          api_visibility="private")
+        status_timer.tick(runs.still_under_way, run_status, [run_status, status_timer], queue=False,
+                          api_visibility="private")
         pin_btn.click(events.pin, [pins, *inputs], [pins, pins_md], api_visibility="private")
         export_btn.click(batch(events.export), inputs, [files, export_msg], **BATCH_EVENT, api_visibility="private")
         wire_coefficients_panel(panel, ctl, events, experts, inputs, inputs)
     return {"experts": experts, "method": method, "controls": controls, "about": about, "pins": pins,
             "inputs": inputs, "outputs": outputs, "learned": learned, "weights": weights, "runs": runs,
-            "run_status": run_status}
+            "run_status": run_status, "status_timer": status_timer}

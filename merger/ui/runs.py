@@ -16,6 +16,8 @@ from merger.ui.merge_events import session_of
 from merger.ui.scheduling import CancelFlags
 
 RUNS_LABEL = "Runs: data-driven methods and slow preparations"
+GOES_ON = (" · Cancel noted, but another page follows this same work: it goes on for that page (and is kept "
+           "when done), and this page shows it to the end")
 
 
 class RunController:
@@ -92,12 +94,15 @@ class RunController:
         worker = threading.Thread(target=work, daemon=True)
         worker.start()
         label = self.objective_label(spec.method)
+        kept_for_others = False  # this page cancelled, but another follows the same work: it goes on
         while worker.is_alive():
             time.sleep(0.5)
             # the live curve only while the controls still show this run's settings
             curve = (plots.objective_curve(live["values"], f"Objective ({label})", label)
                      if m.data_driven and self._shown(session, spec) else gr.skip())
-            yield (f"◷ {m.display_name}: {live['msg']}", curve, *(gr.skip(),) * 6)
+            kept_for_others = kept_for_others or (flag.is_set() and self.ctl.session.goes_on_after_cancel(spec))
+            yield (f"◷ {m.display_name}: {live['msg']}" + (GOES_ON if kept_for_others else ""), curve,
+                   *(gr.skip(),) * 6)
         self._cancel.end(session, flag)  # not on a closed page: the run goes on (and is cached)
         here = self._shown(session, spec)
         if "error" in box:
@@ -110,14 +115,18 @@ class RunController:
                 self.events.panel_shows(session, self.ctl.session.cached_run(spec))
             yield (notice(msg), *panel, *(gr.skip(),) * 4)
             return
+        went_on = " It went on after your Cancel: another page followed it." if kept_for_others else ""
         if not here:  # the controls moved on during the run: its result is cached, not shown as theirs
             took = f"{box['prepared']:.1f}" if "prepared" in box else f"{box['run'].seconds:.1f}"
-            yield (f"✓ {m.display_name}: done in {took} s, for the settings of when you pressed Run; you have "
-                   "changed them since: set them again to see its result.", *skip7)
+            # worded to stay true once the controls hold those settings again (this line is not redrawn)
+            yield (f"✓ {m.display_name}: done in {took} s for `{spec.rounded().label()}`, the settings of when you "
+                   "pressed Run; the controls had changed by then, so it shows whenever they hold those settings "
+                   f"(kept).{went_on}", *skip7)
             return
         acc, loss, radar, summary = self.ctl.preview(experts, method, *values)
         if "prepared" in box:
-            yield (f"✓ {m.display_name}: prepared in {box['prepared']:.1f} s; its sliders are live now", *(gr.skip(),) * 3,
+            yield (f"✓ {m.display_name}: prepared in {box['prepared']:.1f} s; its sliders are live now.{went_on}",
+                   *(gr.skip(),) * 3,
                    acc, loss, radar, summary)
             return
         run = box["run"]
@@ -125,17 +134,37 @@ class RunController:
                 else f"{len(run.tasks)} experts' statistics")
         if self.events is not None:
             self.events.panel_shows(session, run)
-        yield (f"✓ {m.display_name}: {done} in {run.seconds:.1f} s", *self.views(run),
+        yield (f"✓ {m.display_name}: {done} in {run.seconds:.1f} s.{went_on}", *self.views(run),
                acc, loss, radar, summary)
+
+    UNDER_WAY = "◷ Under way on this server: "
 
     def under_way(self):
         """The page's first Run status (its load event): the runs and preparations under way on this
-        server, which Run follows with the same settings (a page reloaded during its run finds it so)."""
+        server, which Run follows with the same settings (a page reloaded during its run finds it
+        so); and whether the status timer should watch them end (``still_under_way``)."""
         work = self.ctl.session.under_way()
         if not work:
-            return gr.skip()
-        return ("◷ Under way on this server: " + "; ".join(f"`{w}`" for w in work) + ". Press Run with the same "
-                "settings to follow it: its progress so far, then its result (no second run).")
+            return gr.skip(), gr.Timer(active=False)
+        return self._under_way_line(work), gr.Timer(active=True)
+
+    def _under_way_line(self, work) -> str:
+        return (self.UNDER_WAY + "; ".join(f"`{w}`" for w in work) + ". Press Run with the same settings to follow "
+                "it: its progress so far, then its result (no second run).")
+
+    def still_under_way(self, status: str):
+        """The status timer's tick: the line of work under way follows it (one that ends leaves it),
+        until the page's own Run or Cancel has replaced the line; then the timer stops."""
+        if not (status or "").startswith(self.UNDER_WAY):
+            return gr.skip(), gr.Timer(active=False)
+        work = self.ctl.session.under_way()
+        if work:
+            line = self._under_way_line(work)
+            return (gr.skip() if line == status else line), gr.Timer(active=True)
+        ended = status[len(self.UNDER_WAY):].split(". Press Run")[0]
+        return (f"The work under way when this page opened has ended: {ended}. A finished run or preparation is "
+                "kept: with its settings in the controls it shows at once. A cancelled one left nothing."), \
+            gr.Timer(active=False)
 
     def cancel(self, request: gr.Request = None):
         if self._cancel.cancel(session_of(request)):
