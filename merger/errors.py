@@ -14,7 +14,13 @@ class PoolError(MergerError):
 
 
 class MethodError(MergerError):
-    """An unknown method, or a parameter that is unknown, out of range or not a number."""
+    """An unknown method, or a parameter that is unknown, out of range or not a number. A refused
+    value also carries the parameter's name and the reason alone, for a front end that names the
+    field its own way (the Merge tab: by the control's label)."""
+
+    def __init__(self, message: str, param: str | None = None, reason: str | None = None):
+        super().__init__(message)
+        self.param, self.reason = param, reason
 
 
 class DataError(MergerError):

@@ -53,6 +53,25 @@ def stepped_work(release: threading.Event, started: threading.Event, computed: l
     return compute
 
 
+def leader_and_follower(work, error: BaseException):
+    """Two callers of one work that raises ``error``: (first's box, follower's box, computations)."""
+    started, release, computed = threading.Event(), threading.Event(), []
+
+    def failing(progress, cancel):
+        computed.append(1)
+        started.set()
+        release.wait(10)
+        raise error
+
+    a, box_a = in_thread(lambda: work.get("k", failing))
+    assert started.wait(10)
+    b, box_b = in_thread(lambda: work.get("k", failing))
+    assert wait_until(lambda: followers(work, "k") == 2)
+    release.set()
+    a.join(10), b.join(10)
+    return box_a, box_b, computed
+
+
 def test_callers_of_the_same_key_follow_one_computation_and_get_its_curve_so_far():
     work, release, started, computed = SharedWork(), threading.Event(), threading.Event(), []
     compute = stepped_work(release, started, computed)
@@ -113,6 +132,11 @@ def test_an_error_reaches_every_caller():
     with pytest.raises(ValueError, match="bad file"):
         work.get("k", compute)
     assert not work.running("k")
+    # a follower gets it too: its own copy (one object raised on two threads mixes their frames in
+    # one traceback), with the work's error as its cause
+    box_a, box_b, _ = leader_and_follower(work, ValueError("bad file"))
+    assert type(box_b["error"]) is ValueError and str(box_b["error"]) == "bad file"
+    assert box_b["error"] is not box_a["error"] and box_b["error"].__cause__ is box_a["error"]
 
 
 
@@ -208,21 +232,8 @@ def test_a_followers_failing_progress_is_its_own_error_and_the_work_goes_on():
 def test_an_interrupted_first_caller_stops_its_followers_with_a_cancel():
     """The first caller computes on its own thread, so Ctrl+C (or SIGTERM) there stops the work
     as before; a follower is told it stopped, not handed the KeyboardInterrupt."""
-    work, release, started, computed = SharedWork(), threading.Event(), threading.Event(), []
-
-    def interrupted(progress, cancel):
-        computed.append(1)
-        started.set()
-        release.wait(10)
-        raise KeyboardInterrupt
-
-    a, box_a = in_thread(lambda: work.get("k", interrupted))
-    assert started.wait(10)
-    b, box_b = in_thread(lambda: work.get("k", interrupted))
-    assert wait_until(lambda: followers(work, "k") == 2)
-    release.set()
-    a.join(10), b.join(10)
-    assert isinstance(box_a["error"], KeyboardInterrupt)
+    box_a, box_b, computed = leader_and_follower(SharedWork(), KeyboardInterrupt())
+    assert computed == [1] and isinstance(box_a["error"], KeyboardInterrupt)
     assert type(box_b["error"]) is Cancelled and "interrupted" in str(box_b["error"])
 
 

@@ -60,7 +60,7 @@ def test_tsv_m_auto_rank_survives_the_slider_and_follows_the_experts(ctl):
     before_update = ctl.spec_from_controls(*controls(ctl, "tsv_m", experts=tasks[:2], rank_ratio=1 / 3))
     assert before_update.kwargs["rank_ratio"] == "auto"
     *_, summary = ctl.preview(*controls(ctl, "tsv_m", rank_ratio=0.4))
-    assert "rank_ratio=0.4 is above 0.333333 with 3 experts" in summary
+    assert "rank ratio: 0.4 is above 0.333333 with 3 experts" in summary  # named as the page names it
 
 
 def test_preview_shows_what_evaluate_computes(ctl):
@@ -96,8 +96,13 @@ def test_a_value_typed_between_slider_steps_is_named_with_the_value_computed(ctl
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(method="ties", sparsity=1.0), "sparsity=1.0 is out of range"),
-    (dict(method="cart", rank_ratio="x"), "rank_ratio='x' is not a number"),
+    (dict(method="ties", sparsity=1.0), "sparsity: 1.0 is out of range [0, 1)"),
+    (dict(method="cart", rank_ratio="x"), "rank ratio: 'x' is not a number"),
+    # by the control's label, not the API's name ("consensus_ta: parameter agree=2.5 …")
+    (dict(method="consensus_ta", agree=2.5), "tasks that must agree (k): 2.5 must be a whole number"),
+    # an emptied box: neither its default nor the value before, unseen
+    (dict(method="consensus_ta", agree=None), "tasks that must agree (k): empty; type a whole number in [1, 64]"),
+    (dict(method="ties", sparsity=None), "sparsity: empty; type a number in [0, 1)"),
     (dict(experts=[]), "empty subset"),
     (dict(method="nope"), "unknown method 'nope'"),
 ])

@@ -15,9 +15,20 @@ first caller cannot leave its own thread's work, so its Cancel stops it only onc
 have cancelled too. A stopped work is closed for good: a caller after that starts a fresh one."""
 from __future__ import annotations
 
+import copy
 import threading
 
 from merger.errors import Cancelled, Unfollowed
+
+
+def _own(error: Exception) -> Exception:
+    """A follower's copy of the work's error: the one object raised on every thread would gather
+    each thread's frames into one traceback (the work's own is kept as the cause)."""
+    try:
+        twin = copy.copy(error)
+    except Exception:  # noqa: BLE001  (an exception that cannot be rebuilt from its args)
+        return error
+    return twin if type(twin) is type(error) and str(twin) == str(error) else error
 
 
 class SharedWork:
@@ -166,7 +177,7 @@ class _Job:
                     self._callers.remove(me)
             raise
         if isinstance(self.error, Exception):
-            raise self.error
+            raise _own(self.error) from self.error
         if self.error is not None:  # the first caller was interrupted (Ctrl+C where it ran)
             raise Cancelled("stopped where it ran (interrupted); nothing was cached") from None
         return self.result

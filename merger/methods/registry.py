@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, NoReturn
 
 from merger.errors import Cancelled, MethodError, listed
 
@@ -41,24 +41,26 @@ class Param:
         if self.auto is not None and isinstance(value, str) and value.strip().lower() == "auto":
             return "auto"
         if isinstance(value, bool) or value is None:
-            raise MethodError(f"{method}: parameter {self.name}={value!r} is not a number")
+            self.refuse(method, value, "is not a number")
         try:
             number = float(value)
         except (TypeError, ValueError):
-            raise MethodError(f"{method}: parameter {self.name}={value!r} is not a number") from None
+            self.refuse(method, value, "is not a number")
         if not math.isfinite(number):
-            raise MethodError(f"{method}: parameter {self.name}={value!r} is not a finite number")
+            self.refuse(method, value, "is not a finite number")
         if self.kind == "int":
             if number != int(number):
-                raise MethodError(f"{method}: parameter {self.name}={value!r} must be a whole number")
+                self.refuse(method, value, "must be a whole number")
             number = int(number)
         below = number < self.min or (self.min_open and number == self.min)
         above = number > self.max or (self.max_open and number == self.max)
         if below or above:
-            raise MethodError(
-                f"{method}: parameter {self.name}={value!r} is out of range {self.range_text()}"
-            )
+            self.refuse(method, value, f"is out of range {self.range_text()}")
         return number
+
+    def refuse(self, method: str, value: Any, reason: str) -> NoReturn:
+        raise MethodError(f"{method}: parameter {self.name}={value!r} {reason}", param=self.name,
+                          reason=f"{value!r} {reason}") from None
 
 
 @dataclass(frozen=True)
@@ -206,8 +208,7 @@ class Method:
             if p.name in limits and not isinstance(out[p.name], str):
                 bound, reason = limits[p.name]
                 if out[p.name] > bound + 1e-12:
-                    raise MethodError(f"{self.name}: parameter {p.name}={value!r} is above {bound:.6g} "
-                                      f"with {num_experts} experts: {reason}")
+                    p.refuse(self.name, value, f"is above {bound:.6g} with {num_experts} experts: {reason}")
         return out
 
     def bounds(self, name: str, num_experts: int) -> tuple[float, float]:

@@ -83,7 +83,8 @@ def build_coefficients_panel(ctl) -> dict:
         blocks = [gr.Slider(lo, hi, value=1.0, step=WEIGHT_STEP, label=f"b · {b}", elem_id=f"w-block-{b}")
                   for b in ctl.weight_blocks]
         with gr.Row():
-            preset = gr.Dropdown(list(PRESETS), value="flat", label="block preset")
+            preset = gr.Dropdown(list(PRESETS), value="flat", label="preset to apply to the block sliders",
+                                 info="a chooser, not the sliders' state: Apply sets them")
             # no bounds on the box: a k out of range gets preset_values' message as a warning
             k = gr.Number(value=1, precision=0, visible=False,
                           label="k (last k only)")

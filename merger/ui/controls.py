@@ -124,15 +124,27 @@ class ControlPanel:
         m = methods.get(method)
         tw, bw = self.weights_from_controls(experts, values)
         values = by_name(values)
-        params = {k: values[k] for k in m.param_names if values.get(k) is not None}
         experts = ticked(experts)
+        params = {k: values.get(k) for k in m.param_names}
         for k, v in params.items():
+            if v is None:  # an emptied box: never its default (or an earlier value) unseen
+                p, (lo, hi) = m.param(k), m.bounds(k, len(experts))
+                fmt = (lambda x: f"{x:.0f}") if p.kind == "int" else (lambda x: f"{x:g}")
+                span = f"{'(' if p.min_open else '['}{fmt(lo)}, {fmt(hi)}{')' if p.max_open else ']'}"
+                raise MethodError(f"{p.label or k}: empty; type a {'whole ' if p.kind == 'int' else ''}number in {span}",
+                                  param=k)
             if m.param(k).auto and _at_auto(m, k, v, len(experts)):
                 params[k] = "auto"
         if m.data_driven:  # it learns its own coefficients: the sliders are for static methods (panel says so)
             tw, bw = {}, {}
-        return self.session.spec(m.name, experts=list(experts), task_weights=tw or None, block_weights=bw or None,
-                                 **params)
+        try:
+            return self.session.spec(m.name, experts=list(experts), task_weights=tw or None,
+                                     block_weights=bw or None, **params)
+        except MethodError as exc:  # a value refused: named by its control's label, as the page shows it
+            if exc.param is None or exc.reason is None:
+                raise
+            raise MethodError(f"{m.param(exc.param).label or exc.param}: {exc.reason}", param=exc.param,
+                              reason=exc.reason) from None
 
     def method_controls(self, method, experts, *values, previous: str | None = None):
         """Control updates for a method: its parameters shown with their ranges, the others hidden.
