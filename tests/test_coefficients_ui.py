@@ -160,6 +160,10 @@ def test_history_reload_restores_the_weights(ctl):
     updates = ctl.reload(row["id"])
     experts, method, *rest = [u.get("value") for u in updates]
     assert ctl.spec_from_controls(experts, method, *rest).rounded() == ans.spec.rounded()
+    # a row written before its method took a parameter: that control at its default, not emptied
+    updates = ctl.spec_updates(list(ctl.pool.tasks), "consensus_ta", {"lam": 0.5}, {}, {})
+    experts, method, *rest = [u.get("value") for u in updates]
+    assert ctl.spec_from_controls(experts, method, *rest).kwargs == {"lam": 0.5, "mask_lambda": 0.4, "agree": 2}
 
 
 def test_tradeoffs_tab_views(ctl):

@@ -78,10 +78,12 @@ def default_params(method, num_experts: int) -> dict:
 
 def control_values(method, params: dict, num_experts: int) -> list:
     """One value per control (PARAM_NAMES order; None where the method has no such parameter):
-    "auto" becomes its slider position for this many experts."""
+    "auto" becomes its slider position for this many experts; one ``params`` lacks (a History row
+    written before the method took it) its default."""
+    defaults = default_params(method, max(1, num_experts))
     out = []
     for name in PARAM_NAMES:
-        value = params.get(name) if name in method.param_names else None
+        value = params.get(name, defaults.get(name)) if name in method.param_names else None
         if value == "auto":
             value = method.bounds(name, max(1, num_experts))[1]
         out.append(value)
