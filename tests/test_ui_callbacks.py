@@ -325,6 +325,24 @@ def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
     assert lc.land.cached_points() == n  # the surface was not recomputed
     x, y, _ = state["plane"].coords(lc.land.spec_point(ctl.session.spec("task_arithmetic", lam=0.9)))
     assert (live2.x[0], live2.y[0]) == pytest.approx((x, y))
+    # another metric or view: the surface shown is redrawn at once, with no point computed
+    restyled, fig = lc.restyle(state, "accuracy", ctl.pool.tasks[0], "contour", *controls(ctl, lam=0.9))
+    assert lc.land.cached_points() == n and (restyled["metric"], restyled["task"]) == ("accuracy", ctl.pool.tasks[0])
+    assert fig.layout.title.text.startswith(f"{ctl.pool.tasks[0]} accuracy")
+    assert lc.restyle(None, "accuracy", None, "contour", *controls(ctl)) == (gr.skip(), gr.skip())
+    # three points are three: never filled up with pins (it once drew a plane through base, a task and a pin)
+    pin = ctl.session.spec("task_arithmetic", lam=0.7)
+    for three in ("base," + ctl.pool.tasks[0], "", f"base,base,{ctl.pool.tasks[0]}"):
+        with pytest.warns(UserWarning, match="three points: .* type three, separated by commas"):
+            assert list(lc.compute([pin], "points", None, None, three, "loss", "all tasks (mean)", 5, "contour", [],
+                                   *controls(ctl), progress=lambda *a, **k: None)) == [(gr.skip(), gr.skip())]
+    # a data-driven merge never run: drawn without its marker, and never run here unseen
+    never_run = controls(ctl, "adamerging_task", steps=4, samples=8)
+    with pytest.warns(UserWarning, match=r"Not drawn: the live merge ★: no AdaMerging \(task-wise\) run"):
+        *_, (_, fig) = lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 5, "contour", [], *never_run,
+                                  progress=lambda *a, **k: None)
+    assert not any(t.name == "live merge" for t in fig.data)
+    assert ctl.session.cached_run(ctl.spec_from_controls(*never_run)) is None
     curves = lc.curves(["λ path (current method)"], "accuracy", "live", "all tasks (mean)", *controls(ctl))
     assert len(curves.data) == 1 and len(curves.data[0].x) == 16
     # the path goes through the current merge: its experts and weights (it once took every expert, weights 1)
@@ -588,6 +606,33 @@ def test_interpolation_and_ensemble_views(ctl):
     assert fig.data[2].y[0] == pytest.approx(0.0, abs=1e-6)
     fig = ac.ensemble(*controls(ctl, "weight_averaging"))
     assert {t.name.split(" ")[0] for t in fig.data} == {"merged", "logit"}
+
+
+def test_analysis_holds_the_model_for_its_features_and_never_runs_a_merge_unseen(ctl, monkeypatch):
+    """Linearity's and Interpolate's feature passes swap the resident model's parameters
+    (functional_call): unheld, two of them side by side (two buttons pressed together) left the model
+    on one call's tensors, and every later move showed the base's numbers. And an AdaMerging never
+    run was run here, for minutes, without progress or Cancel."""
+    from merger.analysis import diagnostics
+    from merger.ui.analysis_tab import AnalysisController
+
+    features, held = diagnostics.block_features, []
+
+    def checked(*args):
+        held.append(ctl.session.queue.held_here())
+        return features(*args)
+
+    monkeypatch.setattr(diagnostics, "block_features", checked)
+    ac = AnalysisController(ctl)
+    ac.linearity(*controls(ctl, "task_arithmetic", lam=0.3))
+    ac.interpolation("base → current merge", *controls(ctl, "task_arithmetic", lam=0.3))
+    assert len(held) == 5 + 13 and all(held)  # merged, 3 experts, base; both ends and 11 points
+    never_run = controls(ctl, "adamerging_task", steps=4, samples=8)
+    for view in (lambda: ac.linearity(*never_run), lambda: ac.interpolation("base → current merge", *never_run),
+                 lambda: ac.heterogeneity(*never_run), lambda: ac.ensemble(*never_run)):
+        with pytest.warns(UserWarning, match=r"no AdaMerging \(task-wise\) run for these settings yet: press Run"):
+            view()
+    assert ctl.session.cached_run(ctl.spec_from_controls(*never_run)) is None
 
 
 def test_the_app_offers_one_api_endpoint(ctl):

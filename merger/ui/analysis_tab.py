@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from merger import plots
+from merger import methods, plots
 from merger.analysis import diagnostics as analysis
 from merger.errors import MergerError
 from merger.landscape import trajectories
@@ -72,7 +72,7 @@ class AnalysisController:
 
     @keeps_outputs(2)
     def heterogeneity(self, experts, method, *values):
-        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        spec = self._current(experts, method, values)
         tv = self._tv(spec.experts)
         v = spec.kwargs
         name = spec.method
@@ -108,24 +108,38 @@ class AnalysisController:
                                 "cos(τ(k), τ(1))")
         else:  # a one-epoch expert: nothing to compare across epochs, the gradient check still holds
             shares = cos = first = plots.empty(f"{task} has one epoch: the per-epoch views need two or more.")
-        grad = analysis.gradient_at_base(self.ex.evaluator, self.pool.task_of(task))
+        with self.ex.lock:  # functional_call on the resident model (see _features)
+            grad = analysis.gradient_at_base(self.ex.evaluator, self.pool.task_of(task))
         tau1 = traj.points[1] - traj.points[0]
         g = land.space.flatten(grad)
         text = f"cos(τ(1), −∇L(θ0)) = **{analysis.gradient_alignment(tau1, g):.4f}** (1 exactly for one epoch of full-batch gradient descent)"
         return shares, cos, first, text
 
+    def _current(self, experts, method, values):
+        """The Merge tab's spec, whose merge a view computes: a data-driven one only where its run is
+        cached (the one on screen), never run here unseen, without progress or Cancel."""
+        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        if methods.get(spec.method).data_driven:
+            self.ctl.run_on_screen(spec)
+        return spec
+
+    def _features(self, weights: dict, x):
+        """Per-block features at ``weights``, holding the resident model: functional_call swaps its
+        parameters for the call, which a forward beside it (a move, another job) would run on, and
+        a load beside it would write into the tensors swapped in (the pool's own base among them)."""
+        with self.ex.lock:
+            return analysis.block_features(self.ex.evaluator.model.visual, weights, x)
+
     @keeps_outputs(1)
     def linearity(self, experts, method, *values):
-        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        spec = self._current(experts, method, values)
         tv = self.pool.task_vectors
         idx = [tv.tasks.index(t) for t in spec.experts]
         delta = self.ex.delta(spec)
         merged = {k: tv.base[k] + delta[k] for k in tv.keys}
         w, _ = self.ex.effective_weights(spec)
-        ev = self.ex.evaluator
-        x = analysis.probe_images(ev)
-        feats = lambda wts, xx: analysis.block_features(ev.model.visual, wts, xx)  # noqa: E731
-        lin = analysis.cross_task_linearity(feats, merged, [tv.expert(i) for i in idx], w, x, base=tv.base)
+        x = analysis.probe_images(self.ex.evaluator)
+        lin = analysis.cross_task_linearity(self._features, merged, [tv.expert(i) for i in idx], w, x, base=tv.base)
         blocks = [f"block {i}" for i in range(len(lin["mean"]))]
         pred = "1 − cos(merge, (1 − Σw) f(θ0) + Σ wt f(θt))"
         err = [[m - a for m, a in zip(lin["mean"], lin["q25"])], [b - m for m, b in zip(lin["mean"], lin["q75"])]]
@@ -137,7 +151,7 @@ class AnalysisController:
     @keeps_outputs(1)
     def interpolation(self, endpoints, experts, method, *values):
         """Loss, accuracy and linearity along base → merge, or between the first two ticked experts."""
-        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        spec = self._current(experts, method, values)
         land = self.ex.landscape
         if endpoints == "base → current merge":
             a, b, title = land.base_point(), land.spec_point(spec), f"base → {spec.label()}"
@@ -147,9 +161,7 @@ class AnalysisController:
             a, b = land.expert_point(spec.experts[0]), land.expert_point(spec.experts[1])
             title = f"{spec.experts[0]} → {spec.experts[1]}"
         ev = self.ex.evaluator
-        x = analysis.probe_images(ev)
-        feats = lambda wts, xx: analysis.block_features(ev.model.visual, wts, xx)  # noqa: E731
-        p = analysis.interpolation_path(ev, land.space, a, b, feats, x, lock=self.ex.lock)
+        p = analysis.interpolation_path(ev, land.space, a, b, self._features, analysis.probe_images(ev), lock=self.ex.lock)
         return plots.stacked_lines({"accuracy % (avg)": {"accuracy": (p["alpha"], [100 * a for a in p["accuracy"]])},
                                     "loss (avg)": {"loss": (p["alpha"], p["loss"])},
                                     "1 − cos (mean over blocks)": {"1 − cos": (p["alpha"], p["linearity"])}},
@@ -158,7 +170,7 @@ class AnalysisController:
     @keeps_outputs(1)
     def ensemble(self, experts, method, *values):
         """The merged model's accuracy next to the logit ensemble of its experts with the same weights."""
-        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        spec = self._current(experts, method, values)
         w, how = self.ex.effective_weights(spec)
         tv = self.pool.task_vectors
         experts_w = [tv.expert(tv.tasks.index(t)) for t in spec.experts]

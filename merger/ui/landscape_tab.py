@@ -61,8 +61,12 @@ class LandscapeController:
                                            task_weights=dict(spec.task_weights) if same else None,
                                            block_weights=dict(spec.block_weights) if same else None)
 
-    def _live(self, spec):
-        return spec.label(), self.land.spec_point(spec)
+    def _marked(self, spec):
+        """The spec the live marker shows, or None for a data-driven one whose run is not cached: its
+        point would run it here, unseen, without progress or Cancel."""
+        if spec is None or (methods.get(spec.method).data_driven and self.ctl.session.cached_run(spec) is None):
+            return None
+        return spec
 
     def compute(self, pins, plane_kind, task_a, task_b, three, metric, task, grid, view, chosen_paths,
                 experts, method, *values, progress=gr.Progress()):
@@ -72,16 +76,25 @@ class LandscapeController:
             spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
             names = ["base", "experts"] if plane_kind != "points" else [n.strip() for n in (three or "").split(",")]
             points = self.land.named_points(names)
+            if plane_kind == "points" and (len(points) != 3 or len([n for n in names if n]) != 3):
+                # never filled up with pins, nor cut to the first three: the plane is the one typed
+                raise MergerError(f"three points: {len(points)} different point(s) in {(three or '').strip()!r}; "
+                                  "type three, separated by commas (base, a task, file:PATH or METHOD:param=value)")
+            plane_points = dict(points)
             for s in pins or []:
                 points.setdefault(s.label(), self.land.spec_point(s))
-            plane_points = points if plane_kind != "points" else {k: points[k] for k in list(points)[:3]}
             plane = make_plane(self.land, plane_kind, plane_points if plane_kind == "points" else points,
                                [task_a, task_b])
             paths, problems = self._paths(chosen_paths, spec.method, spec.kwargs, spec)
+            marked = self._marked(spec)
+            if marked is None:
+                problems.append(f"the live merge ★: no {methods.get(spec.method).display_name} run for these "
+                                "settings yet (press Run in the Merge tab)")
             if problems:
                 warn("Not drawn: " + "; ".join(problems))
-            live_label, live_vec = self._live(spec)
-            coords = [plane.coords(v)[:2] for v in points.values()] + [plane.coords(live_vec)[:2]]
+            coords = [plane.coords(v)[:2] for v in points.values()]
+            if marked is not None:
+                coords.append(plane.coords(self.land.spec_point(marked))[:2])
             for tr in paths:
                 xs, ys, _ = trajectories.project(plane, tr)
                 coords += list(zip(xs, ys))
@@ -93,9 +106,22 @@ class LandscapeController:
             for surface in surfaces:
                 state = {"plane": plane, "surface": surface, "points": points, "paths": paths,
                          "metric": metric, "task": task, "view": view}
-                yield state, self.figure(state, spec)
+                yield state, self.figure(state, marked)
         except MergerError as exc:
             yield kept(exc, 2)
+
+    def restyle(self, state, metric, task, view, experts, method, *values):
+        """The metric, its task or the view changed: the landscape shown is redrawn from its surface,
+        which holds every metric and task (no recompute); before any Compute, nothing to redraw."""
+        if not state:
+            return gr.skip(), gr.skip()
+        state = {**state, "metric": metric, "task": None if task in (None, "", "all tasks (mean)") else task,
+                 "view": view}
+        try:
+            spec = self._marked(self.ctl.spec_from_controls(experts, method, *values).rounded())
+        except MergerError:  # the Merge tab's controls hold a refused value: no live marker
+            spec = None
+        return state, self.figure(state, spec)
 
     def figure(self, state, spec=None):
         live = live_values = None
@@ -131,10 +157,10 @@ class LandscapeController:
         if not state:
             return gr.skip()
         try:
-            spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+            spec = self._marked(self.ctl.spec_from_controls(experts, method, *values).rounded())
         except MergerError:
             return gr.skip()
-        return self.figure(state, spec)
+        return gr.skip() if spec is None else self.figure(state, spec)
 
     @keeps_outputs(1)
     def curves(self, chosen, metric, split, task, experts, method, *values):
@@ -179,6 +205,9 @@ def build_landscape_tabs(lc: LandscapeController, pins, inputs, batch):
                     "projection is not the real location.")
         go_btn.click(batch(lc.compute), [pins, plane, task_a, task_b, three, metric, task, grid, view, paths, *inputs],
                      [state, plot], **BATCH_EVENT, api_visibility="private")
+        for choice in (metric, task, view):  # what the surface already holds: redrawn at once
+            choice.change(batch(lc.restyle), [state, metric, task, view, *inputs], [state, plot], **BATCH_EVENT,
+                          api_visibility="private")
         # A plot redrawn while its tab is hidden (the live marker follows the Merge tab's moves) is
         # laid out at a default width; a resize once the tab shows lays it out again at the tab's.
         landscape_tab.select(None, None, None, js=RELAYOUT_JS)
