@@ -267,7 +267,7 @@ def cmd_tune(args) -> int:
     cluster = _cluster(args, session.pool)
     on_result, known = _recording(args, session, counts, cluster)
     if args.weights:
-        from merger.evaluation.tuning import tune_weights
+        from merger.evaluation.tuning import tune_weights, weight_range
 
         with progress_bar("weight search") as update:
             out = tune_weights(session, methods.get(args.weights).name, None, experts, args.budget, args.seed,
@@ -276,6 +276,10 @@ def cmd_tune(args) -> int:
               f"{100 * out['test_accuracy']:.1f} % after {out['trials']} trials (seed {out['seed']})"
               + (f" on {args.workers} Ray workers ({args.ray})" if cluster else "")
               + f"; {counts['evaluated']} evaluated, {counts['reused']} from the history")
+        # every weight, those left at 1 too (the label names only the others)
+        print("weights: " + ", ".join(f"{e}={w:g}" for e, w in out["task_weights"].items()))
+        if out["at_edge"]:
+            print(f"{', '.join(out['at_edge'])} at an end of the search range {weight_range()}: the best may lie beyond it")
         return 0
     with progress_bar("tune") as update:
         rows = auto_tune(session, _methods(args), experts, update, cluster=cluster, on_result=on_result, known=known)

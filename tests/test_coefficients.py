@@ -236,5 +236,6 @@ def test_weight_search_is_deterministic_for_a_seed(session):
     assert runs[0]["history"] == runs[1]["history"] and runs[0]["task_weights"] == runs[1]["task_weights"]
     assert runs[0]["task_weights"] != runs[2]["task_weights"]
     assert runs[0]["val_accuracy"] == max(runs[0]["history"]) and runs[0]["trials"] == 6
+    assert runs[0]["at_edge"] == [e for e, w in runs[0]["task_weights"].items() if w in (0.0, 2.0)]
     best = session.preview(runs[0]["spec"], "test")
     assert runs[0]["test_accuracy"] == best.average_accuracy

@@ -202,3 +202,9 @@ def test_tradeoffs_tab_views(ctl):
     experts, method, *rest = [u.get("value") for u in updates]
     assert ctl.spec_from_controls(experts, method, *rest).rounded() == tuned.rounded()
     assert all(v == round(v, 2) for v in rest[-len(ctl.weight_experts + ctl.weight_blocks):])  # no 1.9000000000000001
+    # around the current merge: its block weights stay in every trial and in what Load sets (once 1)
+    blocked = with_weights(ctl, controls(ctl, lam=0.4), blocks={"projection": 0.5})
+    _, msg, tuned = tab.tune(person(), 2, 0, False, False, *blocked, progress=lambda *x, **k: None)
+    assert dict(tuned.block_weights) == {"projection": 0.5} and "b[projection=0.5]" in msg
+    experts, method, *rest = [u.get("value") for u in tab.load(tuned, *blocked)]
+    assert dict(ctl.spec_from_controls(experts, method, *rest).block_weights) == {"projection": 0.5}

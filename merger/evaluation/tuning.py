@@ -218,14 +218,21 @@ def _sweep_num_tasks(session, method, params, subsets, split, seed, progress) ->
 WEIGHT_SEARCH = (0.0, 2.0, 0.05)  # each wₜ searched in [0, 2] on the weight sliders' step
 
 
+def weight_range() -> str:
+    lo, hi, _ = WEIGHT_SEARCH
+    return f"[{lo:g}, {hi:g}]"
+
+
 def tune_weights(session, method: str, params: dict | None = None, experts=None, budget: int = 100, seed: int = 0,
                  with_lam: bool = False, progress: Progress = None, cancel=None, *, cluster=None,
-                 on_result=None, known=None) -> dict:
+                 on_result=None, known=None, block_weights: dict | None = None) -> dict:
     """Per-task weights (and λ, when ``with_lam``) that maximise the average validation accuracy:
     Optuna's TPE sampler, seeded (the same seed gives the same trials), ``budget`` evaluations;
-    the best on the test split. Batch work: a chunk per trial, waiting moves go first. A resumed
-    search (``known``) replays the seeded study: the trials it already answered are read back, so it
-    asks the same ones again and evaluates only past where it stopped."""
+    the best on the test split. ``block_weights`` stay as given in every trial (the merge the search
+    starts from). Batch work: a chunk per trial, waiting moves go first. A resumed search
+    (``known``) replays the seeded study: the trials it already answered are read back, so it asks
+    the same ones again and evaluates only past where it stopped. ``at_edge``: the weights found at
+    an end of the search range, where the best may lie beyond it."""
     import optuna
 
     from merger.errors import Cancelled
@@ -239,7 +246,8 @@ def tune_weights(session, method: str, params: dict | None = None, experts=None,
         raise MergerError(f"budget: {budget} evaluations; give 1 to {MAX_GRID_POINTS}")
     if not 0 <= int(seed) < 2**32:  # Optuna's sampler would refuse it with its own words, mid-job
         raise MergerError(f"seed: {seed} is outside [0, 2^32 − 1]")
-    chosen = session.spec(m.name, experts=experts, **(params or {}))
+    chosen = session.spec(m.name, experts=experts, block_weights=block_weights or None, **(params or {}))
+    blocks = dict(chosen.block_weights) or None
     lo, hi, step = WEIGHT_SEARCH
     lam_lo, lam_hi = (min(m.tune_grid["lam"]), max(m.tune_grid["lam"])) if with_lam else (None, None)
     history = []
@@ -249,7 +257,7 @@ def tune_weights(session, method: str, params: dict | None = None, experts=None,
         kw = dict(chosen.kwargs)
         if with_lam:
             kw["lam"] = trial.suggest_float("lam", lam_lo, lam_hi, step=0.05)
-        return session.spec(m.name, experts=list(chosen.experts), task_weights=weights, **kw)
+        return session.spec(m.name, experts=list(chosen.experts), task_weights=weights, block_weights=blocks, **kw)
 
     def scored(spec, result):
         acc = result.average_accuracy
@@ -283,7 +291,8 @@ def tune_weights(session, method: str, params: dict | None = None, experts=None,
         best = dict(study.best_params)
         lam = best.pop("lam", None)
         kw = {**chosen.kwargs, **({"lam": lam} if lam is not None else {})}
-        spec = session.spec(m.name, experts=list(chosen.experts), task_weights=best, **kw)
+        spec = session.spec(m.name, experts=list(chosen.experts), task_weights=best, block_weights=blocks, **kw)
         test = evaluate_all(session, [(spec, "test")], cluster=cluster, on_result=on_result, known=known)[0]
+    at_edge = [e for e in chosen.experts if best[e] in (lo, hi)]
     return {"spec": spec, "task_weights": best, "val_accuracy": study.best_value, "test_accuracy": test.average_accuracy,
-            "test": test, "trials": len(study.trials), "history": history, "seed": int(seed)}
+            "test": test, "trials": len(study.trials), "history": history, "seed": int(seed), "at_edge": at_edge}

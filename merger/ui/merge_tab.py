@@ -235,6 +235,10 @@ class Controller(ControlPanel):
             pins.append(spec)
         return pins, self.pins_text(pins)
 
+    @classmethod
+    def clear_pins(cls):
+        return [], cls.pins_text([])
+
     @staticmethod
     def pins_text(pins) -> str:
         if not pins:
@@ -272,6 +276,7 @@ def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str
                 panel = build_coefficients_panel(ctl)
                 with gr.Row():
                     pin_btn = gr.Button("Pin", elem_id="pin")
+                    unpin_btn = gr.Button("Clear pins", elem_id="clear-pins")
                     export_btn = gr.Button("Export", elem_id="export")
                 with gr.Accordion(RUNS_LABEL, open=False):
                     with gr.Row():
@@ -313,6 +318,7 @@ def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str
         status_timer.tick(runs.still_under_way, run_status, [run_status, status_timer], queue=False,
                           api_visibility="private")
         pin_btn.click(events.pin, [pins, *inputs], [pins, pins_md], api_visibility="private")
+        unpin_btn.click(Controller.clear_pins, None, [pins, pins_md], queue=False, api_visibility="private")
         export_btn.click(batch(events.export), inputs, [files, export_msg], **BATCH_EVENT, api_visibility="private")
         wire_coefficients_panel(panel, ctl, events, experts, inputs, inputs)
     return {"experts": experts, "method": method, "controls": controls, "about": about, "pins": pins,

@@ -9,7 +9,7 @@ import gradio as gr
 from merger import methods, plots
 from merger.analysis import coefficients as co
 from merger.errors import Cancelled, MergerError
-from merger.evaluation.tuning import auto_tune, tune_weights
+from merger.evaluation.tuning import auto_tune, tune_weights, weight_range
 from merger.methods.adaptive import ADAMERGING_TASK
 from merger.methods.basic import TASK_ARITHMETIC
 from merger.ui.errors import notice
@@ -24,10 +24,14 @@ class TradeoffsTab:
         self._cancel = CancelFlags()
 
     def cancel(self, request: gr.Request):
-        if not self._cancel.cancel(session_of(request)):  # the status line keeps the finished job's summary
+        """Stops this page's trade-offs jobs (the map, turn one up, the weight search); each says so
+        in its own status line when it stops. The map's caption is not overwritten: the map it
+        describes may stay on screen (a Cancel meant for Turn one up)."""
+        if not self._cancel.cancel(session_of(request)):
             gr.Info("No trade-offs job in progress: nothing to cancel.")
-            return gr.skip()
-        return "Cancelling after the current evaluation…"
+        else:
+            gr.Info("Cancelling after the current evaluation…")
+        return gr.skip()
 
     def _spec(self, inputs):
         spec = self.ctl.spec_from_controls(*inputs)
@@ -99,7 +103,7 @@ class TradeoffsTab:
             tuned = tune_weights(session, spec.method, spec.kwargs, list(spec.experts), budget=int(budget),
                                  seed=int(seed), with_lam=bool(with_lam),
                                  progress=lambda f, m: progress(f, desc=m), cancel=flag.is_set,
-                                 cluster=self.ctl.cluster)
+                                 cluster=self.ctl.cluster, block_weights=dict(spec.block_weights))
             rows = [["TPE per-task weights" + (" + λ" if with_lam else ""),
                      ", ".join(f"{e}={w:g}" for e, w in tuned["task_weights"].items())
                      + (f"; λ={tuned['spec'].kwargs['lam']:g}" if with_lam else ""),
@@ -120,7 +124,9 @@ class TradeoffsTab:
         return (rows, f"Best of {tuned['trials']} TPE trials (seed {tuned['seed']}) on validation: "
                       f"`{tuned['spec'].label()}`; accuracies on the validation and test splits (the Merge tab "
                       f"shows the live split, a fixed subset of test). Press **Load into the sliders** to drag from "
-                      f"there.", tuned["spec"])
+                      f"there." + (f"\n\n⚠️ {', '.join(tuned['at_edge'])} at an end of the search range "
+                                   f"{weight_range()}: the best may lie beyond it." if tuned["at_edge"] else ""),
+                tuned["spec"])
 
     def load(self, tuned, experts, method, *values):
         if tuned is None:
