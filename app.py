@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     import torch
 
     import merger
+    from merger.cli_jobs import new_folders
     from merger.io.history import History
     from merger.ui import build_app
 
@@ -75,6 +76,7 @@ def main(argv=None) -> int:
         missing = [r for r in roots if not os.path.isdir(os.path.expanduser(r))]
         if missing:  # a typo would leave the files meant to be read refused, with no hint why
             raise merger.MergerError(f"--roots: {', '.join(missing)}: not a folder")
+        new_folders(args, ("history",))
         history = History(args.history) if args.history else None  # named before the pool's minutes
         pool = merger.open_pool(args.pool, device=args.device, roots=roots)
         session = merger.PoolSession(pool)

@@ -3,6 +3,7 @@ Both go through the pool's session, so the API shares the app's caches."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
@@ -62,6 +63,15 @@ def _state_dict(value, where: str) -> tuple[Mapping[str, torch.Tensor], tuple, s
     return value, (), where
 
 
+def _names(experts: Sequence) -> list[str]:
+    """The names of a list of experts (what ``experts=`` and ``task_weights`` take): their file
+    names without the suffix where each is a path and those differ, else expert_1, expert_2, …"""
+    stems = [Path(e).stem if isinstance(e, (str, os.PathLike)) else None for e in experts]
+    if all(stems) and len(set(stems)) == len(stems):
+        return stems
+    return [f"expert_{i + 1}" for i in range(len(experts))]
+
+
 def merge_state_dicts(
     base_sd: Mapping[str, torch.Tensor],
     expert_sds: Sequence[Mapping[str, torch.Tensor]] | Mapping[str, Mapping[str, torch.Tensor]],
@@ -74,14 +84,17 @@ def merge_state_dicts(
     **params,
 ) -> dict[str, torch.Tensor]:
     """Merge plain state dicts (experts as a list, or a dict task -> state dict; each may be a
-    checkpoint path, read as a pool reads its experts); weights as in ``merge``."""
+    checkpoint path, read as a pool reads its experts); weights as in ``merge``, by the experts'
+    names: the dict's keys, a list's file names without the suffix (shape.safetensors → shape), or
+    expert_1, expert_2, … for state dicts."""
     if isinstance(expert_sds, (str, os.PathLike)):
         raise MergerError("merge_state_dicts: experts: expected a list (or dict) of state dicts or checkpoint "
                           "paths, got one path")
     if isinstance(expert_sds, Mapping):
         named = {str(k): _state_dict(v, f"experts.{k}") for k, v in expert_sds.items()}
     else:
-        named = {f"expert_{i + 1}": _state_dict(sd, f"experts[{i}]") for i, sd in enumerate(expert_sds)}
+        expert_sds = list(expert_sds)
+        named = {name: _state_dict(sd, f"experts[{i}]") for i, (name, sd) in enumerate(zip(_names(expert_sds), expert_sds))}
     base_sd = _state_dict(base_sd, "base")[0]
     if not named:
         raise MergerError("no experts: merging needs at least one expert")

@@ -9,8 +9,8 @@ import sys
 import threading
 
 from merger import methods
-from merger.cli_jobs import (Parser, add_job_args, add_job_commands, cmd_landscape, positive_int, progress_bar,
-                             user_password)
+from merger.cli_jobs import (POOL_HELP, Parser, add_job_args, add_job_commands, cmd_landscape, new_folders,
+                             positive_int, progress_bar, user_password)
 from merger.errors import MergerError
 from merger.methods import PARAM_NAMES
 
@@ -30,13 +30,15 @@ def _flag(name: str) -> str:
 
 def add_method_args(p: argparse.ArgumentParser) -> None:
     """Method and parameter flags, generated from the registry."""
-    p.add_argument("--method", help=f"one of: {', '.join(methods.names())}")
+    aliases = ", ".join(f"{a}={m.name}" for m in methods.all_methods() for a in m.aliases)
+    p.add_argument("--method", help=f"one of: {', '.join(methods.names())}; or an alias ({aliases}); '-' for '_'")
     for name in PARAM_NAMES:
         users = [m for m in methods.all_methods() if name in m.param_names]
         if not users:
             continue
         rec = users[0].param(name)
-        # Values stay strings here so the registry gives the one error message for bad numbers.
+        # Values stay strings here (read as numbers in method_params) so the registry gives the one
+        # error message for bad numbers.
         p.add_argument(_flag(name), dest=name, default=None,
                        help=f"{rec.help}; range {rec.range_text()}; used by {', '.join(m.name for m in users)}")
     p.add_argument("--experts", default=None, help="comma-separated task names (default: all)")
@@ -49,7 +51,18 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
 
 
 def method_params(args) -> dict:
-    return {n: getattr(args, n) for n in PARAM_NAMES if getattr(args, n, None) is not None}
+    """The parameter flags given, a number read as one (a refusal then says lam=5, as the API and
+    the endpoint do, not lam='5'); other text ("auto", a typo) as typed, for the method's check."""
+    return {n: _number(getattr(args, n)) for n in PARAM_NAMES if getattr(args, n, None) is not None}
+
+
+def _number(text):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except (TypeError, ValueError):
+            pass
+    return text
 
 
 def weights_args(args, record: dict | None = None) -> dict:
@@ -266,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_merge)
 
     p = sub.add_parser("eval", help="merge and evaluate per task")
-    p.add_argument("--pool", default="demo", help='pool YAML (or "demo")')
+    p.add_argument("--pool", default="demo", help=POOL_HELP)
     add_method_args(p)
     p.add_argument("--split", default="test", help="test (default), train, val, live or probe")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -283,12 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("landscape", help="loss/accuracy surface on a plane, as standalone HTML + JSON grid")
     add_job_args(p, history=False)
-    p.add_argument("--plane", default="pca", help="pca (of --points), tasks (base + two task vectors), points (three)")
+    p.add_argument("--plane", default="pca", help="pca (default: of --points), tasks (base + two task vectors), "
+                                                   "points (three)")
     p.add_argument("--points", default="base,experts",
                    help="comma list: base, experts, a task, file:PATH (relative to this folder), METHOD:param=value "
-                        "(ta = task_arithmetic)")
+                        "(ta = task_arithmetic); default base,experts")
     p.add_argument("--tasks", default=None, help="the two tasks of --plane tasks")
-    p.add_argument("--grid", type=positive_int, default=21)
+    p.add_argument("--grid", type=positive_int, default=21, help="points per side of the grid (default 21)")
     p.add_argument("--metric", default="loss", choices=["loss", "accuracy"])
     p.add_argument("--task", default=None, help="one task's metric (default: mean over tasks)")
     p.add_argument("--split", default="probe", help="probe (default: 48 test images per task), live, val, test or train")
@@ -304,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "bf16 (task vectors stored in bf16 against fp32), methods (every method "
                                       "tuned on validation, on test, with its prepare and move times)")
     p.add_argument("what", choices=["adaptive", "phenomena", "layout", "coefficients", "linear", "bf16", "methods"])
-    p.add_argument("--pool", default="demo")
+    p.add_argument("--pool", default="demo", help=POOL_HELP)
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("cache", help="the disk cache of prepared methods and task vectors: info (entries, size, "
@@ -313,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_cache)
 
     p = sub.add_parser("screenshot", help="start the app, drag λ in Chromium, save a screenshot of the Merge tab")
-    p.add_argument("--pool", default="demo")
+    p.add_argument("--pool", default="demo", help=POOL_HELP)
     p.add_argument("--out", default="assets/screenshot-merge.png")
     p.set_defaults(func=cmd_screenshot)
 
@@ -334,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=positive_int, default=None,
                    help="load (20) / workshop (10): concurrent clients")
     p.add_argument("--arch", default="ViT-B-32")
-    p.add_argument("--pool", default="demo")
+    p.add_argument("--pool", default="demo", help=POOL_HELP)
     p.add_argument("--experts", type=positive_int, default=8)
     p.add_argument("--tv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="merge/scale: task-vector storage (auto: bf16 above 1 GB in fp32)")
@@ -353,14 +367,19 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, unwound like an interrupt (exit 143 rather than 130)."""
+
+
 def _terminated(signum, frame):
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success; 2 and one line on stderr for bad input (a MergerError names the file,
-    key or parameter); 1 and one line for an operation that failed (a disk, a signal, a bug).
-    ``--debug`` shows the traceback instead."""
+    key or parameter); 1 and one line for an operation that failed (a disk, a bug); 130 for Ctrl+C
+    and 143 for SIGTERM, as a shell counts them (one line: interrupted); 141, quietly, when the
+    reader of the output went away (``| head``). ``--debug`` shows the traceback instead."""
     args = build_parser().parse_args(argv)
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -375,15 +394,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args) -> int:
     try:
+        new_folders(args)
         return args.func(args)
     except MergerError as exc:
         if args.debug:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("error: interrupted", file=sys.stderr)
-        return 1
+        return 143 if isinstance(exc, Terminated) else 130
+    except BrokenPipeError:
+        # the reader stopped reading (`| head`): no message; stdout goes to devnull so the
+        # interpreter's last flush at exit does not raise it again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as exc:  # noqa: BLE001  anything else is a failed operation, said in one line
         if args.debug:
             raise

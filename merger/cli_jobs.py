@@ -31,6 +31,18 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
 
 
+def new_folders(args, flags=("out", "history")) -> None:
+    """Say which folder a file flag will create (a typo in a path otherwise makes a folder tree
+    unseen): one line on stderr per flag whose folder does not exist yet."""
+    for flag in flags:
+        value = getattr(args, flag, None)
+        if value:
+            folder = Path(value).expanduser().parent
+            if not folder.exists():
+                print(f"note: --{flag} {value}: the folder {folder} does not exist; it is created when the file is "
+                      "written", file=sys.stderr)
+
+
 def positive_int(text: str, least: int = 1) -> int:
     """An argparse type: a whole number ≥ ``least`` (1: a count of clients, moves, repeats, grid points)."""
     try:
@@ -75,8 +87,11 @@ def progress_bar(desc: str):
             bar.close()
 
 
+POOL_HELP = 'pool YAML, or "demo" (the default: the built-in demo pool)'
+
+
 def add_job_args(p, history: bool = True) -> None:
-    p.add_argument("--pool", default="demo")
+    p.add_argument("--pool", default="demo", help=POOL_HELP)
     p.add_argument("--ray", default=None, metavar="auto|local|ADDRESS",
                    help="run on a Ray cluster: auto (the one this machine belongs to), local (start one here), "
                         "or host:port / ray://host:port; absent: run here")

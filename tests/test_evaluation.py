@@ -180,6 +180,20 @@ def test_class_with_no_images(tmp_path):
         merger.Evaluator(pool).evaluate(None, "live")
 
 
+def test_a_class_list_shorter_than_the_data_names_the_pool_file_and_key(tmp_path):
+    path = write_pool(tmp_path, n_experts=2, demo_data=True)
+    task = {}
+
+    def one_class_fewer(spec):
+        task["name"] = t = next(iter(spec["tasks"]))
+        spec["tasks"][t]["classes"].pop()
+
+    pool = _edit(path, one_class_fewer)
+    with pytest.raises(DataError, match=f"^{pool.source}: tasks.{task['name']}.classes: .* names, but the live split "
+                                        "of its data has labels .*: name every class of the data, in label order"):
+        merger.Evaluator(pool).evaluate(None, "live")
+
+
 def _with_domain(spec, task, domain):
     # the tasks share one YAML data entry (an alias): give this task its own
     spec["tasks"][task]["data"] = {"demo": {**spec["tasks"][task]["data"]["demo"], "domain": domain}}

@@ -94,7 +94,7 @@ def test_a_refused_landscape_keeps_the_one_shown_and_3d_markers_keep_their_shape
     from merger.ui.landscape_tab import LandscapeController
 
     lc = LandscapeController(ctl)
-    with pytest.warns(UserWarning, match="landscape point 'nosuch': not a task or a method: 'nosuch'; A point is base"):
+    with pytest.warns(UserWarning, match="landscape point 'nosuch': not a task or a method: 'nosuch'; a point is base"):
         frames = list(lc.compute([], "points", None, None, "base, nosuch, ta:lam=0.3", "loss", "all tasks (mean)", 5,
                                  "contour", [], *controls(ctl), progress=lambda *a, **k: None))
     assert frames == [(gr.skip(), gr.skip())]

@@ -119,7 +119,7 @@ def test_a_point_that_names_nothing_and_a_repeated_point_are_refused_by_name(lan
 
     task = land.pool.tasks[0]
     with pytest.raises(MergerError, match=f"landscape point 'nosuchtask': not a task or a method: 'nosuchtask'; "
-                                          f"A point is base, a task \\({task}, "):
+                                          f"a point is base, a task \\({task}, "):
         land.named_points(["base", "nosuchtask", task])
     typo = task[:-1] + "x" + task[-1]  # one letter in: the task is suggested
     with pytest.raises(MergerError, match=f"landscape point '{typo}': .*; did you mean '{task}'\\? A point is base"):

@@ -138,8 +138,9 @@ def test_a_sweep_shows_the_values_it_computed(pool_path, capsys):
     printout say 0.35 (they said 0.333 beside 0.35's numbers); two values on one step are one point."""
     assert cli_main(["sweep", "--pool", str(pool_path), "--methods", "ta", "--axis", "lam", "--values", "0.333,0.34,0.5",
                  "--split", "live", "--history", ""]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "computed on the sliders' steps: lam=0.333 at 0.35, lam=0.34 at 0.35" in out
+    assert "task_arithmetic(lam=0.35)" in err and "lam=0.333" not in err  # the progress bar names what it computed
     assert re.search(r"task_arithmetic: 0\.35→[0-9.]+  0\.5→[0-9.]+\n", out) and "0.333→" not in out
 
 
@@ -237,7 +238,7 @@ def test_a_killed_build_leaves_no_half_built_folder(tmp_path):
     assert any(p.name.startswith(".demo.tmp-") for p in tmp_path.iterdir())  # the build is under way
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and "error: interrupted" in err
+    assert proc.returncode == 143 and "error: interrupted" in err  # 128 + SIGTERM, as a shell counts it
     assert list(tmp_path.iterdir()) == []
 
 
@@ -329,3 +330,26 @@ def test_the_merged_keys_alone_are_evaluated_and_the_history_filter_takes_the_ta
     assert shown == ", ".join(pool.tasks) and len(tab.history_rows("", shown)) == 2  # pasted back from the table
     for pasted in (rows[0][3], f" {rows[0][3]} ", "TIES-merging", "ties"):  # a params cell, a shown method name
         assert [r[2] for r in tab.history_rows("", pasted)] == ["ties"], pasted
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
+    """`python -m merger eval … | head -1`: the pipe closes before the command prints; it once
+    said "error: eval failed: BrokenPipeError" and exited 1."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    proc = subprocess.run([sys.executable, "-m", "merger", "methods"], stdout=write, stderr=subprocess.PIPE,
+                          text=True, timeout=120)
+    os.close(write)
+    assert proc.returncode == 141 and proc.stderr == ""  # 128 + SIGPIPE, as a shell counts it
+
+
+def test_an_output_in_a_folder_that_does_not_exist_says_it_creates_it(pool_path, tmp_path, capsys):
+    """A typo in --out made a folder tree unseen (`/nonexistent/dir/x.safetensors`)."""
+    out = tmp_path / "new" / "dir" / "x.safetensors"
+    assert cli_main(["merge", "--pool", str(pool_path), "--method", "ta", "--out", str(out)]) == 0
+    assert f"note: --out {out}: the folder {out.parent} does not exist; it is created" in capsys.readouterr().err
+    assert out.is_file()
+    assert cli_main(["merge", "--pool", str(pool_path), "--method", "ta", "--out", str(out)]) == 0
+    assert "note:" not in capsys.readouterr().err  # it exists now

@@ -127,6 +127,12 @@ def test_merge_state_dicts_reads_the_files_a_pool_reads(mixed_pool):
     merged = merger.merge_state_dicts(root / "base.safetensors", files, "task_arithmetic", lam=0.4)
     expected = merger.merge(pool, "task_arithmetic", lam=0.4)
     assert all(torch.allclose(merged[k], expected[k], atol=1e-6) for k in expected)
+    # the experts go by their file names (they were expert_1, expert_2, …): weights and subsets by them
+    weighted = merger.merge_state_dicts(root / "base.safetensors", files, "task_arithmetic", lam=0.4,
+                                        task_weights={"tower": 0.5}, experts=["hf_expert", "tower"])
+    expected = merger.merge(pool, "task_arithmetic", lam=0.4, task_weights={pool.tasks[1]: 0.5},
+                            experts=pool.tasks[:2])
+    assert all(torch.allclose(weighted[k], expected[k], atol=1e-6) for k in expected)
     other = dict(CONFIG, vision_cfg=dict(CONFIG["vision_cfg"], patch_size=16))
     save_safetensors(open_clip().CLIP(**other).state_dict(), root / "b16.safetensors")
     with pytest.raises(CheckpointError, match=r"b16.safetensors \(experts\[1\]\): does not match the base"):

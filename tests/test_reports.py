@@ -60,3 +60,13 @@ def test_methods_report_tunes_on_validation_and_times_each_method(pool):
     text = format_methods(rows, pool.tasks)
     assert "slerp*" in text and "task arithmetic tuned on the same experts" in text
     assert "beat task arithmetic" in text
+
+
+def test_the_adaptive_report_prints_each_methods_whole_settings():
+    from merger.tools.reports import format_adaptive
+
+    long = "adamerging_cart (init=1, lr=0.001, rank_ratio=0.08, samples=64, seed=0, steps=300, extra=1)"
+    text = format_adaptive([{"method": "task_arithmetic (lam=0.3)", "test": 0.8, "normalized": 0.9, "seconds": 1.0},
+                            {"method": long, "test": 0.85, "normalized": 0.95, "seconds": 60.0}])
+    row = text.splitlines()[2]
+    assert row.startswith(long + " ") and row.split()[-3:] == ["85.0", "95.0", "60.0"]  # it was cut at 77 characters

@@ -206,7 +206,8 @@ class TaskDataStore:
         if labels.numel() == 0:
             raise DataError(f"task '{task}': the {split} split has no images")
         if int(labels.min()) < 0 or int(labels.max()) >= n_classes:
-            raise DataError(f"task '{task}': labels outside 0..{n_classes - 1} in the {split} split")
+            raise DataError(f"tasks.{task}.classes: {n_classes} names, but the {split} split of its data has labels "
+                            f"{int(labels.min())}..{int(labels.max())}: name every class of the data, in label order")
         if split in ("train", "test"):
             self._check_classes(task, split, labels)
 
@@ -215,7 +216,8 @@ class TaskDataStore:
         counts = torch.bincount(labels.clamp(0, n_classes - 1), minlength=n_classes)
         empty = [self.classes(task)[i] for i in range(n_classes) if counts[i] == 0]
         if empty:
-            raise DataError(f"task '{task}': class(es) {', '.join(empty)} have no images in the {split} split{note}")
+            raise DataError(f"tasks.{task}.classes: class(es) {', '.join(empty)} have no images in the {split} split"
+                            f"{note}: a class the data lacks, or more names than the data has classes")
 
 
 def preprocess(images: torch.Tensor, cfg: Mapping) -> torch.Tensor:

@@ -58,7 +58,9 @@ def check_export_target(pool, out: str | Path) -> tuple[Path, Path]:
     reads: said before any merge (a data-driven one learns for minutes first)."""
     out = inputs.check_path(out, "--out", MergerError).expanduser()
     if out.suffix != ".safetensors":
-        raise MergerError(f"{out}: the output must end in .safetensors")
+        folder = " is a folder, and" if out.is_dir() else ""  # a folder given for the file: said so first
+        raise MergerError(f"{out}:{folder} the output must end in .safetensors"
+                          + (f" (e.g. {out / 'merged.safetensors'})" if folder else ""))
     yaml_path, keep = spec_path_for(out), tuple(pool.input_files())
     for path, what in ((out, "--out"), (yaml_path, "--out (its spec beside it)")):
         inputs.check_output_file(path, what, MergerError, keep=keep)

@@ -226,8 +226,8 @@ class Landscape:
                                 difflib.get_close_matches(method, methods.names(), n=1, cutoff=0.6)])
                     what = "not a task, and no method is called" if assignments else "not a task or a method:"
                     raise MergerError(f"landscape point '{name}': {what} '{method}'; "
-                                      + (f"did you mean '{near[0]}'? " if near else "")
-                                      + f"A point is base, a task ({', '.join(self.pool.tasks)}), file:PATH, or a "
+                                      + (f"did you mean '{near[0]}'? A" if near else "a")
+                                      + f" point is base, a task ({', '.join(self.pool.tasks)}), file:PATH, or a "
                                       f"method as METHOD:param=value (e.g. ties:lam=0.5)") from None
                 params = {}
                 for a in assignments:

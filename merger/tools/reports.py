@@ -110,9 +110,10 @@ def adaptive_numbers(pool, progress=print) -> list[dict]:
 
 
 def format_adaptive(rows: list[dict]) -> str:
-    lines = [f"{'method (parameters)':<78}{'test acc %':>11}{'normalised %':>14}{'wall s':>8}"]
+    width = max([19] + [len(r["method"]) for r in rows]) + 1  # the whole label: it was cut mid-word at 77
+    lines = [f"{'method (parameters)':<{width}}{'test acc %':>11}{'normalised %':>14}{'wall s':>8}"]
     for r in rows:
-        lines.append(f"{r['method'][:77]:<78}{100 * r['test']:11.1f}{100 * r['normalized']:14.1f}{r['seconds']:8.1f}")
+        lines.append(f"{r['method']:<{width}}{100 * r['test']:11.1f}{100 * r['normalized']:14.1f}{r['seconds']:8.1f}")
     ta = rows[0]["test"]
     lines.append("")
     for r in rows[1:]:
