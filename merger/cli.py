@@ -11,6 +11,7 @@ import threading
 from merger import methods
 from merger.cli_jobs import (POOL_HELP, Parser, add_job_args, add_job_commands, cmd_landscape, new_folders,
                              positive_int, progress_bar, user_password)
+from merger.cli_tools import cmd_bench, cmd_cache, cmd_report, cmd_screenshot
 from merger.errors import MergerError
 from merger.methods import PARAM_NAMES
 
@@ -168,98 +169,6 @@ def cmd_demo(args) -> int:
     with progress_bar("demo report") as update:
         numbers = demo_numbers(open_pool(args.pool), split=args.split, progress=update)
     print(format_demo_report(numbers))
-    return 0
-
-
-def cmd_report(args) -> int:
-    if args.what == "layout":
-        from merger.tools.layout import format_layout, read_layout
-
-        layout = read_layout()
-        print(format_layout(layout))
-        clean = not (layout.cycles() or layout.engine_imports_of_front_ends() or layout.method_name_literals())
-        return 0 if clean else 1
-    from merger.pool.pool import open_pool
-    from merger.tools.reports import adaptive_numbers, format_adaptive
-
-    pool = open_pool(args.pool)
-    if args.what == "adaptive":
-        print("data-driven merges on the test split (coefficients learned on the validation split)")
-        print(format_adaptive(adaptive_numbers(pool)))
-        return 0
-    if args.what == "coefficients":
-        from merger.tools.report_coefficients import report_coefficients
-
-        text, ok = report_coefficients(pool)
-        print(text)
-        return 0 if ok else 1
-    if args.what == "bf16":
-        from merger.tools.report_bf16 import bf16_rows, format_bf16
-
-        print(format_bf16(bf16_rows(args.pool)))
-        return 0
-    if args.what == "methods":
-        from merger.tools.report_methods import format_methods, method_rows
-
-        print(format_methods(method_rows(pool), pool.tasks))
-        return 0
-    if args.what == "linear":
-        from merger.tools.report_linear import report_linear
-
-        print(report_linear(pool))
-        return 0
-    from merger.tools.phenomena import format_phenomena, phenomena
-
-    print(format_phenomena(phenomena(pool)))
-    return 0
-
-
-def cmd_screenshot(args) -> int:
-    from merger.tools.browser import browser_missing, screenshot
-
-    missing = browser_missing()
-    if missing:
-        raise MergerError(f"screenshot: {missing}")
-    shown = screenshot(args.pool, os.path.expanduser(args.out))
-    line = next((x for x in shown["text"].splitlines() if "Average accuracy" in x), "")
-    print(f"wrote {args.out}: {line}")
-    return 0
-
-
-def cmd_bench(args) -> int:
-    from merger.tools import bench
-
-    args.moves_given = args.moves is not None
-    args.moves = args.moves if args.moves is not None else 30
-    return bench.run(args.what, args)
-
-
-def cmd_cache(args) -> int:
-    from merger.evaluation.evaluator import heads_cache_dir
-    from merger.io.disk_cache import DiskCache
-
-    cache = DiskCache()
-    heads_dir = heads_cache_dir()
-    heads = sorted(heads_dir.glob("*.safetensors")) if heads_dir.is_dir() else []
-    if args.action == "clear":
-        for path in heads:  # rebuilt from the text tower on the next open (cached whether or not the rest is)
-            path.unlink(missing_ok=True)
-        print(f"{heads_dir}: removed {len(heads)} zero-shot heads")
-    if not cache.enabled:
-        print("the disk cache of prepared methods is off (MERGER_DISK_CACHE=off)")
-        return 0
-    if args.action == "clear":
-        n, size = cache.clear()
-        print(f"{cache.root}: removed {n} entries ({size / 2**30:.2f} GB) and the remembered file hashes")
-        return 0
-    entries = cache.entries()
-    total = sum(e["bytes"] for e in entries)
-    print(f"{cache.root}: {len(entries)} entries, {total / 2**30:.2f} GB of a {cache.cap / 2**30:.1f} GB cap "
-          "(MERGER_CACHE_GB); least recently used first")
-    print(f"{heads_dir}: {len(heads)} zero-shot heads, {sum(p.stat().st_size for p in heads) / 2**20:.1f} MB "
-          "(keyed by text tower, classes, templates and tokenizer; not capped)")
-    for e in entries:
-        print(f"  {e['bytes'] / 2**20:9.1f} MB  {e['path'].name[:16]}  {cache.describe(e['path'])}")
     return 0
 
 

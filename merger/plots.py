@@ -83,8 +83,10 @@ def radar(results: Mapping[str, object], title: str = "Normalised accuracy (merg
                                       opacity=0.55, line=dict(color=PALETTE[i % len(PALETTE)])))
     # the radial axis half-way between the first two tasks, its tick labels off the first task's name
     half_step = 180.0 / max(1, len(tasks)) if results else 0.0
+    # two small ticks (50 %, and 100 %: the expert's own accuracy): six piled onto the first task's name
     return _figure(traces, title=title, height=380,
-                   polar=dict(radialaxis=dict(range=[0, top], ticksuffix="%", angle=half_step, tickangle=half_step)))
+                   polar=dict(radialaxis=dict(range=[0, top], ticksuffix="%", angle=half_step, tickangle=half_step,
+                                              tickvals=[50, 100], tickfont=dict(size=9, color="#666"))))
 
 
 def grouped_bars(results: Mapping[str, object], title: str = "Pinned merges: accuracy per task") -> go.Figure:

@@ -113,7 +113,7 @@ def test_the_apps_sweep_runs_on_the_cluster_and_fills_the_history(pool, cluster,
     from merger.ui.merge_tab import Controller
 
     ctl = Controller(merger.PoolSession(pool), History(tmp_path / "h.sqlite"), cluster)
-    CompareTab(ctl).sweep("lam", ["task_arithmetic"], "live", None, progress=lambda *a, **k: None)
+    CompareTab(ctl).sweep(None, "lam", ["task_arithmetic"], "live", None, progress=lambda *a, **k: None)
     rows = ctl.history.rows(limit=100)
     lams = merger.methods.get("task_arithmetic").param("lam").sweep
     assert sorted(json.loads(r["params"])["lam"] for r in rows) == sorted(lams)

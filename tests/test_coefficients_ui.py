@@ -192,6 +192,8 @@ def test_tradeoffs_tab_views(ctl):
     assert (table, kept) == (gr.skip(), gr.skip()) and msg == "⚠️ evaluations (budget): empty or not a number"
     _, msg, _ = tab.tune(person(), 4, 2**40, False, False, *inputs, progress=lambda *x, **k: None)
     assert msg == "⚠️ seed: 1099511627776 is outside [0, 2^32 − 1]"  # not Optuna's words, mid-job
+    _, msg, _ = tab.tune(person(), 500, 0, False, False, *inputs, progress=lambda *x, **k: None)
+    assert msg == "⚠️ evaluations (budget): 500 is outside [1, 400]"  # here, not a toast beside an older line
     table, msg, kept = tab.tune(person(), 2.5, 0, False, False, *inputs, progress=lambda *x, **k: None)
     assert (table, kept) == (gr.skip(), gr.skip()) and msg == "⚠️ evaluations (budget): 2.5 is not a whole number"
     rows, msg, tuned = tab.tune(person(), 4, 0, False, False, *inputs, progress=lambda *x, **k: None)

@@ -68,9 +68,9 @@ def test_one_unavailable_trajectory_does_not_fail_the_plot_and_a_task_can_be_pic
 
 
 def test_sweeps_say_which_methods_they_skipped(ctl):
-    fig = CompareTab(ctl).sweep("sparsity", ["ties", "cart"], "live", None, progress=lambda *a, **k: None)
+    fig = CompareTab(ctl).sweep(None, "sparsity", ["ties", "cart"], "live", None, progress=lambda *a, **k: None)
     assert "not swept: cart (no sparsity)" in fig.layout.title.text
-    fig = CompareTab(ctl).sweep("rank_ratio", ["cart", "tsv_m"], "live", None, progress=lambda *a, **k: None)
+    fig = CompareTab(ctl).sweep(None, "rank_ratio", ["cart", "tsv_m"], "live", None, progress=lambda *a, **k: None)
     assert "tsv_m stops at rank ratio 0.333" in fig.layout.title.text
 
 
@@ -78,7 +78,7 @@ def test_3d_landscape_draws_the_trajectories_at_their_values(ctl):
     from merger.ui.landscape_tab import LandscapeController
 
     lc = LandscapeController(ctl)
-    *_, (state, fig) = lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 5, "surface",
+    *_, (state, fig) = lc.compute(None, [], "pca", None, None, "", "loss", "all tasks (mean)", 5, "surface",
                                   ["λ path (current method)"], *controls(ctl), progress=lambda *a, **k: None)
     path = next(t for t in fig.data if t.type == "scatter3d" and t.name == "task_arithmetic lam path")
     ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "task_arithmetic", lam=0.5), "probe")
@@ -95,10 +95,10 @@ def test_a_refused_landscape_keeps_the_one_shown_and_3d_markers_keep_their_shape
 
     lc = LandscapeController(ctl)
     with pytest.warns(UserWarning, match="landscape point 'nosuch': not a task or a method: 'nosuch'; a point is base"):
-        frames = list(lc.compute([], "points", None, None, "base, nosuch, ta:lam=0.3", "loss", "all tasks (mean)", 5,
+        frames = list(lc.compute(None, [], "points", None, None, "base, nosuch, ta:lam=0.3", "loss", "all tasks (mean)", 5,
                                  "contour", [], *controls(ctl), progress=lambda *a, **k: None))
     assert frames == [(gr.skip(), gr.skip())]
-    *_, (_, fig) = lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 5, "surface", [], *controls(ctl),
+    *_, (_, fig) = lc.compute(None, [], "pca", None, None, "", "loss", "all tasks (mean)", 5, "surface", [], *controls(ctl),
                               progress=lambda *a, **k: None)
     symbols = {t.name: t.marker.symbol for t in fig.data if t.type == "scatter3d"}
     assert symbols == {"base": "square", **{t: "diamond" for t in ctl.pool.tasks}, "live merge": "x"}

@@ -23,7 +23,7 @@ def land_state(ctl):
     from merger.ui.landscape_tab import LandscapeController
 
     lc = LandscapeController(ctl)
-    *_, (state, _) = lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 7, "surface", [],
+    *_, (state, _) = lc.compute(None, [], "pca", None, None, "", "loss", "all tasks (mean)", 7, "surface", [],
                                 *controls(ctl, lam=0.3), progress=lambda *a, **k: None)
     return lc, state
 

@@ -187,7 +187,7 @@ def test_auto_tune_picks_the_best_on_validation(ctl, monkeypatch):
 
     ta = registry.get("task_arithmetic")
     monkeypatch.setitem(registry._REGISTRY, "task_arithmetic", dataclasses.replace(ta, tune_grid={"lam": (0.1, 0.5, 1.0)}))
-    table, bars, radar = CompareTab(ctl).auto_tune(["task_arithmetic"], ctl.pool.tasks, progress=lambda *a, **k: None)
+    table, bars, radar = CompareTab(ctl).auto_tune(None, ["task_arithmetic"], ctl.pool.tasks, progress=lambda *a, **k: None)
     ex = ctl.session
     vals = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "val").average_accuracy for lam in (0.1, 0.5, 1.0)}
     best = max(vals, key=vals.get)
@@ -207,22 +207,36 @@ def test_a_best_setting_at_the_edge_of_its_grid_is_named():
 
 
 def test_sweeps(ctl):
-    fig = CompareTab(ctl).sweep("lam", ["task_arithmetic", "ties"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
+    fig = CompareTab(ctl).sweep(None, "lam", ["task_arithmetic", "ties"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
     names = [t.name for t in fig.data]
     assert "task_arithmetic (average)" in names and "ties (average)" in names
     ta = next(t for t in fig.data if t.name == "task_arithmetic (average)")
     ex = ctl.session
     assert ta.y[3] == pytest.approx(100 * ex.preview(ex.spec("task_arithmetic", lam=ta.x[3])).average_accuracy)
-    fig = CompareTab(ctl).sweep("rank_ratio", ["task_arithmetic", "cart"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
+    fig = CompareTab(ctl).sweep(None, "rank_ratio", ["task_arithmetic", "cart"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
     assert [t.name for t in fig.data][0] == "cart (average)"
-    fig = CompareTab(ctl).sweep("tasks", ["task_arithmetic"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
+    fig = CompareTab(ctl).sweep(None, "tasks", ["task_arithmetic"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
     assert list(fig.data[0].x) == [1, 2, 3]
     # refused: a warning, and the plot shown stays (an error would put a badge over it)
     with pytest.warns(UserWarning, match="none of the ticked methods has sparsity"):
-        out = CompareTab(ctl).sweep("sparsity", ["cart"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
+        out = CompareTab(ctl).sweep(None, "sparsity", ["cart"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
     assert out == gr.skip()  # one output: the value itself (a 1-tuple would be that plot's value)
     with pytest.warns(UserWarning, match="tick at least one method to auto-tune"):
-        assert CompareTab(ctl).auto_tune([], ctl.pool.tasks, progress=lambda *a, **k: None) == (gr.skip(),) * 3
+        assert CompareTab(ctl).auto_tune(None, [], ctl.pool.tasks, progress=lambda *a, **k: None) == (gr.skip(),) * 3
+    # Cancel stops a sweep and an auto-tune at their next point; the plots shown stay
+    from types import SimpleNamespace
+
+    tab, me, reports = CompareTab(ctl), SimpleNamespace(session_hash="me"), []
+
+    def press_cancel(fraction, desc=""):
+        reports.append(fraction)
+        tab.cancel(me)
+
+    with pytest.warns(UserWarning, match=r"sweep cancelled at \d+ %; what it evaluated is kept"):
+        assert tab.sweep(me, "lam", ["ties"], "val", ctl.pool.tasks, progress=press_cancel) == gr.skip()
+    assert len(reports) == 1  # one point, then stopped (a sweep of ties' λ values on val: 16 points)
+    with pytest.warns(UserWarning, match=r"auto-tune cancelled at \d+ %"):
+        assert tab.auto_tune(me, ["ties"], ctl.pool.tasks, progress=press_cancel) == (gr.skip(),) * 3
     pin = ctl.session.spec("task_arithmetic", lam=0.3, experts=ctl.pool.tasks[:2])
     with pytest.warns(UserWarning, match="unknown split 'dev'"):
         assert CompareTab(ctl).compare([pin], "dev") == (gr.skip(),) * 3
@@ -313,7 +327,7 @@ def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
     from merger.ui.landscape_tab import LandscapeController
 
     lc = LandscapeController(ctl)
-    frames = list(lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 11, "contour",
+    frames = list(lc.compute(None, [], "pca", None, None, "", "loss", "all tasks (mean)", 11, "contour",
                              ["λ path (current method)"], *controls(ctl, lam=0.3), progress=lambda *a, **k: None))
     assert len(frames) == 2
     (coarse_state, _), (state, fig) = frames
@@ -335,12 +349,26 @@ def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
     pin = ctl.session.spec("task_arithmetic", lam=0.7)
     for three in ("base," + ctl.pool.tasks[0], "", f"base,base,{ctl.pool.tasks[0]}"):
         with pytest.warns(UserWarning, match="three points: .* type three, separated by commas"):
-            assert list(lc.compute([pin], "points", None, None, three, "loss", "all tasks (mean)", 5, "contour", [],
+            assert list(lc.compute(None, [pin], "points", None, None, three, "loss", "all tasks (mean)", 5, "contour", [],
                                    *controls(ctl), progress=lambda *a, **k: None)) == [(gr.skip(), gr.skip())]
+    # Cancel stops it at the next row; the landscape shown stays (the coarse one, here), and its points are cached
+    from types import SimpleNamespace
+
+    me = SimpleNamespace(session_hash="me")
+    with pytest.warns(UserWarning, match="landscape cancelled at row 2 of 11; the points computed are cached"):
+        frames = list(lc.compute(me, [], "tasks", ctl.pool.tasks[0], ctl.pool.tasks[1], "", "loss", "all tasks (mean)",
+                                 11, "contour", [], *controls(ctl), progress=lambda *a, **k: lc.cancel(me)))
+    assert len(frames) == 2 and frames[0][0]["surface"].xs and frames[1] == (gr.skip(), gr.skip())
+    # a PCA of many pinned merges: its title fits (plotly neither wraps nor cuts it: it ran off both edges)
+    pins = [ctl.session.spec("task_arithmetic", lam=x, task_weights={ctl.pool.tasks[0]: 0.35}) for x in (0.3, 0.5, 0.9)]
+    *_, (_, fig) = lc.compute(None, pins, "pca", None, None, "", "loss", "all tasks (mean)", 5, "contour", [],
+                              *controls(ctl), progress=lambda *a, **k: None)
+    title = fig.layout.title.text
+    assert len(title) <= 110 and title.endswith("… (probe split)") and title.startswith("mean loss on PCA of base")
     # a data-driven merge never run: drawn without its marker, and never run here unseen
     never_run = controls(ctl, "adamerging_task", steps=2, samples=5, seed=7)  # no other test runs it
     with pytest.warns(UserWarning, match=r"Not drawn: the live merge ★: no AdaMerging \(task-wise\) run"):
-        *_, (_, fig) = lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 5, "contour", [], *never_run,
+        *_, (_, fig) = lc.compute(None, [], "pca", None, None, "", "loss", "all tasks (mean)", 5, "contour", [], *never_run,
                                   progress=lambda *a, **k: None)
     assert not any(t.name == "live merge" for t in fig.data)
     assert ctl.session.cached_run(ctl.spec_from_controls(*never_run)) is None
@@ -375,7 +403,7 @@ def test_data_driven_run_from_the_merge_tab(ctl):
     assert last[0].startswith("✓") and any(t.name == "FW gap" for t in last[3].data)
     # the iterates are a trajectory on the landscape
     lc = LandscapeController(ctl)
-    frames = list(lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 5, "contour", [ITERATES],
+    frames = list(lc.compute(None, [], "pca", None, None, "", "loss", "all tasks (mean)", 5, "contour", [ITERATES],
                              *controls(ctl, "fw_hard", steps=3), progress=lambda *a, **k: None))
     assert any(t.name == "fw_hard iterates" for t in frames[-1][1].data)
     assert len(run.iterates) >= 2

@@ -33,6 +33,12 @@ def make_plane(land: Landscape, kind: str, points: dict, tasks: Sequence[str] = 
     raise MergerError(f"unknown plane '{kind}'; one of {', '.join(PLANES)}")
 
 
+def _short(text: str, most: int = 80) -> str:
+    """A plane's label for a figure's title, which plotly neither wraps nor cuts: a PCA of many
+    pinned merges ran off both edges (its JSON keeps the whole label; the legend names each point)."""
+    return text if len(text) <= most else text[:most - 1].rstrip(", ") + "…"
+
+
 def point_kind(label: str, pool) -> str:
     return "base" if label == "base" else "expert" if label in pool.experts else "merge"
 
@@ -70,7 +76,7 @@ def landscape_layers(land: Landscape, plane, surface, metric: str, task: str | N
         heights = {name: height(v) for name, v in points.items()}
         heights.update({tr.name: [height(p) for p in tr.points] for tr in paths})
     return {"coords": coords, "drawn": drawn, "label": label, "scale": scale, "z": z, "heights": heights,
-            "title": f"{label} on {plane.label} ({surface.split} split)", "metric": metric, "task": task,
+            "title": f"{label} on {_short(plane.label)} ({surface.split} split)", "metric": metric, "task": task,
             "view": view, "xs": surface.xs, "ys": surface.ys}
 
 

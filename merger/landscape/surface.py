@@ -17,7 +17,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 
 from merger import methods
-from merger.errors import MergerError
+from merger.errors import Cancelled, MergerError
 from merger.io import checkpoints
 
 MAX_GRID = 61
@@ -245,9 +245,10 @@ class Landscape:
         return self.session.values_at_point(vec, split)
 
     def surface(self, plane: Plane, extent: Sequence[float], n: int, split: str = "probe", progress=None,
-                cluster=None) -> Surface:
+                cluster=None, cancel=None) -> Surface:
         """Loss and accuracy per task over an n × n grid of the plane: here, or row by row on a
-        cluster's workers (``merger.cluster.Cluster``)."""
+        cluster's workers (``merger.cluster.Cluster``). ``cancel()`` is asked before each row here
+        (Cancelled: the points computed stay cached, so a Compute again starts where it stopped)."""
         if not 2 <= int(n) <= MAX_GRID:
             raise MergerError(f"landscape grid {n}×{n} is out of bounds (2 to {MAX_GRID} per side)")
         n = int(n)
@@ -270,6 +271,9 @@ class Landscape:
             return Surface(plane.key, xs, ys, loss, acc, split)
         with self.session.batch(chunks=n * n):  # one chunk per grid point: previews waiting go first
             for i, y in enumerate(ys):
+                if cancel is not None and cancel():
+                    raise Cancelled(f"landscape cancelled at row {i + 1} of {n}; the points computed are cached (a "
+                                    "Compute again goes on from there)")
                 for j, x in enumerate(xs):
                     a, lo = self.session.values_on_plane(plane, x, y, split)
                     for t in tasks:
@@ -279,14 +283,14 @@ class Landscape:
         return Surface(plane.key, xs, ys, loss, acc, split)
 
     def progressive(self, plane: Plane, extent: Sequence[float], n: int, split: str = "probe",
-                    progress=None) -> Iterator[Surface]:
+                    progress=None, cancel=None) -> Iterator[Surface]:
         """A coarse surface first, then the requested resolution (reusing coinciding points). Batch
         work: each grid point is a chunk, and waiting previews go first."""
         if not 2 <= int(n) <= MAX_GRID:
             raise MergerError(f"landscape grid {n}×{n} is out of bounds (2 to {MAX_GRID} per side)")
         if n > COARSE:
-            yield self.surface(plane, extent, coarse_size(n), split)
-        yield self.surface(plane, extent, n, split, progress)
+            yield self.surface(plane, extent, coarse_size(n), split, cancel=cancel)
+        yield self.surface(plane, extent, n, split, progress, cancel=cancel)
 
     def cached_points(self) -> int:
         return self.session.cached_plane_points()

@@ -53,7 +53,7 @@ def bench_live(args) -> int:
     lc = LandscapeController(ctl)
     events = MergeTabEvents(ctl, LIVE_METHODS[0], lc)
     noop = lambda *a, **k: None  # noqa: E731
-    *_, (state, _) = lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 7, "contour", [],
+    *_, (state, _) = lc.compute(None, [], "pca", None, None, "", "loss", "all tasks (mean)", 7, "contour", [],
                                 *merge_tab_controls(pool, LIVE_METHODS[0], 0.3), progress=noop)
     person = SimpleNamespace(session_hash="bench")
     for m in LIVE_METHODS:  # preparations are per method and expert subset, not per move

@@ -18,7 +18,7 @@ from pathlib import Path
 from merger import methods
 
 ROOT = Path(__file__).resolve().parents[1]  # the merger package
-FRONT_ENDS = ("merger.ui", "merger.tools", "merger.cli", "merger.cli_jobs", "merger.__main__")
+FRONT_ENDS = ("merger.ui", "merger.tools", "merger.cli", "merger.cli_jobs", "merger.cli_tools", "merger.__main__")
 FOREIGN_UI = ("gradio", "gradio_client", "playwright")
 MAX_LINES = 400
 

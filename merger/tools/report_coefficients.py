@@ -34,7 +34,7 @@ def _moves(pool) -> tuple[list[str], bool]:
     events = MergeTabEvents(ctl, TA, lc)
     person = SimpleNamespace(session_hash="report")
     noop = lambda *a, **k: None  # noqa: E731
-    *_, (state, _) = lc.compute([], "pca", None, None, "", "loss", "all tasks (mean)", 7, "contour", [],
+    *_, (state, _) = lc.compute(None, [], "pca", None, None, "", "loss", "all tasks (mean)", 7, "contour", [],
                                 *merge_tab_controls(pool, TA, 0.3), progress=noop)
     first, last = ctl.weight_experts[0], ctl.weight_blocks[-1]
 

@@ -43,7 +43,7 @@ class AnalysisController:
         cos = plots.heatmap(analysis.cosine_matrix(tv), tv.tasks, tv.tasks, "Cosine similarity of task vectors", zmid=0)
         sc = plots.heatmap(analysis.sign_conflicts(tv), tv.tasks, tv.tasks, "Sign-conflict rate (both non-zero)")
         kept = plots.bars({f"sparsity {sparsity:g}": analysis.mass_kept(tv, float(sparsity))}, tv.tasks,
-                          f"Share of ‖τt‖² kept by the top {1 - float(sparsity):.0%} of entries (sparsity {sparsity:g})")
+                          f"‖τt‖² kept by the top {1 - float(sparsity):.0%}<br><sub>sparsity {sparsity:g}</sub>")
         return norms, layers, cos, sc, kept
 
     @keeps_outputs(2)

@@ -8,7 +8,8 @@ from merger import methods, plots
 from merger.errors import MergerError
 from merger.evaluation.tuning import auto_tune, sweep, sweep_axes, sweep_num_tasks, sweep_values, tunable_methods
 from merger.ui.errors import keeps_outputs
-from merger.ui.scheduling import BATCH_EVENT
+from merger.ui.merge_events import session_of
+from merger.ui.scheduling import BATCH_EVENT, CancelFlags
 
 SPLITS_SHOWN = ("live", "val", "test")
 
@@ -32,6 +33,13 @@ def pin_name(spec, pins) -> str:
 class CompareTab:
     def __init__(self, ctl):
         self.ctl = ctl
+        self._cancel = CancelFlags()  # auto-tune and sweeps: a grid can take minutes
+
+    def cancel(self, request: gr.Request):
+        if self._cancel.cancel(session_of(request)):
+            gr.Info("Cancelling after the current evaluation…")
+        else:
+            gr.Info("No auto-tune or sweep in progress: nothing to cancel.")
 
     @keeps_outputs(3)
     def compare(self, pins, split):
@@ -52,10 +60,11 @@ class CompareTab:
         return ["spec", "experts", "split", "avg acc %", "normalised %", "loss"] + list(self.ctl.pool.tasks)
 
     def compare_widths(self) -> list[str]:
-        """The spec and experts columns wrap; every task keeps a column wide enough for its name."""
-        fixed = [16, 16, 5, 7, 8, 6]
-        each = (100 - sum(fixed)) / len(self.ctl.pool.tasks)
-        return [f"{w}%" for w in fixed] + [f"{each:.2f}%"] * len(self.ctl.pool.tasks)
+        """Widths in proportion to what each column must show on one line (its header, or a number;
+        the table's font has one width for every character): the spec and experts columns wrap, and
+        a header is never broken mid-word ("positi/on", "normalise/d %" in equal task columns)."""
+        chars = [24, 20] + [max(len(h), 6) + 4 for h in self.compare_headers()[2:]]  # + the cell padding
+        return [f"{100 * c / sum(chars):.2f}%" for c in chars]
 
     def _record(self, spec, result) -> None:
         """A job's results in the history, as they finish (this process is its one writer)."""
@@ -63,12 +72,13 @@ class CompareTab:
             self.ctl.history.record(self.ctl.pool_ref, spec.rounded(), result)
 
     @keeps_outputs(3)
-    def auto_tune(self, method_names, experts, progress=gr.Progress()):
+    def auto_tune(self, request: gr.Request, method_names, experts, progress=gr.Progress()):
         if not method_names:
             raise MergerError("tick at least one method to auto-tune")
-        rows = auto_tune(self.ctl.session, method_names, experts=list(experts) if experts else None,
-                         progress=lambda f, msg: progress(f, desc=msg), cluster=self.ctl.cluster,
-                         on_result=self._record)
+        with self._cancel.job(session_of(request)) as flag:
+            rows = auto_tune(self.ctl.session, method_names, experts=list(experts) if experts else None,
+                             progress=CancelFlags.reporting(flag, progress, "auto-tune"), cluster=self.ctl.cluster,
+                             on_result=self._record)
         table = [[r["method"], (", ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items()) or "-")
                   + (f" (at the grid's edge: {', '.join(r['at_edge'])})" if r["at_edge"] else ""),
                   r["grid_points"], round(100 * r["val_accuracy"], 2), round(100 * r["test_accuracy"], 2),
@@ -77,14 +87,18 @@ class CompareTab:
         return table, plots.grouped_bars(results, "Auto-tuned: test accuracy per task"), plots.radar(results)
 
     @keeps_outputs(1)
-    def sweep(self, axis, method_names, split, experts, progress=gr.Progress()):
+    def sweep(self, request: gr.Request, axis, method_names, split, experts, progress=gr.Progress()):
+        with self._cancel.job(session_of(request)) as flag:
+            return self._sweep(axis, method_names, split, experts, CancelFlags.reporting(flag, progress, "sweep"))
+
+    def _sweep(self, axis, method_names, split, experts, progress):
         experts = list(experts) if experts else None
         if not method_names:
             raise MergerError("tick at least one method to sweep")
         if axis == "tasks":
             curves, errors = {}, {}
             for m in method_names:
-                r = sweep_num_tasks(self.ctl.session, m, split=split, progress=lambda f, msg: progress(f, desc=f"{m}: {msg}"))
+                r = sweep_num_tasks(self.ctl.session, m, split=split, progress=lambda f, msg: progress(f, f"{m}: {msg}"))
                 curves[m], errors[m] = (r["x"], r["mean"]), r["se"]
             return plots.sweep_curves(curves, "number of merged tasks",
                                       f"Average accuracy over the merged tasks ({split} split; each method at its "
@@ -98,9 +112,8 @@ class CompareTab:
             raise MergerError(f"none of the ticked methods has {label}" + (f" (try {', '.join(only)})" if only else ""))
         skipped = [m for m in method_names if m not in chosen]
         values = sorted({v for m in chosen for v in sweep_values(axis, m)})
-        data = sweep(self.ctl.session, chosen, axis, values, split=split, experts=experts,
-                     progress=lambda f, msg: progress(f, desc=msg), cluster=self.ctl.cluster,
-                     on_result=self._record)
+        data = sweep(self.ctl.session, chosen, axis, values, split=split, experts=experts, progress=progress,
+                     cluster=self.ctl.cluster, on_result=self._record)
         curves, dashed = {}, []
         for m, d in data.items():
             curves[f"{m} (average)"] = (d["x"], d["average"])
@@ -135,7 +148,9 @@ def build_compare_tab(ctl, pins, experts, batch) -> CompareTab:
         tunable = tunable_methods()
         tune_methods = gr.CheckboxGroup([(methods.get(n).display_name, n) for n in tunable], value=featured(tunable),
                                         label="methods")
-        tune_btn = gr.Button("Auto-tune")
+        with gr.Row():
+            tune_btn = gr.Button("Auto-tune")
+            tune_cancel = gr.Button("Cancel")
         tune_table = gr.Dataframe(headers=["method", "best parameters", "grid points", "val acc %",
                                            "test acc %", "test normalised %"], interactive=False, wrap=True,
                                   column_widths=["14%", "38%", "10%", "12%", "12%", "14%"])
@@ -153,8 +168,13 @@ def build_compare_tab(ctl, pins, experts, batch) -> CompareTab:
             sweep_methods = gr.CheckboxGroup([(methods.get(n).display_name, n) for n in swept], value=featured(swept),
                                              label="methods")
             sweep_split = gr.Dropdown(list(SPLITS_SHOWN), value="live", label="split")
-        sweep_btn = gr.Button("Sweep")
+        with gr.Row():
+            sweep_btn = gr.Button("Sweep")
+            sweep_cancel = gr.Button("Cancel")
         sweep_plot = gr.Plot(elem_id="sweep-plot")
         sweep_btn.click(batch(tab.sweep), [sweep_axis, sweep_methods, sweep_split, experts], sweep_plot,
                         **BATCH_EVENT, api_visibility="private")
+        for button in (tune_cancel, sweep_cancel):  # either stops this page's auto-tune and sweep
+            button.click(tab.cancel, None, None, concurrency_id="cancel", concurrency_limit=None,
+                         api_visibility="private")
     return tab

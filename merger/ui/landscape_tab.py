@@ -10,7 +10,8 @@ from merger.landscape.figure import landscape_figure, landscape_layers, make_pla
 from merger.landscape.surface import extent_of
 from merger.methods.registry import with_param
 from merger.ui.errors import keeps_outputs, kept, warn
-from merger.ui.scheduling import BATCH_EVENT
+from merger.ui.merge_events import session_of
+from merger.ui.scheduling import BATCH_EVENT, CancelFlags
 
 PLANE_CHOICES = [("PCA of base, experts and pinned merges", "pca"), ("base + two task vectors", "tasks"),
                  ("three points (named below)", "points")]
@@ -24,6 +25,7 @@ class LandscapeController:
         self.ctl = controller
         self.land = controller.session.landscape
         self.pool = controller.pool
+        self._cancel = CancelFlags()
 
     def path_choices(self) -> list[str]:
         ft = [f"fine-tuning: {t}" for t in self.pool.tasks if trajectories.has_trajectory(self.pool, t)]
@@ -68,10 +70,23 @@ class LandscapeController:
             return None
         return spec
 
-    def compute(self, pins, plane_kind, task_a, task_b, three, metric, task, grid, view, chosen_paths,
-                experts, method, *values, progress=gr.Progress()):
+    def cancel(self, request: gr.Request):
+        if self._cancel.cancel(session_of(request)):
+            gr.Info("Cancelling the landscape after the current row…")
+        else:
+            gr.Info("No landscape in progress: nothing to cancel.")
+
+    def compute(self, request: gr.Request, pins, plane_kind, task_a, task_b, three, metric, task, grid, view,
+                chosen_paths, experts, method, *values, progress=gr.Progress()):
         """Generator: the coarse surface first, then the full grid; the state keeps it for markers.
-        Refused (a point that names nothing, a plane without its tasks): the landscape shown stays."""
+        Refused (a point that names nothing, a plane without its tasks) or cancelled: the landscape
+        shown stays."""
+        with self._cancel.job(session_of(request)) as flag:
+            yield from self._compute(flag, pins, plane_kind, task_a, task_b, three, metric, task, grid, view,
+                                     chosen_paths, experts, method, values, progress)
+
+    def _compute(self, flag, pins, plane_kind, task_a, task_b, three, metric, task, grid, view, chosen_paths,
+                 experts, method, values, progress):
         try:
             spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
             names = ["base", "experts"] if plane_kind != "points" else [n.strip() for n in (three or "").split(",")]
@@ -102,7 +117,8 @@ class LandscapeController:
             task = None if task in (None, "", "all tasks (mean)") else task
             shown = lambda f, m: progress(f, desc=m)  # noqa: E731
             surfaces = ([self.land.surface(plane, extent, int(grid), progress=shown, cluster=self.ctl.cluster)]
-                        if self.ctl.cluster is not None else self.land.progressive(plane, extent, int(grid), progress=shown))
+                        if self.ctl.cluster is not None else
+                        self.land.progressive(plane, extent, int(grid), progress=shown, cancel=flag.is_set))
             for surface in surfaces:
                 state = {"plane": plane, "surface": surface, "points": points, "paths": paths,
                          "metric": metric, "task": task, "view": view}
@@ -198,13 +214,16 @@ def build_landscape_tabs(lc: LandscapeController, pins, inputs, batch):
             grid = gr.Dropdown([7, 15, 21, 31], value=21, label="resolution")
             view = gr.Radio(["contour", "surface"], value="contour", label="view")
         paths = gr.CheckboxGroup(lc.path_choices(), value=[], label="trajectories to draw")
-        go_btn = gr.Button("Compute landscape", variant="primary")
+        with gr.Row():
+            go_btn = gr.Button("Compute landscape", variant="primary")
+            cancel_btn = gr.Button("Cancel")
         plot = gr.Plot(elem_id="landscape-plot")
         gr.Markdown("Markers: ■ base · ◆ experts · ● merges (pinned, or named as a point) · ★ the live merge (✕ in "
                     "the 3-D view; it moves with the Merge tab's sliders). Hover a point for its off-plane distance: a "
                     "projection is not the real location.")
         go_btn.click(batch(lc.compute), [pins, plane, task_a, task_b, three, metric, task, grid, view, paths, *inputs],
                      [state, plot], **BATCH_EVENT, api_visibility="private")
+        cancel_btn.click(lc.cancel, None, None, concurrency_id="cancel", concurrency_limit=None, api_visibility="private")
         for choice in (metric, task, view):  # what the surface already holds: redrawn at once
             choice.change(batch(lc.restyle), [state, metric, task, view, *inputs], [state, plot], **BATCH_EVENT,
                           api_visibility="private")

@@ -71,6 +71,20 @@ class CancelFlags:
             if not self._flags.get(session, True):
                 del self._flags[session]
 
+    @staticmethod
+    def reporting(flag: threading.Event, progress, what: str):
+        """A job's progress callback (fraction, message) that shows it on ``progress`` (a
+        gr.Progress) and stops the job at its next report once ``flag`` is set (Cancel): what it
+        evaluated so far stays cached (and in the history)."""
+        from merger.errors import Cancelled
+
+        def report(fraction, message):
+            if flag.is_set():
+                raise Cancelled(f"{what} cancelled at {100 * fraction:.0f} %; what it evaluated is kept (cached, and "
+                                "in the history)")
+            progress(fraction, desc=message)
+        return report
+
     def cancel(self, session: str) -> bool:
         """Set the flag of each job the session runs; whether there was one."""
         with self._lock:
