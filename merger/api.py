@@ -64,11 +64,14 @@ def _state_dict(value, where: str) -> tuple[Mapping[str, torch.Tensor], tuple, s
 
 
 def _names(experts: Sequence) -> list[str]:
-    """The names of a list of experts (what ``experts=`` and ``task_weights`` take): their file
-    names without the suffix where each is a path and those differ, else expert_1, expert_2, …"""
-    stems = [Path(e).stem if isinstance(e, (str, os.PathLike)) else None for e in experts]
-    if all(stems) and len(set(stems)) == len(stems):
-        return stems
+    """The names of a list of experts (what ``experts=`` and ``task_weights`` take) where each is a
+    path: their file names without the suffix where those differ (shape.safetensors → shape), else
+    their folders' (mnist/pytorch_model.bin → mnist); else expert_1, expert_2, …"""
+    if all(isinstance(e, (str, os.PathLike)) for e in experts):
+        paths = [Path(e) for e in experts]
+        for names in ([p.stem for p in paths], [p.parent.name if p.is_file() else p.name for p in paths]):
+            if all(names) and len(set(names)) == len(names):
+                return names
     return [f"expert_{i + 1}" for i in range(len(experts))]
 
 

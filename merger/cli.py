@@ -313,15 +313,33 @@ def _run(args) -> int:
     except KeyboardInterrupt as exc:
         print("error: interrupted", file=sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
-    except BrokenPipeError:
+    except BrokenPipeError as exc:
+        if not _output_gone():  # another pipe broke (a socket, a worker's): a failed operation
+            return _failed(args, exc)
         # the reader stopped reading (`| head`): no message; stdout goes to devnull so the
         # interpreter's last flush at exit does not raise it again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except Exception as exc:  # noqa: BLE001  anything else is a failed operation, said in one line
-        if args.debug:
-            raise
-        detail = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename else str(exc)
-        print(f"error: {args.command} failed: {type(exc).__name__}: {detail.splitlines()[0] if detail else ''} "
-              "(--debug shows the traceback)", file=sys.stderr)
-        return 1
+        return _failed(args, exc)
+
+
+def _output_gone() -> bool:
+    """stdout is a pipe whose reader has closed it (poll says POLLERR on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no poll here, or stdout is no file
+        return False
+
+
+def _failed(args, exc: Exception) -> int:
+    if args.debug:
+        raise exc
+    detail = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename else str(exc)
+    print(f"error: {args.command} failed: {type(exc).__name__}: {detail.splitlines()[0] if detail else ''} "
+          "(--debug shows the traceback)", file=sys.stderr)
+    return 1

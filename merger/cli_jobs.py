@@ -34,8 +34,14 @@ class Parser(argparse.ArgumentParser):
 def new_folders(args, flags=("out", "history")) -> None:
     """Say which folder a file flag will create (a typo in a path otherwise makes a folder tree
     unseen): one line on stderr per flag whose folder does not exist yet."""
+    from merger.io.history import DEFAULT_PATH
+
     for flag in flags:
         value = getattr(args, flag, None)
+        if flag == "out" and getattr(args, "command", None) == "demo":
+            continue  # demo build --out names the folder itself, which the build makes
+        if flag == "history" and value and Path(value).expanduser() == Path(DEFAULT_PATH).expanduser():
+            continue  # the default place (~/.cache/merger), not a path a person typed
         if value:
             folder = Path(value).expanduser().parent
             if not folder.exists():
@@ -294,7 +300,8 @@ def cmd_tune(args) -> int:
         # every weight, those left at 1 too (the label names only the others)
         print("weights: " + ", ".join(f"{e}={w:g}" for e, w in out["task_weights"].items()))
         if out["at_edge"]:
-            print(f"{', '.join(out['at_edge'])} at an end of the search range {weight_range()}: the best may lie beyond it")
+            print(f"{', '.join(out['at_edge'])} at an end of its search range (weights {weight_range()}; λ its tune "
+                  "grid's): the best may lie beyond it")
         return 0
     with progress_bar("tune") as update:
         rows = auto_tune(session, _methods(args), experts, update, cluster=cluster, on_result=on_result, known=known)

@@ -11,7 +11,7 @@ import torch
 from helpers import write_pool
 
 import merger
-from merger.errors import MergerError
+from merger.errors import Cancelled, MergerError
 from merger.evaluation.tuning import auto_tune, evaluate_all, sweep
 from merger.io.history import History
 
@@ -59,6 +59,9 @@ def test_auto_tune_and_a_landscape_on_the_workers_equal_the_local_ones(pool, clu
     remote = land.surface(plane, (-1, 1, -1, 1), 3, "probe", cluster=cluster)
     for t in pool.tasks:
         assert torch.allclose(torch.tensor(local.loss[t]), torch.tensor(remote.loss[t]), atol=1e-5)
+    # Cancel reaches the workers' rows too (the app's Landscape Cancel said so, and did nothing there)
+    with pytest.raises(Cancelled, match=r"landscape cancelled after 0 of 4 rows \(on the workers\)"):
+        land.surface(plane, (-1, 1, -1, 1), 4, "probe", cluster=cluster, cancel=lambda: True)
 
 
 def test_a_killed_worker_loses_and_doubles_nothing(pool, cluster, tmp_path):

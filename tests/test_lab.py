@@ -190,7 +190,14 @@ def test_gradio_gives_every_lab_and_run_callback_the_browser_session():
         assert inputs[0] is marker, fn.__name__
         if fn.__name__ in ("run", "one_epoch_set", "scaling") and fn.__self__ is lc:
             assert progress_index is not None, fn.__name__
-    # a handler marked keeps_outputs still shows Gradio its progress parameter
+    # a handler marked keeps_outputs still shows Gradio its request and progress parameters; the
+    # Compare and Landscape jobs take the request so that their Cancel finds them
     from merger.ui.compare_tab import CompareTab
+    from merger.ui.landscape_tab import LandscapeController
 
-    assert special_args(CompareTab(None).auto_tune, [None, None], marker)[1] == 2
+    tab = CompareTab(None)
+    land = LandscapeController(SimpleNamespace(session=SimpleNamespace(landscape=None), pool=None))
+    for fn, n_inputs, progress_at in ((tab.auto_tune, 2, 3), (tab.sweep, 4, 5), (tab.cancel, 0, None),
+                                      (land.compute, 10 + 12, None), (land.cancel, 0, None)):
+        inputs, progress_index, _, _ = special_args(fn, [None] * n_inputs, marker)
+        assert inputs[0] is marker and progress_index == progress_at, fn.__name__

@@ -353,3 +353,17 @@ def test_an_output_in_a_folder_that_does_not_exist_says_it_creates_it(pool_path,
     assert out.is_file()
     assert cli_main(["merge", "--pool", str(pool_path), "--method", "ta", "--out", str(out)]) == 0
     assert "note:" not in capsys.readouterr().err  # it exists now
+
+
+def test_a_broken_pipe_other_than_the_output_is_a_failed_operation(capsys):
+    """Only the output's reader going away is quiet (141); a socket or a worker's pipe breaking is a
+    failed operation, said in one line."""
+    from merger import cli
+
+    args = cli.build_parser().parse_args(["methods"])
+
+    def broken(_):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    args.func = broken
+    assert cli._run(args) == 1 and "error: methods failed: BrokenPipeError" in capsys.readouterr().err

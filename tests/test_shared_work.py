@@ -53,6 +53,15 @@ def stepped_work(release: threading.Event, started: threading.Event, computed: l
     return compute
 
 
+def two_callers(work, compute, started, cancel_a=None, cancel_b=None):
+    """A first caller of ``compute`` under way (``started``), then a second one following it."""
+    a, box_a = in_thread(lambda: work.get("k", compute, cancel=cancel_a))
+    assert started.wait(10)
+    b, box_b = in_thread(lambda: work.get("k", compute, cancel=cancel_b))
+    assert wait_until(lambda: followers(work, "k") == 2)
+    return a, box_a, b, box_b
+
+
 def leader_and_follower(work, error: BaseException):
     """Two callers of one work that raises ``error``: (first's box, follower's box, computations)."""
     started, release, computed = threading.Event(), threading.Event(), []
@@ -95,26 +104,36 @@ def test_a_caller_that_cancels_stops_following_and_the_work_goes_on_for_the_othe
     work, release, started, computed = SharedWork(), threading.Event(), threading.Event(), []
     compute = stepped_work(release, started, computed)
     stop_b = threading.Event()
-    a, box_a = in_thread(lambda: work.get("k", compute))
-    assert started.wait(10)
-    b, box_b = in_thread(lambda: work.get("k", compute, cancel=stop_b.is_set))
-    assert wait_until(lambda: followers(work, "k") == 2)
+    a, box_a, b, box_b = two_callers(work, compute, started, cancel_b=stop_b.is_set)
+    assert not work.goes_on_after_cancel("k", stop_b.is_set)  # nobody has cancelled
     stop_b.set()
     b.join(10)
     assert isinstance(box_b["error"], Unfollowed) and "goes on for that page" in str(box_b["error"])
+    # the follower that left is never told it goes on "for another page" (its page said so, briefly)
+    assert not work.goes_on_after_cancel("k", stop_b.is_set)
     release.set()
     a.join(10)
     assert box_a["value"].steps == 50 and computed == [1]
+
+
+def test_the_first_callers_cancel_is_told_that_the_work_goes_on_for_a_follower():
+    work, release, started, computed = SharedWork(), threading.Event(), threading.Event(), []
+    compute = stepped_work(release, started, computed)
+    stop_a = threading.Event()
+    a, box_a, b, box_b = two_callers(work, compute, started, cancel_a=stop_a.is_set)
+    stop_a.set()
+    assert work.goes_on_after_cancel("k", stop_a.is_set)  # a fresh bound method: the same check
+    release.set()
+    a.join(10), b.join(10)
+    assert box_a["value"].steps == box_b["value"].steps == 50 and computed == [1]
+    assert not work.goes_on_after_cancel("k", stop_a.is_set)  # ended
 
 
 def test_the_work_stops_when_every_caller_has_cancelled_and_each_gets_its_cancel():
     work, release, started, computed = SharedWork(), threading.Event(), threading.Event(), []
     compute = stepped_work(release, started, computed)
     stop = threading.Event()
-    a, box_a = in_thread(lambda: work.get("k", compute, cancel=stop.is_set))
-    assert started.wait(10)
-    b, box_b = in_thread(lambda: work.get("k", compute, cancel=stop.is_set))
-    assert wait_until(lambda: followers(work, "k") == 2)
+    a, box_a, b, box_b = two_callers(work, compute, started, cancel_a=stop.is_set, cancel_b=stop.is_set)
     stop.set()
     release.set()
     a.join(10), b.join(10)

@@ -121,7 +121,7 @@ def test_a_preparation_under_way_is_named_and_a_second_caller_follows_it(ctl, mo
     assert started.wait(10)
     assert ctl.session.under_way() == [f"preparing TSV-Merge on {', '.join(experts)}"]
     first_cancels.set()  # with nobody else following it, the first caller's Cancel stops it
-    assert not ctl.session.goes_on_after_cancel(spec)
+    assert not ctl.session.goes_on_after_cancel(spec, first_cancels.is_set)
     second = threading.Thread(target=ctl.session.prepare, args=(spec,))
     second.start()
     jobs = ctl.session.merges._preparing._jobs
@@ -130,7 +130,7 @@ def test_a_preparation_under_way_is_named_and_a_second_caller_follows_it(ctl, mo
             break
         threading.Event().wait(0.01)
     assert any(len(job._callers) == 2 for job in list(jobs.values()))
-    assert ctl.session.goes_on_after_cancel(spec)  # it goes on for the second: the first page says so
+    assert ctl.session.goes_on_after_cancel(spec, first_cancels.is_set)  # it goes on for the second: the first page says so
     release.set()
     first.join(30), second.join(30)
     assert ctl.session.is_prepared(spec) and ctl.session.counts["prepares"] == 1 and ctl.session.under_way() == []

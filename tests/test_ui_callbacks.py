@@ -232,10 +232,10 @@ def test_sweeps(ctl):
         reports.append(fraction)
         tab.cancel(me)
 
-    with pytest.warns(UserWarning, match=r"sweep cancelled at \d+ %; what it evaluated is kept"):
+    with pytest.warns(UserWarning, match=r"sweep cancelled after \d+ % of its points; those it evaluated are cached"):
         assert tab.sweep(me, "lam", ["ties"], "val", ctl.pool.tasks, progress=press_cancel) == gr.skip()
     assert len(reports) == 1  # one point, then stopped (a sweep of ties' λ values on val: 16 points)
-    with pytest.warns(UserWarning, match=r"auto-tune cancelled at \d+ %"):
+    with pytest.warns(UserWarning, match=r"auto-tune cancelled after \d+ %"):
         assert tab.auto_tune(me, ["ties"], ctl.pool.tasks, progress=press_cancel) == (gr.skip(),) * 3
     pin = ctl.session.spec("task_arithmetic", lam=0.3, experts=ctl.pool.tasks[:2])
     with pytest.warns(UserWarning, match="unknown split 'dev'"):
@@ -371,6 +371,12 @@ def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
         *_, (_, fig) = lc.compute(None, [], "pca", None, None, "", "loss", "all tasks (mean)", 5, "contour", [], *never_run,
                                   progress=lambda *a, **k: None)
     assert not any(t.name == "live merge" for t in fig.data)
+    # a move to it takes the marker away (it stayed on the previous merge, with that merge's label)
+    assert not any(t.name == "live merge" for t in lc.move_live(state, *never_run).data)
+    # nor does a point typed as METHOD:param=value run it
+    with pytest.warns(UserWarning, match="landscape point 'adamerging_task:steps=2:samples=5:seed=7': no AdaMerging"):
+        list(lc.compute(None, [], "points", None, None, f"base,{ctl.pool.tasks[0]},adamerging_task:steps=2:samples=5:seed=7",
+                        "loss", "all tasks (mean)", 5, "contour", [], *controls(ctl), progress=lambda *a, **k: None))
     assert ctl.session.cached_run(ctl.spec_from_controls(*never_run)) is None
     curves = lc.curves(["λ path (current method)"], "accuracy", "live", "all tasks (mean)", *controls(ctl))
     assert len(curves.data) == 1 and len(curves.data[0].x) == 16
@@ -476,6 +482,10 @@ def test_the_first_pages_cancel_is_acknowledged_while_another_page_follows_its_r
     inputs = controls(ctl, "adamerging_task", steps=7)
     page_a, page_b = runs.run(SimpleNamespace(session_hash="a"), *inputs), runs.run(SimpleNamespace(session_hash="b"), *inputs)
     frames_a = [next(page_a)]
+    for _ in range(1000):  # A leads: its run is under way before B asks (on a loaded machine too)
+        if session._running._jobs:
+            break
+        time.sleep(0.01)
     frames_b = [next(page_b)]
     assert runs.cancel(SimpleNamespace(session_hash="a")) == "Cancelling…"
     a_cancelled.set()
@@ -587,8 +597,14 @@ def test_analysis_tab_callbacks(ctl):
     from merger.ui.analysis_tab import AnalysisController
 
     ac = AnalysisController(ctl)
-    norms, layers, cos, sc, kept = ac.weights(*controls(ctl, "ties", sparsity=0.8))
+    norms, layers, cos, sc, kept = ac.weights(*controls(ctl, "ties", sparsity=0.7))
     assert list(norms.data[0].x) == ctl.pool.tasks and len(cos.data[0].z) == 3
+    assert kept.layout.title.text.endswith("<sub>sparsity 0.7</sub>")
+    # a method without sparsity: the default, said so (not the hidden control's value)
+    *_, kept = ac.weights(*controls(ctl, "task_arithmetic", sparsity=0.6))
+    assert "sparsity 0.8 (the default: Task arithmetic has none)" in kept.layout.title.text
+    with pytest.warns(UserWarning, match=r"sparsity: empty; type a number in \[0, 1\)"):
+        ac.weights(*controls(ctl, "ties", sparsity=None))
     spectra, ri = ac.lowrank(ctl.pool.tasks, "all matrices (summed)")
     assert {t.name for t in ri.data} >= {"R(k) centred", "I(k) uncentred"}
     fig, text = ac.heterogeneity(*controls(ctl, "task_arithmetic", lam=0.3))
@@ -662,6 +678,8 @@ def test_analysis_holds_the_model_for_its_features_and_never_runs_a_merge_unseen
         with pytest.warns(UserWarning, match=r"no AdaMerging \(task-wise\) run for these settings yet: press Run"):
             view()
     assert ctl.session.cached_run(ctl.spec_from_controls(*never_run)) is None
+    # the path between two experts needs no run of the merge
+    assert len(ac.interpolation("first two ticked experts", *never_run).data) == 3
 
 
 def test_the_app_offers_one_api_endpoint(ctl):

@@ -172,10 +172,12 @@ class Merges:
         self._preparing.get(key, compute, progress, cancel, alone=self.queue.held_here(),
                             label=on_experts(f"preparing {m.display_name}", spec.experts, self.pool.tasks))
 
-    def preparation_goes_on(self, spec: Spec) -> bool:
-        """Whether the slow preparation of ``spec`` goes on after a caller's Cancel (another follows it)."""
+    def preparation_goes_on(self, spec: Spec, cancel) -> bool:
+        """Whether the slow preparation of ``spec`` goes on for another caller after the Cancel of the
+        caller whose cancel check is ``cancel`` (``SharedWork.goes_on_after_cancel``)."""
         m, args, scale = self._prepare_args(spec)
-        return not m.data_driven and self._preparing.goes_on_after_cancel(self._prepared_key(m, spec.experts, args, scale))
+        key = self._prepared_key(m, spec.experts, args, scale)
+        return not m.data_driven and self._preparing.goes_on_after_cancel(key, cancel)
 
     def preparing(self) -> list[str]:
         """The slow preparations under way."""

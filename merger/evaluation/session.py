@@ -200,12 +200,13 @@ class PoolSession:
         """The runs and slow preparations under way, as a page names them."""
         return self._running.under_way() + self.merges.preparing()
 
-    def goes_on_after_cancel(self, spec: Spec) -> bool:
-        """Whether the run or slow preparation of ``spec`` goes on although its first caller
-        cancelled: another caller follows it (``SharedWork``), so it ends for them and is kept."""
+    def goes_on_after_cancel(self, spec: Spec, cancel) -> bool:
+        """Whether the run or slow preparation of ``spec`` goes on although the caller whose cancel
+        check is ``cancel`` (its first caller) cancelled: another caller follows it (``SharedWork``),
+        so it ends for them and is kept."""
         if methods.get(spec.method).data_driven:
-            return self._running.goes_on_after_cancel(spec.rounded())
-        return self.merges.preparation_goes_on(spec)
+            return self._running.goes_on_after_cancel(spec.rounded(), cancel)
+        return self.merges.preparation_goes_on(spec, cancel)
 
     def cached_run(self, spec: Spec):
         return self._runs.get(spec.rounded())

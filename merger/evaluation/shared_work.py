@@ -41,12 +41,13 @@ class SharedWork:
     def running(self, key) -> bool:
         return key in self._jobs
 
-    def goes_on_after_cancel(self, key) -> bool:
-        """Whether the work of ``key`` is under way although a caller cancelled it: it goes on for
-        another caller still following (the first caller's page says so after its Cancel)."""
+    def goes_on_after_cancel(self, key, cancel) -> bool:
+        """Whether the work of ``key`` goes on for another caller while the caller whose cancel
+        check is ``cancel`` (the first one, which cannot leave its own work) has cancelled: its
+        page says so. A follower that cancelled has left the work: never it."""
         with self._lock:
             job = self._jobs.get(key)
-        return job is not None and job.goes_on()
+        return job is not None and job.goes_on_for_others(cancel)
 
     def under_way(self) -> list[str]:
         """The labels of the works under way (a reloaded page names them, so its Run can follow one)."""
@@ -155,6 +156,13 @@ class _Job:
     def goes_on(self) -> bool:
         with self._lock:
             return not self.closed and not all(caller.cancelled() for caller in self._callers)
+
+    def goes_on_for_others(self, cancel) -> bool:
+        with self._lock:
+            mine = [c for c in self._callers if c.cancel is not None and c.cancel == cancel]
+            others = [c for c in self._callers if c not in mine]
+            return (bool(mine) and all(c.cancelled() for c in mine) and not self.closed
+                    and any(not c.cancelled() for c in others))
 
     def follow(self, me: _Caller, poll_s: float):
         try:

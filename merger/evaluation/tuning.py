@@ -294,6 +294,6 @@ def tune_weights(session, method: str, params: dict | None = None, experts=None,
         kw = {**chosen.kwargs, **({"lam": lam} if lam is not None else {})}
         spec = session.spec(m.name, experts=list(chosen.experts), task_weights=best, block_weights=blocks, **kw)
         test = evaluate_all(session, [(spec, "test")], cluster=cluster, on_result=on_result, known=known)[0]
-    at_edge = [e for e in chosen.experts if best[e] in (lo, hi)]
+    at_edge = [e for e in chosen.experts if best[e] in (lo, hi)] + (["lam"] if with_lam and lam in (lam_lo, lam_hi) else [])
     return {"spec": spec, "task_weights": best, "val_accuracy": study.best_value, "test_accuracy": test.average_accuracy,
             "test": test, "trials": len(study.trials), "history": history, "seed": int(seed), "at_edge": at_edge}

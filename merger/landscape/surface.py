@@ -199,9 +199,11 @@ class Landscape:
         fill = ("visual.proj",) if form == "hf_clip_vision" else ()
         return self.space.flatten(checkpoints.validate_expert(sd, self.pool.base, str(path), fill))
 
-    def named_points(self, names: Sequence[str], files_relative_to: Path | None = None) -> dict[str, torch.Tensor]:
+    def named_points(self, names: Sequence[str], files_relative_to: Path | None = None,
+                     runs: bool = True) -> dict[str, torch.Tensor]:
         """'base', 'experts', a task name, 'file:PATH', or 'METHOD:param=value:...' (ta = task_arithmetic);
-        a relative PATH as ``file_point``'s."""
+        a relative PATH as ``file_point``'s. ``runs``: a data-driven method's point may run it (the
+        CLI); else only its cached run is taken (the app: never a run unseen, without progress)."""
         out: dict[str, torch.Tensor] = {}
         for raw in names:
             name = raw.strip()
@@ -236,6 +238,9 @@ class Landscape:
                         raise MergerError(f"landscape point '{name}': expected METHOD:param=value")
                     params[k.strip()] = v.strip()
                 spec = self.pool.make_spec(method, params)
+                if not runs and methods.get(spec.method).data_driven and self.session.cached_run(spec) is None:
+                    raise MergerError(f"landscape point '{name}': no {methods.get(spec.method).display_name} run for "
+                                      "these settings yet; set them in the Merge tab and press Run first")
                 out[spec.label()] = self.spec_point(spec)
         return out
 
@@ -260,6 +265,8 @@ class Landscape:
             done = []
 
             def row(i, values):
+                if cancel is not None and cancel():  # raised here, the rows not yet answered are cancelled
+                    raise Cancelled(f"landscape cancelled after {len(done)} of {n} rows (on the workers)")
                 for j, (a, lo) in enumerate(values):
                     for t in tasks:
                         acc[t][i][j], loss[t][i][j] = a[t], lo[t]

@@ -34,16 +34,20 @@ class AnalysisController:
     def weights(self, experts, method, *values):
         """Norms, cosines, sign conflicts, mass kept at the current sparsity."""
         tv = self._tv(experts)
-        sparsity = dict(zip(PARAM_NAMES, values)).get("sparsity")
-        sparsity = 0.8 if sparsity is None else sparsity  # 0, the slider's minimum, is a sparsity too
+        # the method's own sparsity, else 0.8 (a hidden control keeps a value no merge on screen uses)
+        own = "sparsity" in methods.get(method).param_names
+        sparsity = dict(zip(PARAM_NAMES, values)).get("sparsity") if own else 0.8
+        if sparsity is None:  # an emptied box: refused, as every control's
+            raise MergerError("sparsity: empty; type a number in [0, 1)")
         n = analysis.task_vector_norms(tv)
         norms = plots.bars({"‖τt‖ / ‖θ0‖": n["relative"]}, tv.tasks, "Task-vector norms (relative to the base)")
         layers = plots.heatmap([n["layers"][name] for name in n["layers"]], tv.tasks, list(n["layers"]),
                                "‖τt,l‖ per layer", fmt=".2g")
         cos = plots.heatmap(analysis.cosine_matrix(tv), tv.tasks, tv.tasks, "Cosine similarity of task vectors", zmid=0)
         sc = plots.heatmap(analysis.sign_conflicts(tv), tv.tasks, tv.tasks, "Sign-conflict rate (both non-zero)")
+        setting = f"sparsity {sparsity:g}" + ("" if own else f" (the default: {methods.get(method).display_name} has none)")
         kept = plots.bars({f"sparsity {sparsity:g}": analysis.mass_kept(tv, float(sparsity))}, tv.tasks,
-                          f"‖τt‖² kept by the top {1 - float(sparsity):.0%}<br><sub>sparsity {sparsity:g}</sub>")
+                          f"‖τt‖² kept by the top {1 - float(sparsity):.0%}<br><sub>{setting}</sub>")
         return norms, layers, cos, sc, kept
 
     @keeps_outputs(2)
@@ -151,9 +155,11 @@ class AnalysisController:
     @keeps_outputs(1)
     def interpolation(self, endpoints, experts, method, *values):
         """Loss, accuracy and linearity along base → merge, or between the first two ticked experts."""
-        spec = self._current(experts, method, values)
+        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
         land = self.ex.landscape
         if endpoints == "base → current merge":
+            if methods.get(spec.method).data_driven:  # the merge's run on screen (two experts' path needs none)
+                self.ctl.run_on_screen(spec)
             a, b, title = land.base_point(), land.spec_point(spec), f"base → {spec.label()}"
         else:
             if len(spec.experts) < 2:

@@ -90,7 +90,7 @@ class LandscapeController:
         try:
             spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
             names = ["base", "experts"] if plane_kind != "points" else [n.strip() for n in (three or "").split(",")]
-            points = self.land.named_points(names)
+            points = self.land.named_points(names, runs=False)  # a data-driven point: its run on screen only
             if plane_kind == "points" and (len(points) != 3 or len([n for n in names if n]) != 3):
                 # never filled up with pins, nor cut to the first three: the plane is the one typed
                 raise MergerError(f"three points: {len(points)} different point(s) in {(three or '').strip()!r}; "
@@ -116,7 +116,8 @@ class LandscapeController:
             extent = extent_of(coords)
             task = None if task in (None, "", "all tasks (mean)") else task
             shown = lambda f, m: progress(f, desc=m)  # noqa: E731
-            surfaces = ([self.land.surface(plane, extent, int(grid), progress=shown, cluster=self.ctl.cluster)]
+            surfaces = ([self.land.surface(plane, extent, int(grid), progress=shown, cluster=self.ctl.cluster,
+                                           cancel=flag.is_set)]
                         if self.ctl.cluster is not None else
                         self.land.progressive(plane, extent, int(grid), progress=shown, cancel=flag.is_set))
             for surface in surfaces:
@@ -174,9 +175,9 @@ class LandscapeController:
             return gr.skip()
         try:
             spec = self._marked(self.ctl.spec_from_controls(experts, method, *values).rounded())
-        except MergerError:
-            return gr.skip()
-        return gr.skip() if spec is None else self.figure(state, spec)
+        except MergerError:  # a refused value: no merge on screen, so no marker (never the last one's)
+            spec = None
+        return self.figure(state, spec)
 
     @keeps_outputs(1)
     def curves(self, chosen, metric, split, task, experts, method, *values):

@@ -100,7 +100,8 @@ class RunController:
             # the live curve only while the controls still show this run's settings
             curve = (plots.objective_curve(live["values"], f"Objective ({label})", label)
                      if m.data_driven and self._shown(session, spec) else gr.skip())
-            kept_for_others = kept_for_others or (flag.is_set() and self.ctl.session.goes_on_after_cancel(spec))
+            kept_for_others = kept_for_others or (flag.is_set() and
+                                                  self.ctl.session.goes_on_after_cancel(spec, flag.is_set))
             yield (f"◷ {m.display_name}: {live['msg']}" + (GOES_ON if kept_for_others else ""), curve,
                    *(gr.skip(),) * 6)
         self._cancel.end(session, flag)  # not on a closed page: the run goes on (and is cached)

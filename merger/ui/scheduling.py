@@ -80,8 +80,8 @@ class CancelFlags:
 
         def report(fraction, message):
             if flag.is_set():
-                raise Cancelled(f"{what} cancelled at {100 * fraction:.0f} %; what it evaluated is kept (cached, and "
-                                "in the history)")
+                raise Cancelled(f"{what} cancelled after {100 * fraction:.0f} % of its points; those it evaluated "
+                                "are cached (a move or job asking for one again gets it at once)")
             progress(fraction, desc=message)
         return report
 

@@ -113,7 +113,9 @@ class TradeoffsTab:
                      + (f"; λ={tuned['spec'].kwargs['lam']:g}" if with_lam else ""),
                      tuned["trials"], round(100 * tuned["val_accuracy"], 2), round(100 * tuned["test_accuracy"], 2)]]
             single = auto_tune(session, [TASK_ARITHMETIC.name], experts=list(spec.experts))[0]
-            rows.append(["best single λ (task arithmetic grid)", f"λ={single['params']['lam']:g}",
+            # that grid is of the plain method: say so beside a search that kept block weights
+            rows.append(["best single λ (task arithmetic grid" + (", block weights 1)" if spec.block_weights else ")"),
+                         f"λ={single['params']['lam']:g}",
                          single["grid_points"], round(100 * single["val_accuracy"], 2),
                          round(100 * single["test_accuracy"], 2)])
             if with_ada:
@@ -128,8 +130,8 @@ class TradeoffsTab:
         return (rows, f"Best of {tuned['trials']} TPE trials (seed {tuned['seed']}) on validation: "
                       f"`{tuned['spec'].label()}`; accuracies on the validation and test splits (the Merge tab "
                       f"shows the live split, a fixed subset of test). Press **Load into the sliders** to drag from "
-                      f"there." + (f"\n\n⚠️ {', '.join(tuned['at_edge'])} at an end of the search range "
-                                   f"{weight_range()}: the best may lie beyond it." if tuned["at_edge"] else ""),
+                      f"there." + (f"\n\n⚠️ {', '.join(tuned['at_edge'])} at an end of its search range "
+                                   f"(weights {weight_range()}; λ its tune grid's): the best may lie beyond it." if tuned["at_edge"] else ""),
                 tuned["spec"])
 
     def load(self, tuned, experts, method, *values):
