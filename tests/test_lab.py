@@ -198,6 +198,7 @@ def test_gradio_gives_every_lab_and_run_callback_the_browser_session():
     tab = CompareTab(None)
     land = LandscapeController(SimpleNamespace(session=SimpleNamespace(landscape=None), pool=None))
     for fn, n_inputs, progress_at in ((tab.auto_tune, 2, 3), (tab.sweep, 4, 5), (tab.cancel, 0, None),
-                                      (land.compute, 10 + 12, None), (land.cancel, 0, None)):
+                                      (land.compute, 10 + 12, None), (land.cancel, 0, None),
+                                      (land.restyle, 4 + 12, None)):
         inputs, progress_index, _, _ = special_args(fn, [None] * n_inputs, marker)
         assert inputs[0] is marker and progress_index == progress_at, fn.__name__

@@ -341,10 +341,15 @@ def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
     x, y, _ = state["plane"].coords(lc.land.spec_point(ctl.session.spec("task_arithmetic", lam=0.9)))
     assert (live2.x[0], live2.y[0]) == pytest.approx((x, y))
     # another metric or view: the surface shown is redrawn at once, with no point computed
-    restyled, fig = lc.restyle(state, "accuracy", ctl.pool.tasks[0], "contour", *controls(ctl, lam=0.9))
+    restyled, fig = lc.restyle(None, state, "accuracy", ctl.pool.tasks[0], "contour", *controls(ctl, lam=0.9))
     assert lc.land.cached_points() == n and (restyled["metric"], restyled["task"]) == ("accuracy", ctl.pool.tasks[0])
     assert fig.layout.title.text.startswith(f"{ctl.pool.tasks[0]} accuracy")
-    assert lc.restyle(None, "accuracy", None, "contour", *controls(ctl)) == (gr.skip(), gr.skip())
+    assert lc.restyle(None, None, "accuracy", None, "contour", *controls(ctl)) == (gr.skip(), gr.skip())
+    # chosen while a Compute goes: its later frames are drawn so (its last one went back to loss)
+    chosen = lambda *a, **k: lc.restyle(None, None, "accuracy", None, "contour", *controls(ctl))  # noqa: E731
+    *_, (last, fig) = lc.compute(None, [], "pca", None, None, "", "loss", "all tasks (mean)", 11, "contour", [],
+                                 *controls(ctl), progress=chosen)
+    assert last["metric"] == "accuracy" and fig.layout.title.text.startswith("mean accuracy")
     # three points are three: never filled up with pins (it once drew a plane through base, a task and a pin)
     pin = ctl.session.spec("task_arithmetic", lam=0.7)
     for three in ("base," + ctl.pool.tasks[0], "", f"base,base,{ctl.pool.tasks[0]}"):

@@ -11,7 +11,7 @@ from merger.landscape.surface import extent_of
 from merger.methods.registry import with_param
 from merger.ui.errors import keeps_outputs, kept, warn
 from merger.ui.merge_events import session_of
-from merger.ui.scheduling import BATCH_EVENT, CancelFlags
+from merger.ui.scheduling import BATCH_EVENT, PREVIEW_EVENT, CancelFlags
 
 PLANE_CHOICES = [("PCA of base, experts and pinned merges", "pca"), ("base + two task vectors", "tasks"),
                  ("three points (named below)", "points")]
@@ -20,12 +20,18 @@ PATH_AXES = {"λ path (current method)": "lam", "rank path (CART / TSV-M)": "ran
 ITERATES = "iterates of the current data-driven run"
 
 
+def _one_task(choice):
+    """A task dropdown's choice: one task's name, or None for the mean over tasks."""
+    return None if choice in (None, "", "all tasks (mean)") else choice
+
+
 class LandscapeController:
     def __init__(self, controller):
         self.ctl = controller
         self.land = controller.session.landscape
         self.pool = controller.pool
         self._cancel = CancelFlags()
+        self._styles: dict[str, tuple] = {}  # browser session -> the (metric, task, view) its tab shows
 
     def path_choices(self) -> list[str]:
         ft = [f"fine-tuning: {t}" for t in self.pool.tasks if trajectories.has_trajectory(self.pool, t)]
@@ -81,11 +87,12 @@ class LandscapeController:
         """Generator: the coarse surface first, then the full grid; the state keeps it for markers.
         Refused (a point that names nothing, a plane without its tasks) or cancelled: the landscape
         shown stays."""
-        with self._cancel.job(session_of(request)) as flag:
-            yield from self._compute(flag, pins, plane_kind, task_a, task_b, three, metric, task, grid, view,
+        who = session_of(request)
+        with self._cancel.job(who) as flag:
+            yield from self._compute(who, flag, pins, plane_kind, task_a, task_b, three, metric, task, grid, view,
                                      chosen_paths, experts, method, values, progress)
 
-    def _compute(self, flag, pins, plane_kind, task_a, task_b, three, metric, task, grid, view, chosen_paths,
+    def _compute(self, who, flag, pins, plane_kind, task_a, task_b, three, metric, task, grid, view, chosen_paths,
                  experts, method, values, progress):
         try:
             spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
@@ -114,26 +121,31 @@ class LandscapeController:
                 xs, ys, _ = trajectories.project(plane, tr)
                 coords += list(zip(xs, ys))
             extent = extent_of(coords)
-            task = None if task in (None, "", "all tasks (mean)") else task
+            task = _one_task(task)
             shown = lambda f, m: progress(f, desc=m)  # noqa: E731
             surfaces = ([self.land.surface(plane, extent, int(grid), progress=shown, cluster=self.ctl.cluster,
                                            cancel=flag.is_set)]
                         if self.ctl.cluster is not None else
                         self.land.progressive(plane, extent, int(grid), progress=shown, cancel=flag.is_set))
+            self._styles[who] = (metric, task, view)
             for surface in surfaces:
+                # the metric, task and view the page shows now: chosen again while this computed
+                metric, task, view = self._styles.get(who, (metric, task, view))
                 state = {"plane": plane, "surface": surface, "points": points, "paths": paths,
                          "metric": metric, "task": task, "view": view}
                 yield state, self.figure(state, marked)
         except MergerError as exc:
             yield kept(exc, 2)
 
-    def restyle(self, state, metric, task, view, experts, method, *values):
+    def restyle(self, request: gr.Request, state, metric, task, view, experts, method, *values):
         """The metric, its task or the view changed: the landscape shown is redrawn from its surface,
-        which holds every metric and task (no recompute); before any Compute, nothing to redraw."""
+        which holds every metric and task (no recompute), and a Compute under way draws its next
+        frames so; before any Compute, nothing to redraw."""
+        task = _one_task(task)
+        self._styles[session_of(request)] = (metric, task, view)
         if not state:
             return gr.skip(), gr.skip()
-        state = {**state, "metric": metric, "task": None if task in (None, "", "all tasks (mean)") else task,
-                 "view": view}
+        state = {**state, "metric": metric, "task": task, "view": view}
         try:
             spec = self._marked(self.ctl.spec_from_controls(experts, method, *values).rounded())
         except MergerError:  # the Merge tab's controls hold a refused value: no live marker
@@ -185,7 +197,7 @@ class LandscapeController:
         trajectory that is not available is named in the title, the others are drawn."""
         if not chosen:
             raise MergerError("tick at least one trajectory")
-        task = None if task in (None, "", "all tasks (mean)") else task
+        task = _one_task(task)
         spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
         paths, problems = self._paths(chosen, spec.method, spec.kwargs, spec)
         data = {tr.name: trajectories.evaluate_along(self.land, tr, split) for tr in paths}
@@ -226,7 +238,7 @@ def build_landscape_tabs(lc: LandscapeController, pins, inputs, batch):
                      [state, plot], **BATCH_EVENT, api_visibility="private")
         cancel_btn.click(lc.cancel, None, None, concurrency_id="cancel", concurrency_limit=None, api_visibility="private")
         for choice in (metric, task, view):  # what the surface already holds: redrawn at once
-            choice.change(batch(lc.restyle), [state, metric, task, view, *inputs], [state, plot], **BATCH_EVENT,
+            choice.change(batch(lc.restyle), [state, metric, task, view, *inputs], [state, plot], **PREVIEW_EVENT,
                           api_visibility="private")
         # A plot redrawn while its tab is hidden (the live marker follows the Merge tab's moves) is
         # laid out at a default width; a resize once the tab shows lays it out again at the tab's.
