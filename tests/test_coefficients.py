@@ -237,6 +237,8 @@ def test_weight_search_is_deterministic_for_a_seed(session):
     assert runs[0]["task_weights"] != runs[2]["task_weights"]
     assert runs[0]["val_accuracy"] == max(runs[0]["history"]) and runs[0]["trials"] == 6
     assert runs[0]["at_edge"] == [e for e, w in runs[0]["task_weights"].items() if w in (0.0, 2.0)]
+    with pytest.raises(MergerError, match=r"budget \(evaluations\): 2.5 is not a whole number"):
+        tune_weights(session, "task_arithmetic", budget=2.5)  # it ran 2 trials, unseen
     with_lam = tune_weights(session, "task_arithmetic", {"lam": 0.5}, budget=6, seed=3, with_lam=True)
     lam, grid = with_lam["spec"].kwargs["lam"], merger.methods.get("task_arithmetic").tune_grid["lam"]
     assert ("lam" in with_lam["at_edge"]) == (lam in (min(grid), max(grid)))

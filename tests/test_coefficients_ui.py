@@ -189,13 +189,13 @@ def test_tradeoffs_tab_views(ctl):
                                   progress=lambda *x, **k: None)
     assert maps == [gr.skip()] * 3 and status.startswith("⚠️") and "learns its own coefficients" in status
     table, msg, kept = tab.tune(person(), None, 0, False, False, *inputs, progress=lambda *x, **k: None)
-    assert (table, kept) == (gr.skip(), gr.skip()) and msg == "⚠️ evaluations (budget): empty or not a number"
+    assert (table, kept) == (gr.skip(), gr.skip()) and msg == "⚠️ budget (evaluations): empty or not a number"
     _, msg, _ = tab.tune(person(), 4, 2**40, False, False, *inputs, progress=lambda *x, **k: None)
     assert msg == "⚠️ seed: 1099511627776 is outside [0, 2^32 − 1]"  # not Optuna's words, mid-job
     _, msg, _ = tab.tune(person(), 500, 0, False, False, *inputs, progress=lambda *x, **k: None)
-    assert msg == "⚠️ evaluations (budget): 500 is outside [1, 400]"  # here, not a toast beside an older line
+    assert msg == "⚠️ budget (evaluations): 500 is outside [1, 400]"  # here, not a toast beside an older line
     table, msg, kept = tab.tune(person(), 2.5, 0, False, False, *inputs, progress=lambda *x, **k: None)
-    assert (table, kept) == (gr.skip(), gr.skip()) and msg == "⚠️ evaluations (budget): 2.5 is not a whole number"
+    assert (table, kept) == (gr.skip(), gr.skip()) and msg == "⚠️ budget (evaluations): 2.5 is not a whole number"
     rows, msg, tuned = tab.tune(person(), 4, 0, False, False, *inputs, progress=lambda *x, **k: None)
     assert rows[0][0] == "TPE per-task weights" and rows[0][2] == 4 and rows[1][0].startswith("best single λ")
     updates = tab.load(tuned, *inputs)

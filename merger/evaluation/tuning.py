@@ -224,6 +224,19 @@ def weight_range() -> str:
     return f"[{lo:g}, {hi:g}]"
 
 
+def _whole(name: str, value, lo: int, hi: int, hi_text: str) -> int:
+    """A count or seed: a whole number in [lo, hi] (2.5 was truncated to 2 trials unseen)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise MergerError(f"{name}: {value!r} is not a number") from None
+    if number != number or number % 1:
+        raise MergerError(f"{name}: {value:g} is not a whole number")
+    if not lo <= number <= hi:
+        raise MergerError(f"{name}: {int(number)} is outside [{lo}, {hi_text}]")
+    return int(number)
+
+
 def tune_weights(session, method: str, params: dict | None = None, experts=None, budget: int = 100, seed: int = 0,
                  with_lam: bool = False, progress: Progress = None, cancel=None, *, cluster=None,
                  on_result=None, known=None, block_weights: dict | None = None) -> dict:
@@ -243,10 +256,8 @@ def tune_weights(session, method: str, params: dict | None = None, experts=None,
         raise MergerError(f"{m.name} learns its own coefficients: tune the weights of a static method")
     if with_lam and "lam" not in m.param_names:
         raise MergerError(f"{m.name} has no λ to tune with the weights")
-    if not 1 <= int(budget) <= MAX_GRID_POINTS:
-        raise MergerError(f"budget: {budget} evaluations; give 1 to {MAX_GRID_POINTS}")
-    if not 0 <= int(seed) < 2**32:  # Optuna's sampler would refuse it with its own words, mid-job
-        raise MergerError(f"seed: {seed} is outside [0, 2^32 − 1]")
+    budget = _whole("budget (evaluations)", budget, 1, MAX_GRID_POINTS, str(MAX_GRID_POINTS))
+    seed = _whole("seed", seed, 0, 2**32 - 1, "2^32 − 1")  # Optuna's sampler would refuse it in its own words, mid-job
     chosen = session.spec(m.name, experts=experts, block_weights=block_weights or None, **(params or {}))
     blocks = dict(chosen.block_weights) or None
     lo, hi, step = WEIGHT_SEARCH

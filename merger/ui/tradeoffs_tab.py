@@ -94,18 +94,14 @@ class TradeoffsTab:
     def _tune(self, flag, budget, seed, with_lam, with_ada, inputs, progress):
         session = self.ctl.session
         try:
-            # checked here, not by the boxes' bounds: every refusal in this status line (a bound's
-            # refusal was a toast, beside an older refusal left standing here)
-            for label, value, lo, hi in (("evaluations (budget)", budget, 1, MAX_GRID_POINTS), ("seed", seed, 0, 2**32 - 1)):
+            # checked by tune_weights, not by the boxes' bounds: every refusal in this status line (a
+            # bound's refusal was a toast, beside an older refusal left standing here)
+            for label, value in (("budget (evaluations)", budget), ("seed", seed)):
                 if value is None:  # the box left empty, or text typed in it (the browser sends no number)
                     raise MergerError(f"{label}: empty or not a number")
-                if float(value) % 1:
-                    raise MergerError(f"{label}: {value:g} is not a whole number")
-                if not lo <= value <= hi:
-                    raise MergerError(f"{label}: {int(value)} is outside [{lo}, {hi if hi < 2**32 - 1 else '2^32 − 1'}]")
             spec = self._spec(inputs)
-            tuned = tune_weights(session, spec.method, spec.kwargs, list(spec.experts), budget=int(budget),
-                                 seed=int(seed), with_lam=bool(with_lam),
+            tuned = tune_weights(session, spec.method, spec.kwargs, list(spec.experts), budget=budget,
+                                 seed=seed, with_lam=bool(with_lam),
                                  progress=lambda f, m: progress(f, desc=m), cancel=flag.is_set,
                                  cluster=self.ctl.cluster, block_weights=dict(spec.block_weights))
             rows = [["TPE per-task weights" + (" + λ" if with_lam else ""),
@@ -164,7 +160,7 @@ def build_tradeoffs_tab(ctl, merge: dict, events, batch) -> TradeoffsTab:
         up_plot = gr.Plot(label="turn one up")
         gr.Markdown("### Tuned search of the per-task weights (validation, then test)")
         with gr.Row():
-            budget = gr.Number(value=100, precision=0, label="evaluations (budget)", info=f"1 to {MAX_GRID_POINTS}")
+            budget = gr.Number(value=100, precision=0, label="budget (evaluations)", info=f"1 to {MAX_GRID_POINTS}")
             seed = gr.Number(value=0, precision=0, label="seed")
             with_lam = gr.Checkbox(value=False, label="tune λ too")
             with_ada = gr.Checkbox(value=False, label="compare with AdaMerging task-wise (a run)")
