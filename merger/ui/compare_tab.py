@@ -63,7 +63,7 @@ class CompareTab:
         """Widths in proportion to what each column must show on one line (its header, or a number;
         the table's font has one width for every character): the spec and experts columns wrap, and
         a header is never broken mid-word ("positi/on", "normalise/d %" in equal task columns)."""
-        chars = [16, 14] + [max(len(h), 6) + 4 for h in self.compare_headers()[2:]]  # + the cell padding
+        chars = [20, 12] + [max(len(h), 6) + 4 for h in self.compare_headers()[2:]]  # + the cell padding
         return [f"{100 * c / sum(chars):.2f}%" for c in chars]
 
     def _record(self, spec, result) -> None:
