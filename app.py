@@ -99,9 +99,10 @@ def main(argv=None) -> int:
     app = build_app(session, history, cluster=cluster)
     app.queue(default_concurrency_limit=1)
     try:
-        # quiet: Gradio's own lines speak of its Python API (share=True in launch()), not of this app's flags
+        # quiet: Gradio's own lines speak of its Python API (share=True in launch()), not of this app's flags;
+        # show_error: an error that is no gr.Error says its message (a short plain-HTTP list got {"error": null})
         app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=args.auth,
-                   footer_links=["api"], css=None, quiet=True, prevent_thread_lock=True)
+                   footer_links=["api"], css=None, quiet=True, prevent_thread_lock=True, show_error=True)
     except OSError:  # taken since the check above
         print(f"error: --host {args.host} --port {args.port}: cannot serve there: the port is taken, or "
               f"{args.host} is not an address of this machine; pick another --port", file=sys.stderr)

@@ -238,6 +238,20 @@ def test_api_answers_a_non_json_float_with_the_fields_message(server, token, sho
     assert 0 <= ok["average_accuracy"] <= 1
 
 
+def test_a_short_plain_http_list_is_refused_with_the_counts(server):
+    """A `data` list shorter than the endpoint's arguments got `{"error": null}` (the reason only in
+    the server's log)."""
+    import json
+    import urllib.request
+
+    url = server["url"] + "gradio_api/call/evaluate"
+    req = urllib.request.Request(url, data=json.dumps({"data": ["ties", 1.0, None, 0.8]}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    event = json.loads(urllib.request.urlopen(req, timeout=30).read())["event_id"]
+    stream = urllib.request.urlopen(f"{url}/{event}", timeout=60).read().decode()
+    assert "event: error" in stream and "didn't receive enough input values (needed: " in stream and "got: 4" in stream
+
+
 def test_plain_http_payload_of_the_benches_is_accepted(server):
     """What ``bench workshop``'s clients send over plain HTTP (every argument, in the signature's
     order) is answered with the merge it names: a new endpoint argument cannot break them unseen."""
