@@ -378,6 +378,12 @@ def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
     assert not any(t.name == "live merge" for t in fig.data)
     # a move to it takes the marker away (it stayed on the previous merge, with that merge's label)
     assert not any(t.name == "live merge" for t in lc.move_live(state, *never_run).data)
+    # nor after a move the Merge tab answers without a result (a refused value): no marker left behind
+    from merger.ui.merge_events import MergeTabEvents
+
+    events = MergeTabEvents(ctl, "task_arithmetic", lc)
+    *_, last = events.move(None, state, *with_weights(ctl, controls(ctl, "ties", sparsity=None)))
+    assert last[3].startswith("⚠️ sparsity: empty") and not any(t.name == "live merge" for t in last[7].data)
     # nor does a point typed as METHOD:param=value run it
     with pytest.warns(UserWarning, match="landscape point 'adamerging_task:steps=2:samples=5:seed=7': no AdaMerging"):
         list(lc.compute(None, [], "points", None, None, f"base,{ctl.pool.tasks[0]},adamerging_task:steps=2:samples=5:seed=7",

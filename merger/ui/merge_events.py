@@ -214,8 +214,9 @@ class MergeTabEvents:
         except Superseded:
             yield skip
             return
-        if ans.result is None:
-            yield (*self.ctl.no_result(ans.message, ans.why), *learned, gr.skip())
+        if ans.result is None:  # no merge on screen: the landscape's marker leaves the last one too
+            marker = self.landscape.move_live(land_state, experts, method, *values) if self.landscape else gr.skip()
+            yield (*self.ctl.no_result(ans.message, ans.why), *learned, marker)
             return
         self.saw(who, [ans.spec])  # answer() without images is complete
         # The numbers first (what a person reads), then the figures, which take the browser longer to draw.
