@@ -26,6 +26,8 @@ def ex(tmp_path_factory):
     ("data_fraction", 0, "data_fraction=0.0 must be in \\(0, 1\\]"),
     ("data_fraction", 1.5, "data_fraction=1.5 must be in \\(0, 1\\]"),
     ("epochs", "many", "epochs='many' is not a number"),
+    ("seed", 1e30, "seed=1000000000000000019884624838656 must be between 0 and 2147483647"),
+    ("seed", -4, "seed=-4 must be between 0 and 2147483647"),
 ])
 def test_settings_out_of_range_name_the_field(field, value, message):
     settings = {"lr": 1e-3, "epochs": 1, "batch_size": 64, "data_fraction": 1.0, "seed": 0, field: value}
@@ -33,7 +35,7 @@ def test_settings_out_of_range_name_the_field(field, value, message):
         lab.check_settings(**settings)
 
 
-def test_lab_runs_are_deterministic_and_join_the_pool(ex):
+def test_lab_runs_are_deterministic_and_join_the_pool(ex, tmp_path):
     pool = ex.pool
     t = pool.tasks[0]
     s = lab.check_settings(lr=1e-3, epochs=1, batch_size=64, data_fraction=0.5, seed=3)
@@ -53,9 +55,25 @@ def test_lab_runs_are_deterministic_and_join_the_pool(ex):
     assert list(res.accuracy) == tasks and res is not before
     assert ex.expert_accuracy("live") == before.expert_accuracy  # the reference marks are the pool's experts
     assert ex.expert_task_accuracy(f"{t}@lab", "live") > 0
+    from merger.ui.merge_tab import Controller
+
+    spec = ex.spec("task_arithmetic", lam=0.3, experts=[t, f"{t}@lab"])
+    assert "over 2 experts (1 from the lab)" in Controller(ex).summary(spec, res, False)  # it read "2 of 2"
     assert lab.lab_experts(pool, owner="person-a") == [f"{t}@lab"] and lab.lab_experts(pool, owner="person-b") == []
     with pytest.raises(MergerError, match="already exists"):
         lab.add_expert(ex, f"{t}@lab", t, a)
+    # a merge with it exports (it crashed on the lab expert's missing file), saying what the expert was
+    import yaml
+    from safetensors.torch import load_file
+
+    from merger.io.export import export_merge
+
+    spec = ex.spec("task_arithmetic", lam=0.3, experts=[t, f"{t}@lab"])
+    weights, spec_yaml = export_merge(pool, spec, tmp_path / "m.safetensors")
+    record = yaml.safe_load(spec_yaml.read_text())
+    assert "expert lab" in record["expert_files"][f"{t}@lab"]["lab"] and "sha256" in record["expert_files"][t]
+    merged = merger.merge(pool, "task_arithmetic", lam=0.3, experts=[t, f"{t}@lab"])
+    assert all(torch.equal(load_file(weights)[k], merged[k]) for k in merged)
 
 
 def test_lab_needs_the_demo_world(tiny_pool):
@@ -100,9 +118,17 @@ def test_scaling_view_merges_by_weight_averaging_with_its_default_names(ex):
     t = ex.pool.tasks[0]
     base = lab.check_settings(1e-3, 1, 64, 0.5, 0)
     r = lab.scaling_view(ex, "lr", [1e-3, 2e-3], base, [t])
-    assert [n for n in ex.pool.experts if n.startswith(f"{t}@lr=")] == [f"{t}@lr=0.001", f"{t}@lr=0.002"]
-    wa = ex.preview(ex.spec("weight_averaging", experts=[f"{t}@lr=0.001"]), "test")
+    made = [n for n in ex.pool.experts if n.startswith(f"{t}@lr=")]
+    assert [n.rsplit("-", 1)[0] for n in made] == [f"{t}@lr=0.001", f"{t}@lr=0.002"]
+    wa = ex.preview(ex.spec("weight_averaging", experts=made[:1]), "test")
     assert r["accuracy"][0] == pytest.approx(wa.accuracy[t]) and "weight averaging" in r["merge"]
+    assert lab.scaling_view(ex, "lr", [1e-3, 2e-3], base, [t])["loss"] == r["loss"]  # the same settings: reused
+    assert len([n for n in ex.pool.experts if n.startswith(f"{t}@lr=")]) == 2
+    # other settings are other experts (a view run again with another optimiser showed the first one's)
+    other = lab.scaling_view(ex, "lr", [1e-3, 2e-3], {**base, "seed": 1}, [t])
+    assert len([n for n in ex.pool.experts if n.startswith(f"{t}@lr=")]) == 4 and other["loss"] != r["loss"]
+    with pytest.raises(MergerError, match="batch_size 0 \\(the full batch\\) has no place on the a \\+ b/B trend"):
+        lab.scaling_view(ex, "batch_size", [0, 64], base, [t])  # said before any fine-tune (it crashed after)
 
 
 def test_scaling_view_over_the_number_of_tasks(tmp_path):
@@ -144,6 +170,15 @@ def test_refused_lab_settings_say_why_in_the_status_and_keep_the_plots(ex):
     status, *choices = lc.run(request, ex.pool.tasks[0], "x", -1.0, 1, 64, 1.0, 0, "adamw", 0.9, 0.1, "cosine",
                               progress=lambda f, desc=None: None)
     assert status.startswith("⚠️") and "lr" in status and choices == [gr.skip()] * 2
+    # a taken or bad name is refused before the fine-tune (it was refused after its minutes of training)
+    trained = []
+    lc._train = lambda *a, **k: trained.append(1)
+    for name, message in ((ex.pool.tasks[0], "already exists"), ("bad name!", "use 1-40 letters")):
+        status, *_ = lc.run(request, ex.pool.tasks[0], name, 1e-3, 1, 64, 1.0, 0, "adamw", 0.9, 0.1, "cosine",
+                            progress=lambda f, desc=None: None)
+        assert status.startswith("⚠️ lab:") and message in status
+    assert trained == []
+    del lc._train
     for values, message in (("0.001, abc", "'0.001, abc': not comma-separated numbers"),
                             ("0.001, nan", "every value must be a finite number")):
         *plots, status = lc.scaling(request, "lr", values, 1e-3, 1, 64, 1.0, 0, "adamw", 0.9, 0.1, "cosine",

@@ -259,6 +259,16 @@ def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch)
     from merger.methods import PARAM_NAMES
     by_name = dict(zip(PARAM_NAMES, values))
     assert method["value"] == "iso_c" and by_name["lam"]["value"] == 1.25 and by_name["rank_ratio"]["visible"] is False
+    # a row that merged a lab expert gone with its server: refused by name (the checkbox took the name it
+    # does not offer, and every later event of the page failed)
+    gone = ctl.session.spec("task_arithmetic", lam=0.3)
+    ctl.history.record("elsewhere", gone, ctl.session.preview(gone))
+    with ctl.history._lock:
+        ctl.history._db.execute("UPDATE evaluations SET experts = ? WHERE pool = 'elsewhere'",
+                                (",".join([*ctl.pool.tasks[:1], "gd2"]),))
+    gone_id = ctl.history.rows(pool="elsewhere")[0]["id"]
+    with pytest.raises(gr.Error, match=f"history: row {gone_id} merges gd2, not an expert of this pool now"):
+        ctl.reload(gone_id)
     with pytest.raises(gr.Error, match="no row with id 999999"):
         ctl.reload(999999)
     # From the History tab: a warning, and every Merge-tab input as it was (an error would put a

@@ -2,6 +2,7 @@
 add them to the pool under a name, and the scaling view across expert sets."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import random
@@ -50,6 +51,8 @@ def check_settings(lr, epochs, batch_size, data_fraction, seed, optimizer="adamw
                           "(or 0: the whole train split, full batch)")
     if not 0 < data_fraction <= 1:
         raise MergerError(f"lab: data_fraction={data_fraction} must be in (0, 1]")
+    if not 0 <= seed < 2**31:  # as the Merge tab's seeds (torch's generator took 1e30 as an overflow)
+        raise MergerError(f"lab: seed={seed} must be between 0 and 2147483647")
     if not LIMITS["momentum"][0] <= momentum < LIMITS["momentum"][1]:
         raise MergerError(f"lab: momentum={momentum} must be in [0, 1)")
     if not (math.isfinite(weight_decay) and LIMITS["weight_decay"][0] <= weight_decay <= LIMITS["weight_decay"][1]):
@@ -107,15 +110,21 @@ def finetune(session, task: str, settings: dict, progress=None, cancel=None):
                                      cancel=check, config=pool.architecture["config"], **settings)
 
 
+def check_name(pool, name: str) -> None:
+    """A new expert's name: free, and one a pool, a History row and a spec file can carry. Checked
+    before a fine-tune too (a taken name was refused after minutes of training)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.@=\-]{1,40}", name or ""):
+        raise MergerError(f"lab: name {name!r}: use 1-40 letters, digits, '_', '-', '.', '@', '='")
+    if name in pool.expert_info:
+        raise MergerError(f"lab: an expert named '{name}' already exists (names are shared by every session)")
+
+
 def add_expert(session, name: str, like_task: str, weights: dict, hparams: dict | None = None,
                trajectory: Sequence[dict] | None = None, owner: str | None = None) -> None:
     """Add an expert under ``name`` for the task ``like_task`` (a lab expert's own task when it is
     one), made by the session ``owner``. The pool's tasks do not change: results stay per task."""
     pool = session.pool
-    if not re.fullmatch(r"[A-Za-z0-9_.@=\-]{1,40}", name or ""):
-        raise MergerError(f"lab: name {name!r}: use 1-40 letters, digits, '_', '-', '.', '@', '='")
-    if name in pool.expert_info:
-        raise MergerError(f"lab: an expert named '{name}' already exists (names are shared by every session)")
+    check_name(pool, name)
     if like_task not in pool.expert_info:
         raise MergerError(f"lab: unknown task '{like_task}'")
     session.add_expert(name, pool.task_of(like_task), weights,
@@ -180,6 +189,9 @@ def scaling_view(session, param: str, values: Sequence[float], base_settings: di
         raise MergerError("lab: the scaling view needs at least two values")
     if not all(math.isfinite(v) for v in values):
         raise MergerError(f"lab: scaling values {list(values)}: every value must be a finite number")
+    if param == "batch_size" and 0 in [float(v) for v in values]:  # said before minutes of fine-tuning
+        raise MergerError("lab: batch_size 0 (the full batch) has no place on the a + b/B trend: give the "
+                          "batch size in images")
     accs, losses = [], []
     pool = session.pool
     if param == "num_tasks":
@@ -196,9 +208,11 @@ def scaling_view(session, param: str, values: Sequence[float], base_settings: di
     else:
         for vi, v in enumerate(values):
             settings = check_settings(**{**base_settings, param: v})
+            # the other settings in the name too: a view run again with another optimiser reused these
+            digest = hashlib.sha1(repr(sorted(settings.items())).encode()).hexdigest()[:6]
             names = []
             for ti, t in enumerate(tasks):
-                name = f"{t}@{param}={v:g}"
+                name = f"{t}@{param}={v:g}-{digest}"
                 if name not in pool.expert_info:
                     done = (vi * len(tasks) + ti) / (len(values) * len(tasks))
                     sd, traj, hp = finetune(session, t, settings, cancel=cancel,

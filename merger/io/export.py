@@ -33,6 +33,16 @@ def pool_reference(pool) -> str:
     return str(Path(pool.source).resolve())
 
 
+def _expert_file(pool, name: str, hashes: dict) -> dict:
+    """Where an expert's weights came from: its file and hash, or, for a lab expert (fine-tuned in
+    the app, in memory only), what it was: a replay from files cannot find it."""
+    info = pool.expert_info[name]
+    if info.get("path") is None:
+        return {"lab": f"fine-tuned in the app's expert lab for task {info.get('lab_task', '?')} (in memory, no file: "
+                       "this merge cannot be replayed from files)"}
+    return {"path": str(info["path"].resolve()), "sha256": hashes[name]}
+
+
 def spec_record(pool, spec: Spec, weights: Path) -> dict:
     from merger import __version__
 
@@ -45,9 +55,7 @@ def spec_record(pool, spec: Spec, weights: Path) -> dict:
         **{k: v for k, v in spec.as_dict().items() if k in WEIGHT_KEYS},
         "pool": pool_reference(pool),
         "base": {"path": str(pool.base_path.resolve()), "sha256": hashes["base"]},
-        "expert_files": {
-            t: {"path": str(pool.expert_info[t]["path"].resolve()), "sha256": hashes[t]} for t in spec.experts
-        },
+        "expert_files": {t: _expert_file(pool, t, hashes) for t in spec.experts},
         "weights": weights.name,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -61,7 +61,9 @@ class AnalysisController:
             curves[f"τ {t}"] = (list(range(1, len(sp["uncentred"][i]) + 1)), sp["uncentred"][i])
         for i, t in enumerate(tv.tasks):
             curves[f"θ−θavg {t}"] = (list(range(1, len(sp["centred"][i]) + 1)), sp["centred"][i])
-        spectra = plots.lines(curves, "index", "singular value", f"Spectra of {spec_key}",
+        title = f"Spectra of {spec_key}" + ("<br><sub>the first matrix: a spectrum is one matrix's; R(k) and I(k) "
+                                            "beside it are summed over all</sub>" if len(keys) > 1 else "")
+        spectra = plots.lines(curves, "index", "singular value", title,
                               dashed=[f"θ−θavg {t}" for t in tv.tasks])
         rmax = min(min(tv.base[k].shape) for k in keys)
         ks = [k for k in KS if k <= rmax] + ([rmax] if rmax not in KS else [])

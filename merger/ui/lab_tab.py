@@ -7,8 +7,8 @@ import traceback
 import gradio as gr
 
 from merger import plots
-from merger.analysis.lab import (GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, TRENDS, add_expert, check_settings, finetune,
-                                 lab_experts, scaling_view)
+from merger.analysis.lab import (GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, TRENDS, add_expert, check_name, check_settings,
+                                 finetune, lab_experts, scaling_view)
 from merger.errors import Cancelled, MergerError
 from merger.landscape.trajectories import has_trajectory
 from merger.ui.errors import notice
@@ -81,9 +81,11 @@ class LabController:
             weight_decay, schedule, progress=gr.Progress()):
         name = str(name or "").strip() or self.free_name(task, request)
         settings = (lr, epochs, batch_size, data_fraction, seed, optimizer, momentum, weight_decay, schedule)
-        hp, stopped = self._guarded(request, lambda flag: self._train(task, name, check_settings(*settings),
-                                                                       progress, flag, request),
-                                    "Cancelled: no expert was added.")
+        def train(flag):
+            check_name(self.pool, name)  # before the fine-tune, not after its minutes
+            return self._train(task, name, check_settings(*settings), progress, flag, request)
+
+        hp, stopped = self._guarded(request, train, "Cancelled: no expert was added.")
         if stopped:
             return stopped, gr.skip(), gr.skip()
         return (f"Added expert **{name}** ({hp}); it is yours: other sessions see it only if they opt in.",

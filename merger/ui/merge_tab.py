@@ -150,7 +150,7 @@ class Controller(ControlPanel):
             f"± {100 * result.average_margin():.1f} % · "
             f"normalised <span id='norm-acc' title='{norm:.4f}'>{norm:.1f}</span> % · "
             f"loss {result.average_loss:.3f}",
-            f"`{rounded.label()}` over {len(spec.experts)} of {len(self.pool.tasks)} experts · "
+            f"`{rounded.label()}` over {self._experts_text(spec)} · "
             f"{result.split} split ({'/'.join(map(str, images))} images per task; ± is the 95 % binomial "
             f"interval) · {timing}",
         ]
@@ -163,6 +163,14 @@ class Controller(ControlPanel):
         if self.session.evaluator.notices:
             lines.append(f"⚠️ {self.session.evaluator.notices[-1]}")
         return "\n\n".join(lines)
+
+    def _experts_text(self, spec) -> str:
+        """'3 of 7 experts' (the pool's), or with lab experts among them '8 experts (2 from the lab)':
+        '8 of 7' read as a fault."""
+        lab = [e for e in spec.experts if e not in self.pool.tasks]
+        if not lab:
+            return f"{len(spec.experts)} of {len(self.pool.tasks)} experts"
+        return f"{len(spec.experts)} experts ({len(lab)} from the lab)"
 
     def reload(self, row_id):
         """Controls of the Merge tab set from a history row (method, parameters, experts, weights)."""
@@ -177,10 +185,17 @@ class Controller(ControlPanel):
         if row is None:
             fail(f"history: no row with id {text}")
         experts = [e for e in row["experts"].split(",") if e]
+        gone = [e for e in experts if e not in self.pool.experts]
+        if gone:  # the checkbox would take a name it does not offer, and every later event would fail
+            fail(f"history: row {text} merges {', '.join(gone)}, not an expert of this pool now (a lab expert "
+                 "lives in memory: it went with the server that made it); nothing was changed")
         params = json.loads(row["params"])
         task_weights, block_weights = params.pop("task_weights", {}), params.pop("block_weights", {})
         updates = self.spec_updates(experts, row["method"], params, task_weights, block_weights)
-        gr.Info(f"History row {text} ({row['method']}) is in the Merge tab's controls now.")
+        acc = row.get("average_accuracy")
+        recorded = f" It recorded {100 * acc:.1f} % on the {row['split']} split" if acc is not None else ""
+        gr.Info(f"History row {text} ({row['method']}) is in the Merge tab's controls now.{recorded}"
+                + ("; the Merge tab shows the live split." if recorded and row["split"] != "live" else "."))
         return updates
 
     def spec_updates(self, experts, method: str, params: dict, task_weights: dict, block_weights: dict) -> tuple:
