@@ -231,7 +231,7 @@ def _whole(name: str, value, lo: int, hi: int, hi_text: str) -> int:
     except (TypeError, ValueError):
         raise MergerError(f"{name}: {value!r} is not a number") from None
     if number != number or number % 1:
-        raise MergerError(f"{name}: {value:g} is not a whole number")
+        raise MergerError(f"{name}: {number:g} is not a whole number")
     if not lo <= number <= hi:
         raise MergerError(f"{name}: {int(number)} is outside [{lo}, {hi_text}]")
     return int(number)
