@@ -41,7 +41,7 @@ def new_folders(args, flags=("out", "history")) -> None:
         if flag == "out" and getattr(args, "command", None) == "demo":
             continue  # demo build --out names the folder itself, which the build makes
         if flag == "history" and value and Path(value).expanduser() == Path(DEFAULT_PATH).expanduser():
-            continue  # the default place (~/.cache/merger), not a path a person typed
+            continue  # the default place (~/.merger), not a path a person typed
         if value:
             folder = Path(value).expanduser().parent
             if not folder.exists():

@@ -128,15 +128,20 @@ class Merges:
         m, args, scale = self._prepare_args(spec, rounded)
         return self.prepared(m, spec.experts, args, scale)
 
+    def _spec_key(self, spec: Spec) -> tuple:
+        """(method, the cache key of its preparation) of a spec, rounded as previews are."""
+        m, args, scale = self._prepare_args(spec)
+        return m, self._prepared_key(m, spec.experts, args, scale)
+
     def prepared_state(self, spec: Spec):
         """The cached preparation of a static spec, or None (never computes: for notes and views)."""
-        m, args, scale = self._prepare_args(spec)
-        return None if m.data_driven else self._prepared.get(self._prepared_key(m, spec.experts, args, scale))
+        m, key = self._spec_key(spec)
+        return None if m.data_driven else self._prepared.get(key)
 
     def is_prepared(self, spec: Spec) -> bool:
         """Whether a move of this static spec costs only an apply (its preparation is cached)."""
-        m, args, scale = self._prepare_args(spec)
-        return m.data_driven or self._prepared_key(m, spec.experts, args, scale) in self._prepared
+        m, key = self._spec_key(spec)
+        return m.data_driven or key in self._prepared
 
     def prepare_is_slow(self, spec: Spec) -> bool:
         """A static spec whose preparation is not cached, of a slow_prepare method, on a pool large
@@ -175,8 +180,7 @@ class Merges:
     def preparation_goes_on(self, spec: Spec, cancel) -> bool:
         """Whether the slow preparation of ``spec`` goes on for another caller after the Cancel of the
         caller whose cancel check is ``cancel`` (``SharedWork.goes_on_after_cancel``)."""
-        m, args, scale = self._prepare_args(spec)
-        key = self._prepared_key(m, spec.experts, args, scale)
+        m, key = self._spec_key(spec)
         return not m.data_driven and self._preparing.goes_on_after_cancel(key, cancel)
 
     def preparing(self) -> list[str]:

@@ -176,7 +176,8 @@ class PoolSession:
         if key in self._runs:
             return self._runs[key]
         return self._running.get(key, lambda progress, cancel: self._compute_run(m, key, progress, cancel),
-                                 progress, cancel, alone=self.queue.held_here(), label=on_experts(key.label(), key.experts, self.pool.tasks))
+                                 progress, cancel, alone=self.queue.held_here(),
+                                 label=on_experts(key.label(), key.experts, self.pool.tasks))
 
     def _compute_run(self, m, key: Spec, progress, cancel):
         from merger.methods.adaptive import Context

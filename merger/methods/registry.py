@@ -31,11 +31,11 @@ class Param:
     label: str = ""  # what the UI calls it ("λ (merge coefficient)"); the name where empty
     sweep: tuple = ()  # the values a sweep against this parameter visits; () = not a sweep axis
 
-    def range_text(self) -> str:
-        lo = "(" if self.min_open else "["
-        hi = ")" if self.max_open else "]"
+    def range_text(self, bounds: tuple[float, float] | None = None) -> str:
+        """[min, max] with its open ends; ``bounds``: another range of it (``Method.bounds``: T's cap)."""
+        lo, hi = bounds or (self.min, self.max)
         fmt = (lambda v: str(int(v))) if self.kind == "int" else (lambda v: f"{v:g}")
-        return f"{lo}{fmt(self.min)}, {fmt(self.max)}{hi}"
+        return f"{'(' if self.min_open else '['}{fmt(lo)}, {fmt(hi)}{')' if self.max_open else ']'}"
 
     def check(self, value: Any, method: str) -> float | int | str:
         if self.auto is not None and isinstance(value, str) and value.strip().lower() == "auto":

@@ -125,8 +125,7 @@ class AnalysisController:
         """The Merge tab's spec, whose merge a view computes: a data-driven one only where its run is
         cached (the one on screen), never run here unseen, without progress or Cancel."""
         spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
-        if methods.get(spec.method).data_driven:
-            self.ctl.run_on_screen(spec)
+        self.ctl.run_on_screen(spec)
         return spec
 
     def _features(self, weights: dict, x):
@@ -160,8 +159,7 @@ class AnalysisController:
         spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
         land = self.ex.landscape
         if endpoints == "base → current merge":
-            if methods.get(spec.method).data_driven:  # the merge's run on screen (two experts' path needs none)
-                self.ctl.run_on_screen(spec)
+            self.ctl.run_on_screen(spec)  # the merge's run on screen (two experts' path needs none)
             a, b, title = land.base_point(), land.spec_point(spec), f"base → {spec.label()}"
         else:
             if len(spec.experts) < 2:

@@ -36,10 +36,7 @@ class CompareTab:
         self._cancel = CancelFlags()  # auto-tune and sweeps: a grid can take minutes
 
     def cancel(self, request: gr.Request):
-        if self._cancel.cancel(session_of(request)):
-            gr.Info("Cancelling after the current evaluation…")
-        else:
-            gr.Info("No auto-tune or sweep in progress: nothing to cancel.")
+        self._cancel.cancel_and_say(session_of(request), "auto-tune or sweep", "after the current evaluation")
 
     @keeps_outputs(3)
     def compare(self, pins, split):

@@ -130,11 +130,9 @@ class ControlPanel:
         params = {k: values.get(k) for k in m.param_names}
         for k, v in params.items():
             if v is None:  # an emptied box: never its default (or an earlier value) unseen
-                p, (lo, hi) = m.param(k), m.bounds(k, len(experts))
-                fmt = (lambda x: f"{x:.0f}") if p.kind == "int" else (lambda x: f"{x:g}")
-                span = f"{'(' if p.min_open else '['}{fmt(lo)}, {fmt(hi)}{')' if p.max_open else ']'}"
-                raise MethodError(f"{p.label or k}: empty; type a {'whole ' if p.kind == 'int' else ''}number in {span}",
-                                  param=k)
+                p = m.param(k)
+                raise MethodError(f"{p.label or k}: empty; type a {'whole ' if p.kind == 'int' else ''}number in "
+                                  f"{p.range_text(m.bounds(k, len(experts)))}", param=k)
             if m.param(k).auto and _at_auto(m, k, v, len(experts)):
                 params[k] = "auto"
         if m.data_driven:  # it learns its own coefficients: the sliders are for static methods (panel says so)

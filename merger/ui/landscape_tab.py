@@ -77,10 +77,7 @@ class LandscapeController:
         return spec
 
     def cancel(self, request: gr.Request):
-        if self._cancel.cancel(session_of(request)):
-            gr.Info("Cancelling the landscape after the current row…")
-        else:
-            gr.Info("No landscape in progress: nothing to cancel.")
+        self._cancel.cancel_and_say(session_of(request), "landscape", "the landscape after the current row")
 
     def compute(self, request: gr.Request, pins, plane_kind, task_a, task_b, three, metric, task, grid, view,
                 chosen_paths, experts, method, *values, progress=gr.Progress()):

@@ -228,9 +228,12 @@ class Controller(ControlPanel):
                                  got.block_weights)
 
     def run_on_screen(self, spec):
-        """The cached run of a data-driven spec: the one whose numbers the page shows. Pin, Export
-        and Start from learned take it, and never start one unseen (Compare would otherwise run a
-        pinned one for minutes, without progress or Cancel)."""
+        """The cached run of a data-driven spec: the one whose numbers the page shows (None for a
+        static spec, which needs none). Pin, Export, Start from learned and the views of the current
+        merge take it, and never start one unseen (Compare would otherwise run a pinned one for
+        minutes, without progress or Cancel)."""
+        if not methods.get(spec.method).data_driven:
+            return None
         run = self.session.cached_run(spec)
         if run is None:
             raise MergerError(f"no {methods.get(spec.method).display_name} run for these settings yet: press Run "
@@ -240,8 +243,7 @@ class Controller(ControlPanel):
     def pin(self, pins, experts, method, *values):
         try:
             spec = self.spec_from_controls(experts, method, *values).rounded()
-            if methods.get(spec.method).data_driven:
-                self.run_on_screen(spec)
+            self.run_on_screen(spec)
         except MergerError as exc:
             warn(f"Pin: {exc}")
             return pins, self.pins_text(pins)

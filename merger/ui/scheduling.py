@@ -85,6 +85,13 @@ class CancelFlags:
             progress(fraction, desc=message)
         return report
 
+    def cancel_and_say(self, session: str, jobs: str, stops: str) -> None:
+        """``cancel``, said in a toast: "Cancelling {stops}…", or that no {jobs} is in progress. The
+        status lines and plots stay: each job says in its own line that it stopped."""
+        import gradio as gr
+
+        gr.Info(f"Cancelling {stops}…" if self.cancel(session) else f"No {jobs} in progress: nothing to cancel.")
+
     def cancel(self, session: str) -> bool:
         """Set the flag of each job the session runs; whether there was one."""
         with self._lock:

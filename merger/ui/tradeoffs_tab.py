@@ -27,10 +27,7 @@ class TradeoffsTab:
         """Stops this page's trade-offs jobs (the map, turn one up, the weight search); each says so
         in its own status line when it stops. The map's caption is not overwritten: the map it
         describes may stay on screen (a Cancel meant for Turn one up)."""
-        if not self._cancel.cancel(session_of(request)):
-            gr.Info("No trade-offs job in progress: nothing to cancel.")
-        else:
-            gr.Info("Cancelling after the current evaluation…")
+        self._cancel.cancel_and_say(session_of(request), "trade-offs job", "after the current evaluation")
         return gr.skip()
 
     def _spec(self, inputs):
