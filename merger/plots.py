@@ -287,8 +287,11 @@ def lines(curves: Mapping[str, tuple], x_title: str, y_title: str, title: str, l
     for i, (name, (xs, ys)) in enumerate(curves.items()):
         fig.add_trace(go.Scatter(x=list(xs), y=list(ys), name=name, mode="lines" if name in dashed else "lines+markers",
                                  line=dict(color=PALETTE[i % len(PALETTE)], dash="dot" if name in dashed else "solid")))
-    fig.update_layout(title=title, xaxis=dict(title=x_title, type="log" if log_x else "linear"),
-                      yaxis=dict(title=y_title), **_CURVES)
+    xaxis = dict(title=x_title, type="log" if log_x else "linear")
+    run = sorted({float(x) for name, (xs, _) in curves.items() if name not in dashed for x in xs})
+    if log_x and len(run) <= 12:  # a log axis over a decade or two labels 2, 5, 2, 5…: tick the values run instead
+        xaxis.update(tickvals=run, ticktext=[f"{x:g}" for x in run])
+    fig.update_layout(title=title, xaxis=xaxis, yaxis=dict(title=y_title), **_CURVES)
     return fig
 
 

@@ -105,18 +105,29 @@ def test_a_refused_landscape_keeps_the_one_shown_and_3d_markers_keep_their_shape
 
 
 def test_lab_experts_belong_to_their_session(ctl):
+    import gradio as gr
+
     from merger.analysis import lab
     from merger.ui.lab_tab import LabController
 
     lc = LabController(ctl)
-    a, b = SimpleNamespace(session_hash="person-a"), SimpleNamespace(session_hash="person-b")
+    b = SimpleNamespace(session_hash="person-b")
     t = ctl.pool.tasks[0]
     tasks = list(ctl.pool.tasks)
     sd, traj, hp = lab.finetune(ctl.session, t, lab.check_settings(1e-3, 1, 64, 0.5, 0))
     lab.add_expert(ctl.session, "mine", t, sd, hp, traj, owner="person-a")
-    assert lc.visible(a) == tasks + ["mine"] and lc.visible(b) == tasks
-    lc.opt_in(b, True)
-    assert lc.visible(b) == tasks + ["mine"]
+    assert ctl.offered.to("person-a") == tasks + ["mine"] and ctl.offered.to("person-b") == tasks
+    # a History row that merges it: the page that is not offered it is told how, and nothing changes
+    ctl.answer(*controls(ctl, experts=[t, "mine"]), session="person-a")
+    row = ctl.history.rows(limit=1)[0]["id"]
+    assert ctl.reload(row, "person-a")[0]["value"] == [t, "mine"]
+    with pytest.raises(gr.Error, match=f"row {row} merges mine, made in the Expert lab by another page: tick "
+                                       "\"also offer the lab experts other sessions made\""):
+        ctl.reload(row, "person-b")
+    # the checkbox and the opt-in answer from the same record
+    choices, _ = lc.opt_in(b, True)
+    assert choices["choices"] == ctl.offered.to("person-b") == tasks + ["mine"]
+    assert ctl.reload(row, "person-b")[0]["value"] == [t, "mine"]
     assert ctl.pool.tasks == tasks  # nobody's tasks changed
     out = evaluate_endpoint(ctl)("task_arithmetic", lam=0.3)  # experts=None: the pool's experts, not the lab's
     assert out["spec"]["experts"] == tasks and list(out["accuracy"]) == tasks
@@ -131,7 +142,7 @@ def test_changing_method_keeps_what_was_set_and_follows_defaults_otherwise(ctl):
 
     assert switch("ties", "task_arithmetic", lam=0.3)["lam"] == 1.0  # λ untouched: TIES' own default
     assert switch("ties", "task_arithmetic", lam=0.7)["lam"] == 0.7  # λ the person set: kept
-    assert switch("tsv_m", "cart", lam=1.5, rank_ratio=0.08)["rank_ratio"] == 1 / 3  # CART's defaults → auto
+    assert switch("tsv_m", "cart", lam=1.5, rank_ratio=0.08)["rank_ratio"] == 0.3333  # CART's defaults → auto
     fw = switch("fw_hard", "adamerging_task", steps=300, samples=64, lam=0.3)
     assert (fw["steps"], fw["samples"], fw["lam"]) == (10, 100, 0.0)  # λ was not AdaMerging's: FW's default
     assert switch("fw_hard", "adamerging_task", steps=40, samples=64)["steps"] == 40  # set there: kept

@@ -15,19 +15,19 @@ def ex(tmp_path_factory):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("optimizer", "lion", "optimizer='lion' must be one of adamw, sgd"),
-    ("schedule", "step", "schedule='step' must be one of cosine, constant"),
-    ("momentum", 1.0, "momentum=1.0 must be in \\[0, 1\\)"),
-    ("weight_decay", -0.1, "weight_decay=-0.1 must be in \\[0, 10\\]"),
-    ("batch_size", -1, "batch_size=-1 must be between 1 and 100000 \\(or 0"),
-    ("epochs", 0, "epochs=0 must be between 1"),
-    ("lr", 0, "lr=0.0 must be > 0"),
-    ("lr", -1e-3, "lr=-0.001 must be > 0"),
-    ("data_fraction", 0, "data_fraction=0.0 must be in \\(0, 1\\]"),
-    ("data_fraction", 1.5, "data_fraction=1.5 must be in \\(0, 1\\]"),
-    ("epochs", "many", "epochs='many' is not a number"),
-    ("seed", 1e30, "seed=1000000000000000019884624838656 must be between 0 and 2147483647"),
-    ("seed", -4, "seed=-4 must be between 0 and 2147483647"),
+    ("optimizer", "lion", "optimiser 'lion' must be one of adamw, sgd"),
+    ("schedule", "step", "schedule 'step' must be one of cosine, constant"),
+    ("momentum", 1.0, "momentum 1.0 must be in \\[0, 1\\)"),
+    ("weight_decay", -0.1, "weight decay -0.1 must be in \\[0, 10\\]"),
+    ("batch_size", -1, "batch size -1 must be between 1 and 100000 \\(or 0"),
+    ("epochs", 0, "epochs 0 must be between 1"),
+    ("lr", 0, "learning rate 0.0 must be > 0"),
+    ("lr", -1e-3, "learning rate -0.001 must be > 0"),
+    ("data_fraction", 0, "data fraction 0.0 must be in \\(0, 1\\]"),
+    ("data_fraction", 1.5, "data fraction 1.5 must be in \\(0, 1\\]"),
+    ("epochs", "many", "epochs 'many' is not a number"),
+    ("seed", 1e30, "seed 1000000000000000019884624838656 must be between 0 and 2147483647"),
+    ("seed", -4, "seed -4 must be between 0 and 2147483647"),
 ])
 def test_settings_out_of_range_name_the_field(field, value, message):
     settings = {"lr": 1e-3, "epochs": 1, "batch_size": 64, "data_fraction": 1.0, "seed": 0, field: value}
@@ -127,7 +127,7 @@ def test_scaling_view_merges_by_weight_averaging_with_its_default_names(ex):
     # other settings are other experts (a view run again with another optimiser showed the first one's)
     other = lab.scaling_view(ex, "lr", [1e-3, 2e-3], {**base, "seed": 1}, [t])
     assert len([n for n in ex.pool.experts if n.startswith(f"{t}@lr=")]) == 4 and other["loss"] != r["loss"]
-    with pytest.raises(MergerError, match="batch_size 0 \\(the full batch\\) has no place on the a \\+ b/B trend"):
+    with pytest.raises(MergerError, match="batch size 0 \\(the full batch\\) has no place on the a \\+ b/B trend"):
         lab.scaling_view(ex, "batch_size", [0, 64], base, [t])  # said before any fine-tune (it crashed after)
 
 
@@ -137,7 +137,7 @@ def test_scaling_view_over_the_number_of_tasks(tmp_path):
     r = lab.scaling_view(ex3, "num_tasks", [1, 2, 3], {}, tasks)
     full = ex3.preview(ex3.spec("weight_averaging"), "test")
     assert r["loss"][2] == pytest.approx(full.average_loss) and len(r["trend"]["y"]) == 50
-    with pytest.raises(MergerError, match="num_tasks=4 must be a whole number between 1 and 3"):
+    with pytest.raises(MergerError, match="number of tasks merged 4 must be a whole number between 1 and 3"):
         lab.scaling_view(ex3, "num_tasks", [1, 4], {}, tasks)
 
 
@@ -147,8 +147,9 @@ def test_cancel_stops_a_lab_run_and_adds_nothing(ex):
     import gradio as gr
 
     from merger.ui.lab_tab import LabController
+    from merger.ui.offered import OfferedExperts
 
-    lc = LabController(SimpleNamespace(pool=ex.pool, session=ex))
+    lc = LabController(SimpleNamespace(pool=ex.pool, session=ex, offered=OfferedExperts(ex.pool)))
     request = SimpleNamespace(session_hash="person-a")
     before = list(ex.pool.tasks)
     assert lc.cancel(request) == gr.skip()  # the status line keeps what it said (a toast says why)
@@ -163,13 +164,14 @@ def test_refused_lab_settings_say_why_in_the_status_and_keep_the_plots(ex):
     import gradio as gr
 
     from merger.ui.lab_tab import LabController
+    from merger.ui.offered import OfferedExperts
 
-    lc = LabController(SimpleNamespace(pool=ex.pool, session=ex))
+    lc = LabController(SimpleNamespace(pool=ex.pool, session=ex, offered=OfferedExperts(ex.pool)))
     request = SimpleNamespace(session_hash="person-a")
     before = list(ex.pool.tasks)
     status, *choices = lc.run(request, ex.pool.tasks[0], "x", -1.0, 1, 64, 1.0, 0, "adamw", 0.9, 0.1, "cosine",
                               progress=lambda f, desc=None: None)
-    assert status.startswith("⚠️") and "lr" in status and choices == [gr.skip()] * 2
+    assert status.startswith("⚠️") and "learning rate -1.0" in status and choices == [gr.skip()] * 2
     # a taken or bad name is refused before the fine-tune (it was refused after its minutes of training)
     trained = []
     lc._train = lambda *a, **k: trained.append(1)
@@ -183,10 +185,10 @@ def test_refused_lab_settings_say_why_in_the_status_and_keep_the_plots(ex):
                             ("0.001, nan", "every value must be a finite number")):
         *plots, status = lc.scaling(request, "lr", values, 1e-3, 1, 64, 1.0, 0, "adamw", 0.9, 0.1, "cosine",
                                     progress=lambda f, desc=None: None)
-        assert plots == [gr.skip()] * 3 and status.startswith("⚠️") and message in status, status
+        assert plots == [gr.skip()] * 4 and status.startswith("⚠️") and message in status, status
     status, *choices = lc.one_epoch_set(request, 1e-3, 1, -3, 1.0, 0, "adamw", 0.9, 0.1, "cosine",
                                         progress=lambda f, desc=None: None)
-    assert status.startswith("⚠️ lab: batch_size=-3") and choices == [gr.skip()] * 2  # nothing was added
+    assert status.startswith("⚠️ lab: batch size -3") and choices == [gr.skip()] * 2  # nothing was added
     assert ex.pool.tasks == before
 
 
@@ -194,14 +196,15 @@ def test_a_blank_name_gives_each_session_its_own_numbered_expert(ex):
     from types import SimpleNamespace
 
     from merger.ui.lab_tab import LabController
+    from merger.ui.offered import OfferedExperts
 
-    lc = LabController(SimpleNamespace(pool=ex.pool, session=ex))
+    lc = LabController(SimpleNamespace(pool=ex.pool, session=ex, offered=OfferedExperts(ex.pool)))
     task = ex.pool.tasks[0]
     added = []
     for who in ("aaaaaa-1", "aaaaaa-1", "bbbbbb-2"):
         msg = lc.run(SimpleNamespace(session_hash=who), task, "  ", 1e-3, 1, 64, 0.25, 0, "adamw", 0.9, 0.1,
                      "constant", progress=lambda f, desc=None: None)
-        assert msg[0].startswith("Added expert"), msg[0]
+        assert msg[0].startswith("Added expert") and "(learning rate 0.001, epochs 1, batch size 64, data fraction 0.25, seed 0," in msg[0], msg[0]
         added.append(msg[0].split("**")[1])
     assert added == [f"{task}-lab-aaaaaa", f"{task}-lab-aaaaaa-2", f"{task}-lab-bbbbbb"]
 
@@ -237,3 +240,32 @@ def test_gradio_gives_every_lab_and_run_callback_the_browser_session():
                                       (land.restyle, 4 + 12, None)):
         inputs, progress_index, _, _ = special_args(fn, [None] * n_inputs, marker)
         assert inputs[0] is marker and progress_index == progress_at, fn.__name__
+
+
+def test_the_scaling_view_offers_its_experts_to_merge_and_to_epoch_dynamics(ex):
+    """Its experts are this session's lab experts: both expert lists offer them (the Epoch dynamics
+    list was left as it was), and its plots name the variable by the control's label."""
+    from types import SimpleNamespace
+
+    from merger.ui.lab_tab import LabController
+    from merger.ui.offered import OfferedExperts
+
+    lc = LabController(SimpleNamespace(pool=ex.pool, session=ex, offered=OfferedExperts(ex.pool)))
+    request = SimpleNamespace(session_hash="dddddd-4")
+    acc, loss, to_merge, to_trace, status = lc.scaling(request, "lr", "0.001, 0.004", 1e-3, 1, 64, 0.5, 7, "adamw",
+                                                       0.9, 0.1, "cosine", progress=lambda f, desc=None: None)
+    made = [e for e in ex.pool.experts if "@lr=0.004-" in e and ex.pool.expert_info[e]["owner"] == "dddddd-4"]
+    assert len(made) == len(ex.pool.tasks) and status == "Merged with weight averaging (Σλ = 1)."
+    assert set(made) <= set(to_merge["choices"]) and set(made) <= set(to_trace["choices"])
+    assert acc.layout.xaxis.title.text == "learning rate" and loss.layout.title.text.startswith("Merged loss against learning rate")
+    assert list(acc.layout.xaxis.ticktext) == ["0.001", "0.004"]  # a log axis ticked at the values run
+
+
+def test_a_data_fraction_under_one_batch_trains_on_that_fraction(ex):
+    """0.02 of the train split is fewer images than a batch of 128: it used to be topped up to 128,
+    so a scaling view over small fractions trained on the same images at each."""
+    t = ex.pool.tasks[0]
+    _, _, whole = lab.finetune(merger.session_for(ex.pool), t, lab.check_settings(1e-3, 1, 128, 1.0, 0))
+    _, _, small = lab.finetune(merger.session_for(ex.pool), t, lab.check_settings(1e-3, 1, 128, 0.02, 0))
+    assert small["images"] == round(0.02 * whole["images"]) < 128
+    assert "train images %d" % small["images"] in lab.describe_settings(small)

@@ -38,23 +38,33 @@ def test_method_controls_show_only_the_used_ones(ctl):
     assert all(u[n] == {"__type__": "update", "visible": False} for n in u if n not in ("lam", "rank_ratio"))
     assert "CART" in about and "2412.12153" in about
     *updates, _ = ctl.method_controls("tsv_m", ctl.pool.tasks)
-    assert by_name(updates)["rank_ratio"]["value"] == pytest.approx(1 / 3, abs=1e-6)  # TSV-M's default rank is 1/T
+    assert by_name(updates)["rank_ratio"]["value"] == 0.3333  # TSV-M's default rank is 1/T, shown to four places
 
 
 def test_tsv_m_auto_rank_survives_the_slider_and_follows_the_experts(ctl):
     tasks = list(ctl.pool.tasks)
     *updates, about = ctl.method_controls("tsv_m", tasks)
     rank = by_name(updates)["rank_ratio"]
-    assert rank["value"] == 1 / 3 and rank["maximum"] == 1 / 3  # capped at 1/T
+    # capped at 1/T, shown to four places (the box read 0.14285714285714285 for the demo's 7 experts)
+    assert rank["value"] == 0.3333 and rank["maximum"] == 0.3333
     assert "Conventions" in about
-    spec = ctl.spec_from_controls(*controls(ctl, "tsv_m", rank_ratio=1 / 3))
-    assert spec.kwargs["rank_ratio"] == "auto" and spec.rounded().kwargs["rank_ratio"] == "auto"
+    for shown_value in (0.3333, 1 / 3):
+        spec = ctl.spec_from_controls(*controls(ctl, "tsv_m", rank_ratio=shown_value))
+        assert spec.kwargs["rank_ratio"] == "auto" and spec.rounded().kwargs["rank_ratio"] == "auto"
     assert ctl.spec_from_controls(*controls(ctl, "tsv_m", rank_ratio=0.33)).kwargs["rank_ratio"] == 0.33
     # unticking an expert: the cap becomes 1/2 and the slider moves from its old auto position
     from merger.methods import PARAM_NAMES
 
-    ups = dict(zip(PARAM_NAMES, ctl.refresh_limits(*controls(ctl, "tsv_m", experts=tasks[:2], rank_ratio=1 / 3))))
-    assert ups["rank_ratio"]["value"] == 0.5 and ups["rank_ratio"]["maximum"] == 0.5
+    for old_auto in (0.3333, 1 / 3):
+        ups = dict(zip(PARAM_NAMES, ctl.refresh_limits(*controls(ctl, "tsv_m", experts=tasks[:2], rank_ratio=old_auto))))
+        assert ups["rank_ratio"]["value"] == 0.5 and ups["rank_ratio"]["maximum"] == 0.5
+    from merger import methods
+    from merger.ui.controls import _at_auto, slider_top
+
+    tsv = methods.get("tsv_m")
+    assert [slider_top(tsv, "rank_ratio", n) for n in (7, 8, 6)] == [0.1428, 0.125, 0.1666]  # down: in range
+    assert _at_auto(tsv, "rank_ratio", 0.1428, 7) and not _at_auto(tsv, "rank_ratio", 0.14, 7)
+    assert _at_auto(tsv, "rank_ratio", 0.1666, 7)  # the app's auto for 6 experts, off the grid: moves too
     kept = dict(zip(PARAM_NAMES, ctl.refresh_limits(*controls(ctl, "tsv_m", experts=tasks[:2], rank_ratio=0.2))))
     assert kept["rank_ratio"]["value"] == 0.2  # an explicit ratio under the new cap stays
     before_update = ctl.spec_from_controls(*controls(ctl, "tsv_m", experts=tasks[:2], rank_ratio=1 / 3))
@@ -291,6 +301,17 @@ def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch)
     with open(path) as fh:
         data = list(csv.DictReader(fh))
     assert data and all(r["method"] == "iso_c" for r in data)
+
+
+def test_a_row_evaluated_again_keeps_its_id_and_the_next_row_takes_the_next_one(ctl, tmp_path):
+    """An upsert that found its row still spent an id: three of the same and one more were ids 1 and 4."""
+    from merger.io.history import History
+
+    history = History(tmp_path / "again.sqlite")
+    a, b = (ctl.session.spec("task_arithmetic", lam=lam) for lam in (0.3, 0.4))
+    for spec in (a, a, a, b):
+        history.record("p", spec, ctl.session.preview(spec))
+    assert sorted((r["id"], r["params"]) for r in history.rows()) == [(1, '{"lam": 0.3}'), (2, '{"lam": 0.4}')]
 
 
 def test_api_evaluate(ctl):

@@ -23,51 +23,68 @@ ONE_EPOCH = {"epochs": 1}
 # cos(τ(1), −∇L(θ0)) = 1 (seed 003). batch_size 0 = the whole train split.
 GRADIENT_DESCENT = {"optimizer": "sgd", "momentum": 0.0, "weight_decay": 0.0, "schedule": "constant",
                     "epochs": 1, "batch_size": 0, "lr": 0.1}
+# The lab's settings in its controls' order, with the labels the controls show (and its messages use)
+SETTING_LABELS = {"lr": "learning rate", "epochs": "epochs", "batch_size": "batch size", "data_fraction": "data fraction",
+                  "seed": "seed", "optimizer": "optimiser", "momentum": "momentum", "weight_decay": "weight decay",
+                  "schedule": "schedule"}
+SETTING_KEYS = tuple(SETTING_LABELS)
+# the scaling view's variables: the settings above, and how many experts are merged
+VARIABLE_LABELS = {**SETTING_LABELS, "num_tasks": "number of tasks merged"}
 
 
 def check_settings(lr, epochs, batch_size, data_fraction, seed, optimizer="adamw", momentum=0.9,
                    weight_decay=0.1, schedule="cosine") -> dict:
-    """Refuse out-of-range settings, naming the field."""
+    """Refuse out-of-range settings, naming the field by the lab's label for it."""
     def num(name, v, kind=float):
         if v is None:  # a box left empty, or text typed in it (the browser sends no number)
-            raise MergerError(f"lab: {name} is empty or not a number")
+            raise MergerError(f"lab: {SETTING_LABELS[name]} is empty or not a number")
         try:
             x = kind(v)
         except (TypeError, ValueError, OverflowError):
-            raise MergerError(f"lab: {name}={v!r} is not a number") from None
+            raise MergerError(f"lab: {SETTING_LABELS[name]} {v!r} is not a number") from None
         if kind is int and float(v) != x:
-            raise MergerError(f"lab: {name}={v!r} must be a whole number")
+            raise MergerError(f"lab: {SETTING_LABELS[name]} {v!r} must be a whole number")
         return x
+
+    def refuse(name, v, rule):
+        raise MergerError(f"lab: {SETTING_LABELS[name]} {v!r} {rule}")
 
     lr, epochs, batch_size = num("lr", lr), num("epochs", epochs, int), num("batch_size", batch_size, int)
     data_fraction, seed = num("data_fraction", data_fraction), num("seed", seed, int)
     momentum, weight_decay = num("momentum", momentum), num("weight_decay", weight_decay)
     if not (lr > 0 and math.isfinite(lr)) or lr > LIMITS["lr"][1]:
-        raise MergerError(f"lab: lr={lr} must be > 0 and ≤ {LIMITS['lr'][1]}")
+        refuse("lr", lr, f"must be > 0 and ≤ {LIMITS['lr'][1]:g}")
     if not LIMITS["epochs"][0] <= epochs <= LIMITS["epochs"][1]:
-        raise MergerError(f"lab: epochs={epochs} must be between 1 and {LIMITS['epochs'][1]}")
+        refuse("epochs", epochs, f"must be between 1 and {LIMITS['epochs'][1]}")
     if not LIMITS["batch_size"][0] <= batch_size <= LIMITS["batch_size"][1]:
-        raise MergerError(f"lab: batch_size={batch_size} must be between 1 and {LIMITS['batch_size'][1]} "
-                          "(or 0: the whole train split, full batch)")
+        refuse("batch_size", batch_size, f"must be between 1 and {LIMITS['batch_size'][1]} (or 0: the whole "
+                                         "train split, full batch)")
     if not 0 < data_fraction <= 1:
-        raise MergerError(f"lab: data_fraction={data_fraction} must be in (0, 1]")
+        refuse("data_fraction", data_fraction, "must be in (0, 1]")
     if not 0 <= seed < 2**31:  # as the Merge tab's seeds (torch's generator took 1e30 as an overflow)
-        raise MergerError(f"lab: seed={seed} must be between 0 and 2147483647")
+        refuse("seed", seed, "must be between 0 and 2147483647")
     if not LIMITS["momentum"][0] <= momentum < LIMITS["momentum"][1]:
-        raise MergerError(f"lab: momentum={momentum} must be in [0, 1)")
+        refuse("momentum", momentum, "must be in [0, 1)")
     if not (math.isfinite(weight_decay) and LIMITS["weight_decay"][0] <= weight_decay <= LIMITS["weight_decay"][1]):
-        raise MergerError(f"lab: weight_decay={weight_decay} must be in [0, {LIMITS['weight_decay'][1]:g}]")
+        refuse("weight_decay", weight_decay, f"must be in [0, {LIMITS['weight_decay'][1]:g}]")
     optimizer, schedule = str(optimizer).lower(), str(schedule).lower()
     if optimizer not in OPTIMIZERS:
-        raise MergerError(f"lab: optimizer={optimizer!r} must be one of {', '.join(OPTIMIZERS)}")
+        refuse("optimizer", optimizer, f"must be one of {', '.join(OPTIMIZERS)}")
     if schedule not in SCHEDULES:
-        raise MergerError(f"lab: schedule={schedule!r} must be one of {', '.join(SCHEDULES)}")
+        refuse("schedule", schedule, f"must be one of {', '.join(SCHEDULES)}")
     return {"lr": lr, "epochs": epochs, "batch_size": batch_size, "data_fraction": data_fraction, "seed": seed,
             "optimizer": optimizer, "momentum": momentum, "weight_decay": weight_decay, "schedule": schedule}
 
 
-SETTING_KEYS = ("lr", "epochs", "batch_size", "data_fraction", "seed", "optimizer", "momentum", "weight_decay",
-                "schedule")
+def describe_settings(hparams: dict) -> str:
+    """A lab expert's settings as a person reads them, by the lab's labels: "learning rate 0.001,
+    epochs 1, batch size 0 (full batch), …"."""
+    def value(k, v):
+        return f"{v:g}" if isinstance(v, float) else ("0 (full batch)" if k == "batch_size" and v == 0 else str(v))
+    labels = {**SETTING_LABELS, "images": "train images"}
+    return ", ".join(f"{labels.get(k, k)} {value(k, v)}" for k, v in hparams.items())
+
+
 
 
 def settings_of(pool, task: str, **overrides) -> dict:
@@ -156,7 +173,7 @@ def fit_trend(param: str, xs: Sequence[float], losses: Sequence[float]) -> dict:
     """Least-squares a + Σ b_i g_i(x) for the paper's shape; a fitted *trend*, not a prediction."""
     label, basis = TRENDS[param]
     if len(xs) < len(basis) + 1:
-        raise MergerError(f"lab: the {param} trend has {len(basis) + 1} constants: give at least "
+        raise MergerError(f"lab: the {VARIABLE_LABELS[param]} trend has {len(basis) + 1} constants: give at least "
                           f"{len(basis) + 1} values")
     x = [float(v) for v in xs]
     A = torch.tensor([[1.0] + [g(v) for g in basis] for v in x], dtype=torch.float64)
@@ -190,7 +207,7 @@ def scaling_view(session, param: str, values: Sequence[float], base_settings: di
     if not all(math.isfinite(v) for v in values):
         raise MergerError(f"lab: scaling values {list(values)}: every value must be a finite number")
     if param == "batch_size" and 0 in [float(v) for v in values]:  # said before minutes of fine-tuning
-        raise MergerError("lab: batch_size 0 (the full batch) has no place on the a + b/B trend: give the "
+        raise MergerError("lab: batch size 0 (the full batch) has no place on the a + b/B trend: give the "
                           "batch size in images")
     accs, losses = [], []
     pool = session.pool
@@ -199,7 +216,7 @@ def scaling_view(session, param: str, values: Sequence[float], base_settings: di
         for v in values:
             n = int(v)
             if n != v or not 1 <= n <= len(tasks):
-                raise MergerError(f"lab: num_tasks={v!r} must be a whole number between 1 and {len(tasks)}")
+                raise MergerError(f"lab: number of tasks merged {v!r} must be a whole number between 1 and {len(tasks)}")
             combos = list(itertools.combinations(tasks, n))
             chosen = combos if len(combos) <= subsets else rng.sample(combos, subsets)
             scores = [_merge_set(session, c) for c in chosen]

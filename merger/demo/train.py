@@ -196,7 +196,9 @@ def finetune_expert(base_state_dict: dict[str, torch.Tensor], task: str, *, lr: 
     gen = torch.Generator().manual_seed(seed)
     train_idx, _ = train_val_indices(len(images))
     if data_fraction < 1.0:
-        keep = max(batch_size, int(round(data_fraction * len(train_idx))))
+        # the fraction asked, even under one batch (it was topped up to a batch: a scaling view over
+        # small fractions then trained on the same images at each)
+        keep = max(1, int(round(data_fraction * len(train_idx))))
         train_idx = train_idx[torch.randperm(len(train_idx), generator=gen)[:keep]].sort().values
     full_batch = batch_size <= 0
     batch_size = len(train_idx) if full_batch else batch_size
@@ -232,7 +234,7 @@ def finetune_expert(base_state_dict: dict[str, torch.Tensor], task: str, *, lr: 
         trajectory.append(visual_state(model))
     hparams = {"lr": lr, "epochs": epochs, "batch_size": 0 if full_batch else batch_size,
                "data_fraction": data_fraction, "seed": seed, "weight_decay": weight_decay, "optimizer": optimizer,
-               "schedule": schedule}
+               "schedule": schedule, "images": len(train_idx)}
     if optimizer == "sgd":
         hparams["momentum"] = momentum
     return copy.deepcopy(trajectory[-1]), trajectory, hparams

@@ -70,13 +70,16 @@ class History:
             result.normalized_accuracy if result.expert_accuracy else None, result.average_loss,
             json.dumps(result.accuracy), json.dumps(result.loss),
         )
+        key = "pool = ? AND method = ? AND params = ? AND experts = ? AND split = ?"
         with self._lock:
-            self._db.execute(
-                "INSERT INTO evaluations (time, pool, method, params, experts, split, average_accuracy, "
-                "normalized_accuracy, average_loss, accuracy, loss) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
-                "ON CONFLICT (pool, method, params, experts, split) DO UPDATE SET time = excluded.time",
-                row,
-            )
+            # A row evaluated before only gets its new time: updated first, since an upsert that
+            # finds the row still spends an AUTOINCREMENT id (ids 1, 4 after three of the same).
+            # The upsert stays for a row another process adds in between.
+            if self._db.execute(f"UPDATE evaluations SET time = ? WHERE {key}", row[:6]).rowcount == 0:
+                self._db.execute("INSERT INTO evaluations (time, pool, method, params, experts, split, "
+                                 "average_accuracy, normalized_accuracy, average_loss, accuracy, loss) "
+                                 "VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (pool, method, params, experts, split) "
+                                 "DO UPDATE SET time = excluded.time", row)
             self._db.commit()
 
     def rows(self, method: str | None = None, pool: str | None = None, split: str | None = None,

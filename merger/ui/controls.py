@@ -37,7 +37,7 @@ def param_control(name: str, num_experts: int, method=None):
     p = m.param(name)
     value = (m.defaults_for(num_experts) if m.defaults_for else {}).get(name, p.default)
     if value == "auto":  # the slider's auto position: the top of its range for this many experts
-        value = m.bounds(name, num_experts)[1]
+        value = slider_top(m, name, num_experts)
     visible = method is None or name in method.param_names
     label = p.label or name
     if p.kind == "int":
@@ -47,18 +47,33 @@ def param_control(name: str, num_experts: int, method=None):
                      elem_id=f"ctl-{name}", info=p.help, visible=visible)
 
 
+def slider_top(method, name: str, num_experts: int) -> float:
+    """The top of a control's range as the page shows it: the T-dependent cap (TSV-M's 1/T) to four
+    decimals, rounded down (in range), so that the box reads 0.1428 and not 0.14285714285714285;
+    a spec reads it as the auto position (``_at_auto``)."""
+    return _four_places(method.bounds(name, num_experts)[1])
+
+
+def _four_places(x: float) -> float:
+    return math.floor(x * 1e4 + 1e-6) / 1e4
+
+
 def _at_auto(method, name: str, value, num_experts: int) -> bool:
     """A slider sits at a parameter's auto position: the top of its T-dependent range (TSV-M:
-    1/T), or a value the app set for another T (1/n, off the slider's grid: no drag lands there)."""
+    1/T, shown as ``slider_top``), or a value the app set for another T (1/n to four places, off
+    the slider's grid: no drag lands there)."""
     try:
         v = float(value)
     except (TypeError, ValueError):
         return False
-    if abs(v - method.bounds(name, num_experts)[1]) < 1e-9:
+    hi = method.bounds(name, num_experts)[1]
+    if abs(v - hi) < 1e-9 or abs(v - _four_places(hi)) < 1e-9:
         return True
     step = method.param(name).step
-    off_grid = abs(v / step - round(v / step)) > 1e-6
-    return v > 0 and off_grid and abs(1 / v - round(1 / v)) < 1e-6
+    if v <= 0 or abs(v / step - round(v / step)) <= 1e-6:
+        return False
+    n = round(1 / v)
+    return n >= 1 and (abs(1 / v - n) < 1e-6 or abs(v - _four_places(1 / n)) < 1e-9)
 
 
 def _fits(param, value, hi: float = math.inf) -> bool:
@@ -85,7 +100,7 @@ def control_values(method, params: dict, num_experts: int) -> list:
     for name in PARAM_NAMES:
         value = params.get(name, defaults.get(name)) if name in method.param_names else None
         if value == "auto":
-            value = method.bounds(name, max(1, num_experts))[1]
+            value = slider_top(method, name, max(1, num_experts))
         out.append(value)
     return out
 
@@ -167,7 +182,7 @@ class ControlPanel:
                 updates.append(shown(m, name))
                 continue
             p = m.param(name)
-            lo, hi = m.bounds(name, n)
+            lo, hi = m.bounds(name, n)[0], slider_top(m, name, n)
             value = current.get(name)
             if name not in set_by_person or not _fits(p, value, hi):
                 value = default
@@ -192,7 +207,7 @@ class ControlPanel:
             if name not in limits or name not in m.param_names:
                 updates.append(gr.skip())
                 continue
-            lo, hi = m.bounds(name, n)
+            lo, hi = m.bounds(name, n)[0], slider_top(m, name, n)
             v = values.get(name)
             if v is None or v > hi or (m.param(name).auto and _at_auto(m, name, v, n)):
                 v = hi

@@ -7,8 +7,8 @@ import traceback
 import gradio as gr
 
 from merger import plots
-from merger.analysis.lab import (GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, TRENDS, add_expert, check_name, check_settings,
-                                 finetune, lab_experts, scaling_view)
+from merger.analysis.lab import (GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, SETTING_LABELS, TRENDS, VARIABLE_LABELS,
+                                 add_expert, check_name, check_settings, describe_settings, finetune, scaling_view)
 from merger.errors import Cancelled, MergerError
 from merger.landscape.trajectories import has_trajectory
 from merger.ui.errors import notice
@@ -23,7 +23,6 @@ class LabController:
         self.ctl = ctl
         self.pool = ctl.pool
         self._cancel = CancelFlags()
-        self._opted_in: set[str] = set()
 
     def _guarded(self, request, work, cancelled: str):
         """work(cancel flag) with this session's Cancel flag set up: (result, None), or (None, the
@@ -45,21 +44,15 @@ class LabController:
             return gr.skip()
         return "Cancelling… (the run stops at its next step; the expert in training is not added)"
 
-    def visible(self, request) -> list[str]:
-        """The experts this browser session may merge: the pool's, its own lab experts, and the
-        other sessions' when it opted in."""
-        session = session_of(request)
-        return self.pool.tasks + lab_experts(self.pool, owner=session, everyone=session in self._opted_in)
-
     def choices(self, request):
         """(experts to merge, epoch-dynamics experts) updates for this session."""
-        names = self.visible(request)
+        names = self.ctl.offered.to(session_of(request))
         traced = [e for e in names if has_trajectory(self.pool, e)]
         return gr.update(choices=names), gr.update(choices=traced or names)
 
     def opt_in(self, request: gr.Request, everyone):
         """Include (or not) the lab experts other sessions made."""
-        (self._opted_in.add if everyone else self._opted_in.discard)(session_of(request))
+        self.ctl.offered.opt_in(session_of(request), bool(everyone))
         return self.choices(request)
 
     def free_name(self, task, request) -> str:
@@ -88,7 +81,8 @@ class LabController:
         hp, stopped = self._guarded(request, train, "Cancelled: no expert was added.")
         if stopped:
             return stopped, gr.skip(), gr.skip()
-        return (f"Added expert **{name}** ({hp}); it is yours: other sessions see it only if they opt in.",
+        return (f"Added expert **{name}** ({describe_settings(hp)}); it is yours: other sessions see it only if "
+                "they opt in.",
                 *self.choices(request))
 
     def one_epoch_set(self, request: gr.Request, lr, epochs, batch_size, data_fraction, seed, optimizer, momentum,
@@ -133,14 +127,14 @@ class LabController:
 
         r, stopped = self._guarded(request, work, "Cancelled.")
         if stopped:
-            return gr.skip(), gr.skip(), gr.skip(), stopped
-        log_x = param == "lr"
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), stopped
+        log_x, label = param == "lr", VARIABLE_LABELS[param]
         acc = plots.lines({f"merged accuracy ({r['merge']})": (r["values"], [100 * a for a in r["accuracy"]])},
-                          param, "accuracy %", f"Merged accuracy against {param}", log_x=log_x)
+                          label, "accuracy %", f"Merged accuracy against {label}", log_x=log_x)
         loss = plots.lines({"merged loss": (r["values"], r["loss"]), r["trend"]["label"]: (r["trend"]["x"], r["trend"]["y"])},
-                           param, "loss", f"Merged loss against {param} (dotted: a trend, not a prediction)",
+                           label, "loss", f"Merged loss against {label} (dotted: a trend, not a prediction)",
                            log_x=log_x, dashed=[r["trend"]["label"]])
-        return acc, loss, self.choices(request)[0], f"Merged with {r['merge']}."
+        return acc, loss, *self.choices(request), f"Merged with {r['merge']}."
 
 
 def build_lab_tab(ctl, experts_box, dynamics_task) -> LabController:
@@ -154,16 +148,17 @@ def build_lab_tab(ctl, experts_box, dynamics_task) -> LabController:
             name = gr.Textbox(label="name of the new expert", value="",
                               placeholder="blank: TASK-lab-… (numbered for you)")
         with gr.Row():
-            lr = gr.Number(value=1e-3, label="learning rate")
-            epochs = gr.Number(value=1, precision=0, label="epochs")
-            bs = gr.Number(value=128, precision=0, label="batch size (0: full batch)")
-            frac = gr.Number(value=1.0, label="data fraction")
-            seed = gr.Number(value=0, precision=0, label="seed")
+            label = SETTING_LABELS
+            lr = gr.Number(value=1e-3, label=label["lr"])
+            epochs = gr.Number(value=1, precision=0, label=label["epochs"])
+            bs = gr.Number(value=128, precision=0, label=f"{label['batch_size']} (0: full batch)")
+            frac = gr.Number(value=1.0, label=label["data_fraction"])
+            seed = gr.Number(value=0, precision=0, label=label["seed"])
         with gr.Row():
-            opt = gr.Dropdown(list(OPTIMIZERS), value="adamw", label="optimiser")
-            momentum = gr.Number(value=0.9, label="momentum (SGD)")
-            wd = gr.Number(value=0.1, label="weight decay")
-            schedule = gr.Dropdown(list(SCHEDULES), value="cosine", label="schedule",
+            opt = gr.Dropdown(list(OPTIMIZERS), value="adamw", label=label["optimizer"])
+            momentum = gr.Number(value=0.9, label=f"{label['momentum']} (SGD)")
+            wd = gr.Number(value=0.1, label=label["weight_decay"])
+            schedule = gr.Dropdown(list(SCHEDULES), value="cosine", label=label["schedule"],
                                    info="cosine: short linear warm-up, then cosine decay")
         settings = [lr, epochs, bs, frac, seed, opt, momentum, wd, schedule]
         with gr.Row():
@@ -178,7 +173,7 @@ def build_lab_tab(ctl, experts_box, dynamics_task) -> LabController:
                     "assumes); the paper's trend is fitted to the merged loss. `num_tasks` merges random subsets of "
                     "the pool's experts.")
         with gr.Row():
-            sc_param = gr.Dropdown(list(TRENDS), value="lr", label="variable")
+            sc_param = gr.Dropdown([(VARIABLE_LABELS[k], k) for k in TRENDS], value="lr", label="variable")
             sc_values = gr.Textbox(value="0.0003, 0.001, 0.003", label="values (comma-separated)")
         sc_btn = gr.Button("Fine-tune expert sets and merge (slow: one expert per task and value)")
         with gr.Row():
@@ -191,7 +186,7 @@ def build_lab_tab(ctl, experts_box, dynamics_task) -> LabController:
                       api_visibility="private")
         one_btn.click(as_batch(ctl.session, lc.one_epoch_set), settings, [status, experts_box, dynamics_task], **BATCH_EVENT,
                       api_visibility="private")
-        sc_btn.click(as_batch(ctl.session, lc.scaling), [sc_param, sc_values, *settings], [sc_acc, sc_loss, experts_box, status],
+        sc_btn.click(as_batch(ctl.session, lc.scaling), [sc_param, sc_values, *settings], [sc_acc, sc_loss, experts_box, dynamics_task, status],
                      **BATCH_EVENT, api_visibility="private")
         # Queued (so the request carries the browser session), in its own queue: never behind a run.
         cancel_btn.click(lc.cancel, None, status, concurrency_id="cancel", concurrency_limit=None,

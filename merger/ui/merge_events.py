@@ -147,7 +147,7 @@ class MergeTabEvents:
     # Gradio injects the request only among positional parameters: it comes first.
     def reload(self, request: gr.Request, row_id, experts, method, *values):
         """A History row into every Merge-tab input."""
-        return self.set_or_warn(request, lambda: self.ctl.reload(row_id), experts, method, values, record=False)
+        return self.set_or_warn(request, lambda: self.ctl.reload(row_id, session_of(request)), experts, method, values, record=False)
 
     def start_from_learned(self, request: gr.Request, experts, method, *values):
         """The current data-driven run's coefficients into the coefficient sliders (task arithmetic)."""

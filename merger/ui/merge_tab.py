@@ -23,6 +23,7 @@ from merger.ui.coefficients_panel import build_coefficients_panel, wire_coeffici
 from merger.ui.controls import ControlPanel, control_values, param_control, shown
 from merger.ui.errors import fail, notice, warn
 from merger.ui.merge_events import MergeTabEvents
+from merger.ui.offered import OfferedExperts
 from merger.ui.runs import RUNS_LABEL, RunController
 from merger.ui.scheduling import BATCH_EVENT
 
@@ -49,6 +50,7 @@ class Controller(ControlPanel):
         # A Ray cluster (app --ray) that runs the Sweep / Auto-tune / Landscape jobs; the sliders keep
         # this process's resident model.
         self.cluster = cluster
+        self.offered = OfferedExperts(self.pool)
 
     # ---- merge tab ----------------------------------------------------------------------
     def preview(self, experts, method, *values, **options):
@@ -172,8 +174,9 @@ class Controller(ControlPanel):
             return f"{len(spec.experts)} of {len(self.pool.tasks)} experts"
         return f"{len(spec.experts)} experts ({len(lab)} from the lab)"
 
-    def reload(self, row_id):
-        """Controls of the Merge tab set from a history row (method, parameters, experts, weights)."""
+    def reload(self, row_id, session: str = "default"):
+        """Controls of the Merge tab set from a history row (method, parameters, experts, weights),
+        for the browser ``session`` (its expert checkbox lists the experts it is offered)."""
         if self.history is None:
             fail("history is off (the app was started with --history '')")
         text = "" if row_id is None else str(row_id).strip()
@@ -189,6 +192,10 @@ class Controller(ControlPanel):
         if gone:  # the checkbox would take a name it does not offer, and every later event would fail
             fail(f"history: row {text} merges {', '.join(gone)}, not an expert of this pool now (a lab expert "
                  "lives in memory: it went with the server that made it); nothing was changed")
+        unoffered = [e for e in experts if e not in self.offered.to(session)]
+        if unoffered:
+            fail(f"history: row {text} merges {', '.join(unoffered)}, made in the Expert lab by another page: tick "
+                 "\"also offer the lab experts other sessions made\" there, then reload the row; nothing was changed")
         params = json.loads(row["params"])
         task_weights, block_weights = params.pop("task_weights", {}), params.pop("block_weights", {})
         updates = self.spec_updates(experts, row["method"], params, task_weights, block_weights)
