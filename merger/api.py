@@ -14,6 +14,8 @@ from merger.evaluation.evaluator import Result
 from merger.evaluation.session import session_for
 from merger.io import checkpoints
 from merger.pool.blocks import block_groups
+from merger.pool.devices import resolve_device
+from merger.pool.pool import require_open
 from merger.pool.task_vectors import TaskVectors
 from merger.spec import Spec, assemble, with_block_weights
 
@@ -23,15 +25,7 @@ def merge(pool, method: str, *, experts=None, task_weights=None, block_weights=N
     """Merge a pool's experts; returns the full state dict (image tower merged, rest = base).
     ``task_weights`` {expert: wₜ} multiply each task vector before the method combines them;
     ``block_weights`` {block group: b_g} multiply the method's Δ per block (``pool.blocks``)."""
-    return merge_spec(_opened(pool, "merge"), pool.make_spec(method, params, experts, task_weights, block_weights))
-
-
-def _opened(pool, where: str):
-    """A pool as the API takes it: opened (a name or a path is refused with how to open it)."""
-    if isinstance(pool, (str, os.PathLike)):
-        raise MergerError(f"{where}: expected an open pool, got {str(pool)[:60]!r}; open it once with "
-                          f"pool = merger.open_pool({str(pool)[:60]!r}) and pass the pool")
-    return pool
+    return merge_spec(require_open(pool, "merge"), pool.make_spec(method, params, experts, task_weights, block_weights))
 
 
 def merge_spec(pool, spec: Spec) -> dict[str, torch.Tensor]:
@@ -109,7 +103,7 @@ def merge_state_dicts(
     spec = Spec.make(m.name, params, experts, list(named), task_weights=task_weights, block_weights=block_weights,
                      blocks=block_groups(checkpoints.merge_scope(base)))
     aligned = {t: checkpoints.validate_expert(named[t][0], base, named[t][2], named[t][1]) for t in spec.experts}
-    tv = TaskVectors(base, aligned, device=device)
+    tv = TaskVectors(base, aligned, device=resolve_device(device))
     scale = () if m.task_weighted else spec.task_weights
     prepared = m.prepare(tv.scaled(dict(scale)) if scale else tv, **{k: spec.kwargs[k] for k in m.prepare_params})
     return assemble(base, tv, with_block_weights(m.delta(prepared, **spec.kwargs, **m.weights_kwargs(spec)), spec))
@@ -119,7 +113,7 @@ def evaluate(pool, merged: Mapping[str, torch.Tensor] | None, split: str = "live
     """Public entry: evaluate a merged state dict (as returned by ``merger.merge``) on a split. Weights
     from elsewhere are checked against the base first (missing, unexpected, mis-shaped and non-finite
     keys are named), as an expert is."""
-    pool = _opened(pool, "evaluate")
+    pool = require_open(pool, "evaluate")
     if merged is not None:
         if not isinstance(merged, Mapping):
             raise MergerError(f"evaluate: expected a state dict (name → tensor), got {type(merged).__name__}")

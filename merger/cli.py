@@ -90,13 +90,14 @@ def cmd_methods(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from merger.io.export import check_export_target, check_hashes, export_merge, read_spec_file
+    from merger.io.export import check_export_target, check_hashes, export_merge, read_spec_file, spec_pool
     from merger.pool.pool import open_pool
 
     if args.spec:
         record = read_spec_file(args.spec)
-        # --pool: the same files opened from elsewhere (a moved pool); the hashes must still match
-        pool = open_pool(args.pool or record["pool"], device=args.device)
+        # --pool: the same files opened from elsewhere (a moved pool); the hashes must still match.
+        # A relative pool in the spec is read from the spec's folder, as a pool's paths from its own.
+        pool = open_pool(args.pool or spec_pool(record, args.spec), device=args.device)
         check_hashes(pool, record, args.spec)
         params = dict(record.get("params") or {})
         params.update(method_params(args))
@@ -111,7 +112,7 @@ def cmd_merge(args) -> int:
             raise MergerError("merge: give --pool and --method, or --spec FILE")
         pool = open_pool(args.pool, device=args.device)
         spec = pool.make_spec(args.method, method_params(args), args.experts, **weights_args(args))
-    check_export_target(pool, args.out)  # before a data-driven run's minutes of learning
+    check_export_target(pool, args.out, reads=(args.spec,) if args.spec else ())  # before minutes of learning
     _run_data_driven(pool, spec)
     weights, yaml_path = export_merge(pool, spec, args.out)
     print(f"wrote {weights} and {yaml_path}: {spec.label()} over {', '.join(spec.experts)}")

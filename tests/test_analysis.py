@@ -40,6 +40,9 @@ def test_mass_kept(tv):
     kept = a2.sort(descending=True).values[: math.floor(0.3 * a2.numel() + 1e-6)].sum() / a2.sum()
     assert analysis.mass_kept(tv, 0.7)[0] == pytest.approx(float(kept), rel=1e-5)
     assert analysis.mass_kept(tv, 0.0)[0] == pytest.approx(1.0)
+    base, experts = base_and_experts(2, scale=0.05)
+    same = TaskVectors(base, {"copy": dict(base), "other": experts[1]})  # an expert equal to the base
+    assert analysis.mass_kept(same, 0.7)[0] == 1.0 and 0 < analysis.mass_kept(same, 0.7)[1] < 1  # not NaN
 
 
 def test_reconstruction_and_interference(tv):
@@ -207,6 +210,10 @@ def test_interpolation_path_and_logit_ensemble(tmp_path):
     ens = analysis.logit_ensemble_accuracy(ev, [pool.task_vectors.expert(0)], [1.0], "live")
     solo = merger.evaluate(pool, {**pool.base, **pool.task_vectors.expert(0)}, "live")
     assert ens == pytest.approx(solo.accuracy)
+    # weights that do not sum to 1 take the base's logits for the rest: at 0 the ensemble is the base
+    # (it summed nothing, and class 0 won everywhere)
+    zero = analysis.logit_ensemble_accuracy(ev, [pool.task_vectors.expert(0)], [0.0], "live", base=pool.task_vectors.base)
+    assert zero == pytest.approx(merger.evaluate(pool, None, "live").accuracy)
 
 
 def test_the_masks_of_magmax_consensus_and_breadcrumbs_reach_the_heterogeneity_view():
@@ -221,3 +228,10 @@ def test_the_masks_of_magmax_consensus_and_breadcrumbs_reach_the_heterogeneity_v
     assert crumbs.tolist() == [[False, True, True, False], [False, True, True, False]]
     out = analysis.heterogeneity(tv, [0.5, 0.5], "consensus_ta", lam=0.3, mask_lambda=0.6, agree=2)
     assert out["dropped"] == pytest.approx([0.5, 0.5]) and out["mask"] == "consensus_ta"
+    # with wa = 3 the merge's MagMax mask is taken on 3·τa = [9, -3, 6, 1.5]: a wins every entry (the
+    # unweighted mask was used, b, b, a, a)
+    weighted = analysis.heterogeneity(tv, [1.5, 0.5], "magmax", task_weights={"a": 3.0})
+    assert weighted["dropped"] == [0.0, 1.0]
+    # TIES elects on the weighted trimmed vectors: wb = 0.1 leaves a's entry 0 (+3) elected
+    ties = analysis.heterogeneity(tv, [0.5, 0.05], "ties", 0.5, task_weights={"b": 0.1})
+    assert ties["dropped"] == [0.5, 0.75]  # b keeps only its entry 1 (+1.5): the unweighted election dropped a's 0

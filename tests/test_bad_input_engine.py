@@ -198,3 +198,26 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         checkpoints.save_safetensors({"a": torch.ones(1)}, tmp_path / "out.safetensors")
     assert os.listdir(tmp_path) == []
+
+
+def test_python_objects_given_to_the_api_are_named_not_raised_raw(pair, tiny_pool):
+    """Each of these reached torch or Python as it was: a TypeError about weak references, torch's
+    list of device types, an AttributeError on 'str'."""
+    base, experts = pair
+    key = next(iter(base))
+    pool = merger.open_pool(tiny_pool)
+    merged = merger.merge(pool, "task_arithmetic", lam=0.3)
+    cases = [
+        (lambda: merger.PoolSession(str(tiny_pool)), "PoolSession: expected an open pool, got .*merger.open_pool"),
+        (lambda: merger.merge_state_dicts(base, experts, "task_arithmetic", device="tpu"),
+         r"device 'tpu': not a device \(cpu, cuda or cuda:N\)"),
+        (lambda: merger.merge_state_dicts(base, [{**experts[0], key: "x"}, *experts[1:]], "task_arithmetic"),
+         rf"experts\[0\]: {key}: expected a tensor, got str"),
+        (lambda: merger.merge_state_dicts({**base, 5: base[key]}, experts, "task_arithmetic"),
+         r"base: the key 5 \(int\) is not a parameter name \(a string\)"),
+        (lambda: merger.evaluate(pool, {**merged, key: torch.empty(merged[key].shape, device="meta")}),
+         rf"evaluate: the weights: {key}: a meta tensor \(a shape without values\): load the weights first"),
+    ]
+    for call, message in cases:
+        with pytest.raises(MergerError, match=message):
+            call()

@@ -129,6 +129,10 @@ def test_lab_experts_belong_to_their_session(ctl):
     assert choices["choices"] == ctl.offered.to("person-b") == tasks + ["mine"]
     assert ctl.reload(row, "person-b")[0]["value"] == [t, "mine"]
     assert ctl.pool.tasks == tasks  # nobody's tasks changed
+    # Analysis' ensemble: per task (a KeyError on 'mine' was a bare Error badge)
+    from merger.ui.analysis_tab import AnalysisController
+
+    assert [list(bars.x) for bars in AnalysisController(ctl).ensemble(*controls(ctl, experts=[t, "mine"])).data] == [[t]] * 2
     out = evaluate_endpoint(ctl)("task_arithmetic", lam=0.3)  # experts=None: the pool's experts, not the lab's
     assert out["spec"]["experts"] == tasks and list(out["accuracy"]) == tasks
     with pytest.raises(Exception, match="mine belong.* to a browser session's expert lab"):

@@ -225,6 +225,41 @@ def test_replaying_a_spec_on_a_pool_opened_from_elsewhere(pool_path, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_replay_names_a_renamed_expert_keeps_its_own_spec_and_reads_a_relative_pool_from_its_folder(
+        pool_path, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    pool = merger.open_pool(pool_path)
+    first, second = pool.tasks
+    out = tmp_path / "specs" / "m.safetensors"
+    assert cli_main(["merge", "--pool", str(pool_path), "--method", "task_arithmetic", "--out", str(out)]) == 0
+    spec = out.with_suffix(".yaml")
+    # its own spec as --out's pair: refused, the spec kept (it was written over)
+    before = spec.read_text()
+    assert cli_main(["merge", "--spec", str(spec), "--lam", "0.5", "--out", str(out)]) == 2
+    assert "m.yaml is a file this job reads" in capsys.readouterr().err and spec.read_text() == before
+    # an expert renamed in a copy of the pool: named as missing, not as a changed file (it is byte-identical)
+    renamed = tmp_path / "renamed"
+    shutil.copytree(pool_path.parent, renamed)
+    text = (renamed / "pool.yaml").read_text()
+    (renamed / "pool.yaml").write_text(text.replace(f"  {second}:", "  other:"))
+    assert cli_main(["merge", "--spec", str(spec), "--pool", str(renamed / "pool.yaml"),
+                     "--out", str(tmp_path / "x.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert f"the spec merges expert '{second}', which this pool does not have (it has {first}, other)" in err
+    # a hand-written relative pool is read from the spec's folder, wherever the command runs
+    record = yaml.safe_load(before)
+    record["pool"] = "../pool.yaml"
+    shutil.copytree(pool_path.parent, tmp_path / "copy")
+    (tmp_path / "copy" / "specs").mkdir()
+    (tmp_path / "copy" / "specs" / "m.yaml").write_text(yaml.safe_dump(record))
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["merge", "--spec", str(tmp_path / "copy" / "specs" / "m.yaml"),
+                     "--out", str(tmp_path / "again.safetensors")]) == 0, capsys.readouterr().err
+    a, b = checkpoints.load_state_dict(out), checkpoints.load_state_dict(tmp_path / "again.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_killed_build_leaves_no_half_built_folder(tmp_path):
     import signal
     import time

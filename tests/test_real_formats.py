@@ -53,6 +53,18 @@ def test_hf_clip_vision_converts_to_the_same_features(tmp_path):
     assert torch.allclose(ours, ref, atol=1e-5)
 
 
+def test_hf_projections_of_different_shapes_are_named_by_file_and_layer():
+    """torch.cat's own error ("Sizes of tensors must match…") named neither the file nor the layer."""
+    from merger.io.hf_clip import hf_to_open_clip
+
+    sd = transformers.CLIPVisionModelWithProjection(hf_config()).state_dict()
+    key = "vision_model.encoder.layers.0.self_attn.q_proj.weight"
+    sd[key] = torch.zeros(sd[key].shape[0], sd[key].shape[1] + 1)
+    with pytest.raises(CheckpointError, match=r"expert\.safetensors: layer 0: the q/k/v projection weights differ in "
+                                              r"shape \(q_proj \[32, 33\], k_proj \[32, 32\], v_proj \[32, 32\]\)"):
+        hf_to_open_clip(sd, "expert.safetensors")
+
+
 @pytest.fixture
 def mixed_pool(tmp_path):
     """Base: open_clip full CLIP; experts: HF folder (no projection), tower-only .pt, full safetensors."""
@@ -248,5 +260,10 @@ def test_pickled_checkpoint_refusal_says_how_to_convert(tmp_path):
     path = tmp_path / "expert.bin"
     with open(path, "wb") as fh:
         pickle.dump({"model": WholeModel()}, fh)
-    with pytest.raises(CheckpointError, match="refused.*Convert it where you trust it"):
+    # the hint loads what torch 2.6+ refuses by default (weights_only=True)
+    with pytest.raises(CheckpointError, match=r"refused.*execute code\. Convert it on a machine where you trust it.*"
+                                              r"torch\.load\(p, weights_only=False\)"):
         checkpoints.load_weights(path)
+    torch.save(torch.nn.Linear(2, 2), tmp_path / "whole.pt")  # a whole saved model: named
+    with pytest.raises(CheckpointError, match=r"execute code \(it holds a torch\.nn\.modules\.linear\.Linear\)\."):
+        checkpoints.load_weights(tmp_path / "whole.pt")

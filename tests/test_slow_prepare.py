@@ -119,7 +119,7 @@ def test_a_preparation_under_way_is_named_and_a_second_caller_follows_it(ctl, mo
     first = threading.Thread(target=ctl.session.prepare, args=(spec, None, first_cancels.is_set))
     first.start()
     assert started.wait(10)
-    assert ctl.session.under_way() == [f"preparing TSV-Merge on {', '.join(experts)}"]
+    assert ctl.session.under_way() == {f"preparing TSV-Merge on {', '.join(experts)}": spec}  # a page can set its controls to it
     first_cancels.set()  # with nobody else following it, the first caller's Cancel stops it
     assert not ctl.session.goes_on_after_cancel(spec, first_cancels.is_set)
     second = threading.Thread(target=ctl.session.prepare, args=(spec,))
@@ -133,4 +133,4 @@ def test_a_preparation_under_way_is_named_and_a_second_caller_follows_it(ctl, mo
     assert ctl.session.goes_on_after_cancel(spec, first_cancels.is_set)  # it goes on for the second: the first page says so
     release.set()
     first.join(30), second.join(30)
-    assert ctl.session.is_prepared(spec) and ctl.session.counts["prepares"] == 1 and ctl.session.under_way() == []
+    assert ctl.session.is_prepared(spec) and ctl.session.counts["prepares"] == 1 and ctl.session.under_way() == {}

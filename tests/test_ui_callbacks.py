@@ -10,6 +10,7 @@ from helpers import controls, ui_controller, with_weights
 
 import merger
 from merger import plots
+from merger.errors import MergerError
 from merger.ui.compare_tab import CompareTab
 from merger.ui.endpoint import evaluate_endpoint
 from merger.ui.history_tab import HistoryTab
@@ -476,6 +477,10 @@ def test_two_pages_pressing_run_on_the_same_settings_share_one_run(ctl, monkeypa
                 break
             time.sleep(0.01)
         seen["under way"] = runs.under_way()  # what a page loaded now says
+        try:  # and what Pin, Export and the Analysis views say meanwhile
+            ctl.run_on_screen(ctl.spec_from_controls(*inputs).rounded())
+        except MergerError as exc:
+            seen["on screen"] = str(exc)
         return compute_run(*args)
 
     monkeypatch.setattr(session, "_compute_run", counted)
@@ -489,13 +494,27 @@ def test_two_pages_pressing_run_on_the_same_settings_share_one_run(ctl, monkeypa
     for last in (last_a, last_b):
         assert last[0].startswith("✓ AdaMerging") and len(last[1].data[0].y) == 40
     assert session.cached_run(ctl.spec_from_controls(*inputs)) is not None
-    line, timer = seen["under way"]
+    assert seen["on screen"].startswith("the AdaMerging (task-wise) run for these settings is still under way")
+    line, timer, chooser, button, offered = seen["under way"]
     assert line.startswith("◷ Under way on this server: `adamerging_task(") and "steps=40" in line and timer.active
+    label = line.split("`")[1]
+    assert chooser["choices"] == [label] and chooser["value"] == label and chooser["visible"] and button["visible"]
+    assert offered == {label: ctl.spec_from_controls(*inputs).rounded()}
     assert runs.under_way()[0] == gr.skip()  # nothing under way now
-    # the page loaded during the run follows it on a timer, and says when it has ended
-    after, timer = runs.still_under_way(line)
+    # the page loaded during the run follows it on a timer, and says when it has ended; its chooser stays
+    after, timer, *chooser = runs.still_under_way(line, offered)
     assert after.startswith("The work under way when this page opened has ended: `adamerging_task(") and not timer.active
-    assert runs.still_under_way("✓ AdaMerging: 40 steps in 1.0 s.")[0] == gr.skip()  # its own Run's line stays
+    assert after.endswith("set the controls to it (below) and it shows at once. A cancelled one left nothing.")
+    assert chooser == [gr.skip()] * 3
+    assert runs.still_under_way("✓ AdaMerging: 40 steps in 1.0 s.", offered)[0] == gr.skip()  # its own Run's line stays
+    # a page reloaded after it ended sets its controls to it, and the finished run shows
+    from merger.ui.merge_events import MergeTabEvents
+
+    events = MergeTabEvents(ctl, "task_arithmetic")
+    page_c, fresh = SimpleNamespace(session_hash="c"), controls(ctl, lam=0.4)
+    values = [u.get("value") for u in events.set_to_work(page_c, label, offered, *fresh)]
+    assert ctl.spec_from_controls(*values).rounded() == offered[label]
+    assert len(ctl.learned(*values)[0].data[0].y) == 40 and computed == [1]  # its objective curve: no second run
 
 
 def test_the_first_pages_cancel_is_acknowledged_while_another_page_follows_its_run(ctl, monkeypatch):
@@ -641,7 +660,11 @@ def test_analysis_tab_callbacks(ctl):
     ac = AnalysisController(ctl)
     norms, layers, cos, sc, kept = ac.weights(*controls(ctl, "ties", sparsity=0.7))
     assert list(norms.data[0].x) == ctl.pool.tasks and len(cos.data[0].z) == 3
-    assert kept.layout.title.text.endswith("<sub>sparsity 0.7</sub>")
+    assert "<sub>sparsity 0.7; a random drop (DARE) keeps about 30% of it</sub>" in kept.layout.title.text
+    # the sparsity the merge reads: on the slider's step, and refused where the Merge tab refuses it
+    assert "<sub>sparsity 0.99;" in ac.weights(*controls(ctl, "ties", sparsity=0.999))[-1].layout.title.text
+    with pytest.warns(UserWarning, match=r"out of range \[0, 1\)"):
+        ac.weights(*controls(ctl, "ties", sparsity=1.0))
     # a method without sparsity: the default, said so (not the hidden control's value)
     *_, kept = ac.weights(*controls(ctl, "task_arithmetic", sparsity=0.6))
     assert "sparsity 0.8 (the default: Task arithmetic has none)" in kept.layout.title.text
@@ -767,3 +790,36 @@ def test_pin_refuses_a_data_driven_merge_that_was_never_run(ctl):
     ctl.session.run(ctl.spec_from_controls(*inputs))
     pins, text = ctl.pin([], *inputs)
     assert len(pins) == 1 and "adamerging_task" in text
+
+
+def test_a_history_that_cannot_be_written_is_refused_at_start_and_one_that_stops_costs_no_result(ctl, tmp_path,
+                                                                                                 monkeypatch, capsys):
+    """An existing database needed no write to open, so a read-only one (another user's file, a
+    read-only mount) was taken, and then every evaluate call and every sweep failed on its first
+    result."""
+    import sqlite3
+
+    from merger.io import history as history_module
+    from merger.io.history import History
+
+    path = tmp_path / "h.sqlite"
+    History(path).close()
+    connect = sqlite3.connect
+    monkeypatch.setattr(history_module.sqlite3, "connect",
+                        lambda p, **kw: connect(f"file:{p}?mode=ro", uri=True, **kw))
+    with pytest.raises(MergerError, match=f"--history {path}: cannot be used as the history "
+                                          r"\(attempt to write a readonly database\)"):
+        History(path)
+    monkeypatch.undo()
+    # a disk that fills up later: the result is shown, recording stops, said once (stderr, summary)
+    history = History(path)
+    history._db.execute("PRAGMA query_only = ON")
+    monkeypatch.setattr(ctl, "history", history)
+    acc, loss, radar, summary = ctl.preview(*controls(ctl, lam=0.45))
+    assert shown_average(summary) > 0
+    said = f"--history {path}: cannot record results any more (attempt to write a readonly database)"
+    assert f"⚠️ {said}" in summary
+    ctl.preview(*controls(ctl, lam=0.55))
+    assert capsys.readouterr().err.count(said) == 1
+    out = evaluate_endpoint(ctl)("task_arithmetic", lam=0.65)
+    assert out["average_accuracy"] > 0

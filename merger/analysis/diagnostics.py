@@ -58,13 +58,14 @@ def sign_conflicts(tv) -> list[list[float]]:
 
 
 def mass_kept(tv, sparsity: float) -> list[float]:
-    """Per task, the share of ‖τt‖² kept by its top (1 − sparsity) entries by magnitude."""
+    """Per task, the share of ‖τt‖² kept by its top (1 − sparsity) entries by magnitude; 1 for a
+    task vector of zeros (an expert equal to the base loses nothing: 0/0 was NaN)."""
     out = []
     for i in range(tv.num_tasks):
         sq = _flat(tv, i).pow(2)
-        n = sq.numel()
-        kept = sq.topk(_n_keep(n, sparsity)).values.sum() if sparsity > 0 else sq.sum()
-        out.append(float(kept / sq.sum()))
+        n, total = sq.numel(), sq.sum()
+        kept = sq.topk(_n_keep(n, sparsity)).values.sum() if sparsity > 0 else total
+        out.append(float(kept / total) if total > 0 else 1.0)
     return out
 
 
@@ -125,10 +126,11 @@ def merge_mask(tv, method: str, sparsity: float | None = None, seed: int | None 
 
 
 def heterogeneity(tv, coefficients: Sequence[float], mask: str | None = None, sparsity: float | None = None,
-                  seed: int | None = None, **params) -> dict:
+                  seed: int | None = None, task_weights: dict | None = None, **params) -> dict:
     """ζt² ∝ ‖τt − τ̄‖², τ̄ = Σk λk τk, per task; with a merge's mask M its reduction (seed 000, Eq. 10)
     δt(M) = Σ_{j dropped from τt} [(τt,j − τ̄j)² − (0 − τ̄~j)²], τ̄~ = Σk λk M(τk) the masked consensus,
-    and ζ̂t² = ζt² − δt(M); χ² of the coefficients and simplex warnings."""
+    and ζ̂t² = ζt² − δt(M); χ² of the coefficients and simplex warnings. ``task_weights``: the merge's
+    wₜ, whose mask is taken on the wₜτₜ it merges (MagMax's largest entry, TIES' elected sign)."""
     T = tv.num_tasks
     lam = torch.tensor([float(c) for c in coefficients])
     if lam.numel() != T:
@@ -139,7 +141,7 @@ def heterogeneity(tv, coefficients: Sequence[float], mask: str | None = None, sp
     out = {"tasks": tv.tasks, "zeta2": zeta.tolist(), "coefficients": lam.tolist(), **chi_square(lam.tolist())}
     # sparsity 0 keeps every entry (TIES, DARE): no reduction to show
     if mask is not None and (sparsity or "sparsity" not in methods.get(mask).param_names):
-        keep = merge_mask(tv, mask, sparsity, seed, **params)
+        keep = merge_mask(tv.scaled(task_weights) if task_weights else tv, mask, sparsity, seed, **params)
         masked_consensus = lam @ torch.where(keep, flat, 0.0)
         delta = torch.where(~keep, (flat - consensus) ** 2 - masked_consensus ** 2, 0.0).sum(1)
         out["delta"] = delta.tolist()
@@ -282,13 +284,18 @@ def interpolation_path(evaluator, space, a: torch.Tensor, b: torch.Tensor, featu
 
 
 def logit_ensemble_accuracy(evaluator, experts: Sequence[dict], weights: Sequence[float], split: str = "test",
-                            lock=None) -> dict[str, float]:
-    """Per task, the accuracy of Σt wt · logits(θt; x): the ensemble a linear merge would match."""
+                            lock=None, base: dict | None = None) -> dict[str, float]:
+    """Per task, the accuracy of (1 − Σw) logits(θ0; x) + Σt wt logits(θt; x): the outputs a merge
+    θ0 + Σ wt τt would have were the model linear in its weights (cross-task linearity's prediction).
+    Without the base term a task-arithmetic λ only scaled the logits (no argmax moved), and λ = 0
+    summed nothing. ``base``: θ0 (its term left out where Σw = 1, or base is None)."""
     import contextlib
 
     summed: dict[str, torch.Tensor] = {}
     labels: dict[str, torch.Tensor] = {}
-    for w, expert in zip(weights, experts):
+    rest = 1.0 - float(sum(weights))
+    members = list(zip(weights, experts)) + ([(rest, base)] if base is not None and abs(rest) > 1e-12 else [])
+    for w, expert in members:
         with lock or contextlib.nullcontext():
             evaluator.load(expert)
             with torch.inference_mode():

@@ -174,7 +174,7 @@ class Merges:
                 self._store_prepared(key, state)
 
         # callers of the same one follow it (one holding the model prepares on its own)
-        self._preparing.get(key, compute, progress, cancel, alone=self.queue.held_here(),
+        self._preparing.get(key, compute, progress, cancel, alone=self.queue.held_here(), subject=spec,
                             label=on_experts(f"preparing {m.display_name}", spec.experts, self.pool.tasks))
 
     def preparation_goes_on(self, spec: Spec, cancel) -> bool:
@@ -183,8 +183,8 @@ class Merges:
         m, key = self._spec_key(spec)
         return not m.data_driven and self._preparing.goes_on_after_cancel(key, cancel)
 
-    def preparing(self) -> list[str]:
-        """The slow preparations under way."""
+    def preparing(self) -> dict:
+        """The slow preparations under way: label -> the spec that started each."""
         return self._preparing.under_way()
 
     def _derived_size(self) -> int:

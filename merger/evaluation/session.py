@@ -48,7 +48,9 @@ def session_for(pool) -> "PoolSession":
 
 class PoolSession:
     def __init__(self, pool, cache_size: int = 1024, deltas: int = 2):
-        self.pool = pool
+        from merger.pool.pool import require_open
+
+        self.pool = require_open(pool, "PoolSession")
         self._evaluator: Evaluator | None = None
         self.queue = WorkQueue()
         self.cache_size = cache_size
@@ -177,7 +179,7 @@ class PoolSession:
             return self._runs[key]
         return self._running.get(key, lambda progress, cancel: self._compute_run(m, key, progress, cancel),
                                  progress, cancel, alone=self.queue.held_here(),
-                                 label=on_experts(key.label(), key.experts, self.pool.tasks))
+                                 label=on_experts(key.label(), key.experts, self.pool.tasks), subject=key)
 
     def _compute_run(self, m, key: Spec, progress, cancel):
         from merger.methods.adaptive import Context
@@ -197,9 +199,9 @@ class PoolSession:
                 self._statistics.popitem(last=False)
         return run
 
-    def under_way(self) -> list[str]:
-        """The runs and slow preparations under way, as a page names them."""
-        return self._running.under_way() + self.merges.preparing()
+    def under_way(self) -> dict:
+        """The runs and slow preparations under way: label (as a page names it) -> its spec."""
+        return {**self._running.under_way(), **self.merges.preparing()}
 
     def goes_on_after_cancel(self, spec: Spec, cancel) -> bool:
         """Whether the run or slow preparation of ``spec`` goes on although the caller whose cancel

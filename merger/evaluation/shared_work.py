@@ -49,15 +49,17 @@ class SharedWork:
             job = self._jobs.get(key)
         return job is not None and job.goes_on_for_others(cancel)
 
-    def under_way(self) -> list[str]:
-        """The labels of the works under way (a reloaded page names them, so its Run can follow one)."""
+    def under_way(self) -> dict:
+        """label -> subject of each work under way (a reloaded page names them, and can set its
+        controls to one, so that its Run follows it)."""
         with self._lock:
-            return [job.label for job in self._jobs.values() if job.label and not job.closed]
+            return {job.label: job.subject for job in self._jobs.values() if job.label and not job.closed}
 
-    def get(self, key, compute, progress=None, cancel=None, alone: bool = False, label: str = ""):
+    def get(self, key, compute, progress=None, cancel=None, alone: bool = False, label: str = "", subject=None):
         """compute(progress, cancel) once for every caller of ``key`` while it runs; its result, or
         its error raised. ``alone``: the caller holds what the work needs (the model's queue), so
-        it could neither wait for another caller's work nor be followed: it computes on its own."""
+        it could neither wait for another caller's work nor be followed: it computes on its own.
+        ``label`` and ``subject`` (the settings it computes for) are what ``under_way`` tells."""
         if alone:
             return compute(progress, cancel or (lambda: False))
         while True:
@@ -65,7 +67,7 @@ class SharedWork:
                 job = self._jobs.get(key)
                 leads = job is None or job.closed
                 if leads:
-                    job = self._jobs[key] = _Job(lambda job: self._forget(key, job), label)
+                    job = self._jobs[key] = _Job(lambda job: self._forget(key, job), label, subject)
             me = job.join(progress, cancel)
             if me is not None:
                 break  # else it closed between the two locks: ask again (a fresh one)
@@ -88,8 +90,8 @@ class _Caller:
 
 
 class _Job:
-    def __init__(self, forget, label: str = ""):
-        self._forget, self.label = forget, label
+    def __init__(self, forget, label: str = "", subject=None):
+        self._forget, self.label, self.subject = forget, label, subject
         self.done = threading.Event()
         self.result = None
         self.error: BaseException | None = None

@@ -125,12 +125,14 @@ def _load_torch(path: Path) -> dict[str, torch.Tensor]:
     except pickle.UnpicklingError as exc:
         if _looks_like_safetensors(path):  # a safetensors file under a .pt/.bin name
             return _load_safetensors(path)
-        reason = re.sub(r"\x1b\[[0-9;]*m", "", str(exc).splitlines()[0])  # torch colours its message
+        # torch's message advises weights_only=False; keep only what it names ("Unsupported global:
+        # GLOBAL torch.nn.modules.linear.Linear")
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        reason = f" (it holds a {found.group(1)})" if found else ""
         raise CheckpointError(
             f"{path}: refused: the file holds pickled objects that are not plain tensors, and loading "
-            "it would execute code. Convert it where you trust it, e.g. "
-            "`safetensors.torch.save_file(torch.load(p).state_dict(), 'expert.safetensors')`. "
-            f"({reason})"
+            f"it would execute code{reason}. Convert it on a machine where you trust it; for a whole saved "
+            "model: `safetensors.torch.save_file(torch.load(p, weights_only=False).state_dict(), 'expert.safetensors')`."
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: truncated or corrupt torch file ({exc})") from None
@@ -167,6 +169,19 @@ def merge_scope(base: Mapping[str, torch.Tensor]) -> list[str]:
     return visual or list(base)
 
 
+def check_entries(sd, name: str) -> None:
+    """A state dict given in Python (the API takes them as they are): names to tensors with values."""
+    if not isinstance(sd, Mapping):
+        raise CheckpointError(f"{name}: expected a state dict (parameter names to tensors), got {type(sd).__name__}")
+    for k, v in sd.items():
+        if not isinstance(k, str):
+            raise CheckpointError(f"{name}: the key {k!r} ({type(k).__name__}) is not a parameter name (a string)")
+        if not isinstance(v, torch.Tensor):
+            raise CheckpointError(f"{name}: {k}: expected a tensor, got {type(v).__name__}")
+        if v.is_meta:
+            raise CheckpointError(f"{name}: {k}: a meta tensor (a shape without values): load the weights first")
+
+
 def align_to_base(sd: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Bring an expert onto the base's names: strip wrappers, add ``visual.`` to tower-only
     checkpoints, drop the text tower of full-CLIP experts (only the image tower is merged)."""
@@ -187,6 +202,7 @@ def validate_expert(
     ``fill_from_base``: keys the expert's format cannot hold (a HF CLIPVisionModel has no
     projection); they are taken from the base, so their task vector is zero.
     """
+    check_entries(sd, name)
     sd = align_to_base(sd, base)
     sd.update({k: base[k] for k in fill_from_base if k not in sd and k in base})
     scope = merge_scope(base)
@@ -241,6 +257,7 @@ def _architecture_hint(sd, base) -> str:
 
 
 def validate_base(base: Mapping[str, torch.Tensor], name: str) -> None:
+    check_entries(base, name)
     for k, t in base.items():
         if _non_finite(t):
             raise CheckpointError(f"{name}: key {k} holds non-finite values (NaN or Inf)")

@@ -61,15 +61,16 @@ def spec_record(pool, spec: Spec, weights: Path) -> dict:
     }
 
 
-def check_export_target(pool, out: str | Path) -> tuple[Path, Path]:
+def check_export_target(pool, out: str | Path, reads: tuple = ()) -> tuple[Path, Path]:
     """(weights path, spec path) of an export, both writable and neither a file or folder the pool
-    reads: said before any merge (a data-driven one learns for minutes first)."""
+    reads, nor one of ``reads`` (the spec a replay reads: `--out m.safetensors` would write its
+    spec over m.yaml): said before any merge (a data-driven one learns for minutes first)."""
     out = inputs.check_path(out, "--out", MergerError).expanduser()
     if out.suffix != ".safetensors":
         folder = " is a folder, and" if out.is_dir() else ""  # a folder given for the file: said so first
         raise MergerError(f"{out}:{folder} the output must end in .safetensors"
                           + (f" (e.g. {out / 'merged.safetensors'})" if folder else ""))
-    yaml_path, keep = spec_path_for(out), tuple(pool.input_files())
+    yaml_path, keep = spec_path_for(out), (*pool.input_files(), *reads)
     for path, what in ((out, "--out"), (yaml_path, "--out (its spec beside it)")):
         inputs.check_output_file(path, what, MergerError, keep=keep)
     return out, yaml_path
@@ -159,12 +160,25 @@ def read_spec_file(path: str | Path) -> dict:
     return record
 
 
+def spec_pool(record: dict, spec_file: str | Path) -> str:
+    """The pool a spec names: "demo", an absolute path (as exports write it), or a path relative to
+    the spec's folder (a hand-written spec; it was read from the working directory)."""
+    pool = record["pool"]
+    if pool == "demo" or Path(pool).expanduser().is_absolute():
+        return pool
+    return str(Path(spec_file).expanduser().parent / pool)
+
+
 def check_hashes(pool, record: dict, source: str) -> None:
     """Refuse to replay when the base or an expert file changed since the spec was written."""
     hashes = pool.file_hashes()
     expected = {"base": (record.get("base") or {}).get("sha256")}
     expected.update({t: v.get("sha256") for t, v in (record.get("expert_files") or {}).items()})
     for name, sha in expected.items():
+        if sha and name not in hashes:  # renamed or removed: its file may be unchanged
+            raise MergerError(f"{source}: the spec merges expert '{name}', which this pool does not have (it has "
+                              f"{', '.join(n for n in hashes if n != 'base')}); a renamed expert keeps its old name "
+                              "in the spec: edit experts and expert_files there, or the pool")
         if sha and hashes.get(name) != sha:
             what = "base" if name == "base" else f"expert '{name}'"
             raise MergerError(f"{source}: the {what} file changed since this spec was written (sha256 differs)")

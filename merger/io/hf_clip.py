@@ -85,5 +85,10 @@ def hf_to_open_clip(sd, source: str = "checkpoint") -> dict[str, torch.Tensor]:
             missing = [c for c in "qkv" if f"{c}.{kind}" not in parts]
             if missing:
                 raise CheckpointError(f"{source}: layer {i} lacks the {'/'.join(missing)} projection {kind}")
+            shapes = {c: tuple(parts[f"{c}.{kind}"].shape) for c in "qkv"}
+            if len({s[1:] for s in shapes.values()}) > 1:  # torch.cat's own message named no file
+                raise CheckpointError(f"{source}: layer {i}: the q/k/v projection {kind}s differ in shape ("
+                                      + ", ".join(f"{c}_proj {list(s)}" for c, s in shapes.items())
+                                      + "): not one CLIP attention layer")
             out[pre + name] = torch.cat([parts[f"{c}.{kind}"] for c in "qkv"], 0)
     return out

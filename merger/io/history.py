@@ -5,6 +5,7 @@ import csv
 import io
 import json
 import sqlite3
+import sys
 import threading
 import time
 from pathlib import Path
@@ -51,6 +52,7 @@ class History:
         if self.path.is_dir():
             raise MergerError(f"--history {self.path}: is a folder; name an SQLite file")
         self._lock = threading.Lock()
+        self.write_error: str | None = None  # why recording stopped (a disk that filled up), once said
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=10)
@@ -58,12 +60,19 @@ class History:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute(SCHEMA)
             self._db.commit()
+            # a write, before any work: an existing database needs none above, so a read-only one
+            # (another user's file, a read-only mount) failed only at the first result recorded
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            self._db.execute(f"PRAGMA user_version = {int(version)}")
+            self._db.commit()
         except (OSError, sqlite3.Error) as exc:  # not a database, a damaged one, a folder we cannot write in
             raise MergerError(f"--history {self.path}: cannot be used as the history ({exc}); name another "
                               f"file, or '' to turn history off") from None
 
     def record(self, pool: str, spec, result) -> None:
-        """Store (or refresh) one evaluated spec."""
+        """Store (or refresh) one evaluated spec. A write that fails (a full disk, a file made
+        read-only since) never costs the result it records: recording stops, said once on stderr
+        and kept in ``write_error`` for the page to show."""
         row = (
             time.strftime("%Y-%m-%d %H:%M:%S"), pool, spec.method, json.dumps(params_of(spec), sort_keys=True),
             ",".join(spec.experts), result.split, result.average_accuracy,
@@ -72,15 +81,25 @@ class History:
         )
         key = "pool = ? AND method = ? AND params = ? AND experts = ? AND split = ?"
         with self._lock:
-            # A row evaluated before only gets its new time: updated first, since an upsert that
-            # finds the row still spends an AUTOINCREMENT id (ids 1, 4 after three of the same).
-            # The upsert stays for a row another process adds in between.
-            if self._db.execute(f"UPDATE evaluations SET time = ? WHERE {key}", row[:6]).rowcount == 0:
-                self._db.execute("INSERT INTO evaluations (time, pool, method, params, experts, split, "
-                                 "average_accuracy, normalized_accuracy, average_loss, accuracy, loss) "
-                                 "VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (pool, method, params, experts, split) "
-                                 "DO UPDATE SET time = excluded.time", row)
-            self._db.commit()
+            if self.write_error is not None:
+                return
+            try:
+                self._upsert(key, row)
+            except sqlite3.Error as exc:
+                self.write_error = (f"--history {self.path}: cannot record results any more ({exc}); nothing "
+                                    "after this is kept")
+                print(f"warning: {self.write_error}", file=sys.stderr, flush=True)
+
+    def _upsert(self, key: str, row: tuple) -> None:
+        # A row evaluated before only gets its new time: updated first, since an upsert that finds
+        # the row still spends an AUTOINCREMENT id (ids 1, 4 after three of the same). The upsert
+        # stays for a row another process adds in between.
+        if self._db.execute(f"UPDATE evaluations SET time = ? WHERE {key}", row[:6]).rowcount == 0:
+            self._db.execute("INSERT INTO evaluations (time, pool, method, params, experts, split, "
+                             "average_accuracy, normalized_accuracy, average_loss, accuracy, loss) "
+                             "VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (pool, method, params, experts, split) "
+                             "DO UPDATE SET time = excluded.time", row)
+        self._db.commit()
 
     def rows(self, method: str | None = None, pool: str | None = None, split: str | None = None,
              text: str | None = None, limit: int = 500) -> list[dict]:

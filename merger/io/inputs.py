@@ -159,10 +159,36 @@ def check_document(doc: Any, source: str, error: type[Exception]) -> Any:
 
 
 def load_yaml(path: Path, error: type[Exception], what: str) -> Any:
-    """Safe YAML (no Python tags), bounded in bytes, nesting and alias expansion."""
+    """Safe YAML (no Python tags), bounded in bytes, nesting and alias expansion; a key given twice
+    in one mapping is refused (YAML keeps the last silently: a pasted expert line merged another
+    expert's file under a task's name)."""
     import yaml
 
-    return _load(path, error, what, yaml.safe_load, yaml.YAMLError, "YAML")
+    return _load(path, error, what, lambda text: yaml.load(text, Loader=_unique_key_loader()), yaml.YAMLError, "YAML")
+
+
+def _unique_key_loader():
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                first: dict = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":  # << merges may be overridden
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        mark = first.setdefault(key, key_node.start_mark)
+                    except TypeError:  # an unhashable key: SafeLoader's own error names it
+                        continue
+                    if mark is not key_node.start_mark:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"{key!r} given twice in one mapping (first on line {mark.line + 1})",
+                            key_node.start_mark)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
 
 
 def load_json(path: Path, error: type[Exception], what: str) -> Any:

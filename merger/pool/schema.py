@@ -100,6 +100,8 @@ def _image_size(value: Any, where: str) -> int:
         if len(value) != 2:
             raise E(f"{where}: expected a side or [height, width], got {len(value)} values")
         sides = [inputs.integer(v, f"{where}[{i}]", E, *IMAGE_SIZE) for i, v in enumerate(value)]
+        if sides[0] != sides[1]:  # it was read as [h, h]: the width went unused, silently
+            raise E(f"{where}: {sides[0]} × {sides[1]}: the image tower takes square images; give one side")
         return sides[0]
     return inputs.integer(value, where, E, *IMAGE_SIZE)
 
@@ -130,6 +132,11 @@ def _experts(experts: Any, source: str, in_memory: bool) -> dict:
     out = {}
     for task, value in experts.items():
         name = inputs.string(task, f"{source}: experts (an expert name)", E, 100)
+        odd = [c for c in ",=" if c in name]
+        if odd or name != name.strip():
+            why = f"contains {odd[0]!r}" if odd else "begins or ends with a space"
+            raise E(f"{source}: experts: the name {name!r} {why}: names are listed with ',' and weighted with "
+                    "'=' (--experts a,b, --task-weights a=2, the History's experts column); rename it")
         where = f"{source}: experts.{name}"
         if isinstance(value, Mapping):
             inputs.known_keys(value, EXPERT_KEYS, f"experts.{name}", source, E)
@@ -211,8 +218,8 @@ def _data(data: Any, where: str, source: str, in_memory: bool) -> dict:
             if "root" not in entry:
                 raise E(f"{source}: {where}.folder: expected a path or {{root: path, image_size: N}}")
             inputs.check_path(entry["root"], f"{source}: {where}.folder.root", E)
-            if "image_size" in entry:
-                _image_size(entry["image_size"], f"{source}: {where}.folder.image_size")
+            if "image_size" in entry:  # one side from here on ([32, 32] reached int() as a list)
+                entry = {**entry, "image_size": _image_size(entry["image_size"], f"{source}: {where}.folder.image_size")}
         else:
             inputs.check_path(entry, f"{source}: {where}.folder", E)
     return {kind: entry}

@@ -251,6 +251,11 @@ CASES = [
          r"tasks\.\w+\.data: expected one of demo, folder"),
     Case("expert name is a list", _raw_yaml(lambda t: t.replace("experts:\n", "experts:\n  [a, b]: x.safetensors\n", 1)),
          r"pool\.yaml: not valid YAML|experts \(an expert name\): expected a string"),
+    Case("an expert given twice (a pasted line)",
+         _raw_yaml(lambda t: t.replace("experts:\n", "experts:\n  colour: experts/shape.safetensors\n", 1)),
+         r"pool\.yaml: not valid YAML: line \d+, column 3: 'colour' given twice in one mapping \(first on line \d+\)"),
+    Case("an expert name with a comma", _raw_yaml(lambda t: t.replace("experts:\n", "experts:\n  sh,ape: x.safetensors\n", 1)),
+         r"pool\.yaml: experts: the name 'sh,ape' contains ',': names are listed with ','"),
     # paths
     Case("expert file missing", _mutated(_set("experts.*", "experts/colur.safetensors")),
          r"pool\.yaml: experts\.\w+: .*colur\.safetensors: file not found"),
@@ -277,6 +282,10 @@ CASES = [
     # data
     Case("folder task with image_size: abc", _mutated(lambda r, s: _folder_task(r, s, image_size="abc")),
          r"tasks\.\w+\.data\.folder\.image_size: expected a whole number"),
+    Case("folder task with image_size: [32, 32]", _mutated(lambda r, s: _folder_task(r, s, image_size=[32, 32])),
+         None),
+    Case("folder task with image_size: [32, 16]", _mutated(lambda r, s: _folder_task(r, s, image_size=[32, 16])),
+         r"tasks\.\w+\.data\.folder\.image_size: 32 × 16: the image tower takes square images; give one side"),
     Case("an image that is a FIFO named .png", _mutated(lambda r, s: _folder_task(r, s, lambda d: _fifo(d / "fifo.png"))),
          None),
     Case("a 20000×20000 PNG among good images",

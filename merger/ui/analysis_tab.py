@@ -7,7 +7,6 @@ from merger import methods, plots
 from merger.analysis import diagnostics as analysis
 from merger.errors import MergerError
 from merger.landscape import trajectories
-from merger.methods import PARAM_NAMES
 from merger.ui.controls import ticked
 from merger.ui.errors import keeps_outputs
 from merger.ui.lab_tab import build_lab_tab
@@ -34,11 +33,10 @@ class AnalysisController:
     def weights(self, experts, method, *values):
         """Norms, cosines, sign conflicts, mass kept at the current sparsity."""
         tv = self._tv(experts)
-        # the method's own sparsity, else 0.8 (a hidden control keeps a value no merge on screen uses)
+        # the method's own sparsity as its merge reads it (checked, on the slider's step), else 0.8
+        # (a hidden control keeps a value no merge on screen uses)
         own = "sparsity" in methods.get(method).param_names
-        sparsity = dict(zip(PARAM_NAMES, values)).get("sparsity") if own else 0.8
-        if sparsity is None:  # an emptied box: refused, as every control's
-            raise MergerError("sparsity: empty; type a number in [0, 1)")
+        sparsity = self.ctl.spec_from_controls(experts, method, *values).rounded().kwargs["sparsity"] if own else 0.8
         n = analysis.task_vector_norms(tv)
         norms = plots.bars({"‖τt‖ / ‖θ0‖": n["relative"]}, tv.tasks, "Task-vector norms (relative to the base)")
         layers = plots.heatmap([n["layers"][name] for name in n["layers"]], tv.tasks, list(n["layers"]),
@@ -47,7 +45,8 @@ class AnalysisController:
         sc = plots.heatmap(analysis.sign_conflicts(tv), tv.tasks, tv.tasks, "Sign-conflict rate (both non-zero)")
         setting = f"sparsity {sparsity:g}" + ("" if own else f" (the default: {methods.get(method).display_name} has none)")
         kept = plots.bars({f"sparsity {sparsity:g}": analysis.mass_kept(tv, float(sparsity))}, tv.tasks,
-                          f"‖τt‖² kept by the top {1 - float(sparsity):.0%}<br><sub>{setting}</sub>")
+                          f"‖τt‖² kept by the top {1 - float(sparsity):.0%} by magnitude<br><sub>{setting}; a random "
+                          f"drop (DARE) keeps about {1 - float(sparsity):.0%} of it</sub>", "share of ‖τt‖²")
         return norms, layers, cos, sc, kept
 
     @keeps_outputs(2)
@@ -84,15 +83,15 @@ class AnalysisController:
         name = spec.method
         lam, how = self.ex.effective_weights(spec)
         mask = name if name in analysis.masking_methods() else None
-        h = analysis.heterogeneity(tv, lam, mask, **v)
+        h = analysis.heterogeneity(tv, lam, mask, task_weights=dict(spec.task_weights), **v)
         series = {"ζt²": h["zeta2"]}
         if "delta" in h:
             setting = ", ".join(f"{k} {x:g}" for k, x in v.items() if k != "lam" and isinstance(x, (int, float)))
-            series[f"δt(M): {name} mask ({setting}), over the dropped entries"] = h["delta"]
+            series[f"δt(M): {name} mask{f' ({setting})' if setting else ''}, over the dropped entries"] = h["delta"]
             series["ζ̂t² = ζt² − δt(M)"] = h["zeta2_hat"]
         # the spec in the title: the Merge tab's settings may have moved on since
         fig = plots.bars(series, tv.tasks, f"Heterogeneity ζt² ∝ ‖τt − Σ λk τk‖² and its reduction by the mask<br>"
-                                           f"<sub>{spec.label()}</sub>")
+                                           f"<sub>{spec.label()}</sub>", "squared norm")
         text = f"Effective coefficients ({how}) λ = [{', '.join(f'{x:.3g}' for x in lam)}] · χ²(p‖λ) = {h['chi2']:.4g}"
         if h["warnings"]:
             text += "\n\n" + "\n\n".join(f"⚠️ **{w}**" for w in h["warnings"])
@@ -180,12 +179,14 @@ class AnalysisController:
         w, how = self.ex.effective_weights(spec)
         tv = self.pool.task_vectors
         experts_w = [tv.expert(tv.tasks.index(t)) for t in spec.experts]
-        ens = analysis.logit_ensemble_accuracy(self.ex.evaluator, experts_w, w, "test", lock=self.ex.lock)
+        ens = analysis.logit_ensemble_accuracy(self.ex.evaluator, experts_w, w, "test", lock=self.ex.lock,
+                                               base=tv.base)
         merged = self.ex.preview(spec, "test")
-        tasks = list(spec.experts)
+        # per task: results are keyed by task, and a lab expert shares its task with the pool's expert
+        tasks = list(dict.fromkeys(self.pool.task_of(e) for e in spec.experts))
         return plots.bars({"merged": [100 * merged.accuracy[t] for t in tasks],
-                           f"logit ensemble ({how})": [100 * ens[t] for t in tasks]}, tasks,
-                          f"{spec.label()}: merged vs logit ensemble (test split)", "accuracy %")
+                           f"logit ensemble (1 − Σw) f(θ0) + Σ wt f(θt), w {how}": [100 * ens[t] for t in tasks]},
+                          tasks, f"{spec.label()}: merged vs logit ensemble (test split)", "accuracy %")
 
 
 def build_analysis_tabs(ctl, inputs, experts_box):

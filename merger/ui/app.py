@@ -51,6 +51,5 @@ def build_app(session, history=None, title: str = "merger", cluster=None) -> gr.
         app.load(ctl.method_controls, [merge["method"], merge["experts"], *merge["controls"]],
                  [*merge["controls"], merge["about"]], api_visibility="private")
         app.load(events.load, merge["inputs"], merge["outputs"], **PREVIEW_EVENT, api_visibility="private")
-        app.load(merge["runs"].under_way, None, [merge["run_status"], merge["status_timer"]], queue=False,
-                 api_visibility="private")
+        app.load(merge["runs"].under_way, None, merge["under_way"], queue=False, api_visibility="private")
     return app

@@ -149,6 +149,11 @@ class MergeTabEvents:
         """A History row into every Merge-tab input."""
         return self.set_or_warn(request, lambda: self.ctl.reload(row_id, session_of(request)), experts, method, values, record=False)
 
+    def set_to_work(self, request: gr.Request, picked, seen, experts, method, *values):
+        """The settings of a run or preparation this page saw under way into every Merge-tab input."""
+        return self.set_or_warn(request, lambda: self.ctl.work_updates(picked, seen, session_of(request)),
+                                experts, method, values)
+
     def start_from_learned(self, request: gr.Request, experts, method, *values):
         """The current data-driven run's coefficients into the coefficient sliders (task arithmetic)."""
         return self.set_or_warn(request, lambda: self.ctl.learned_updates(experts, method, *values),

@@ -164,6 +164,8 @@ class Controller(ControlPanel):
                 f"{n}={computed:g} (typed {given:g})" for n, (given, computed) in snapped.items()))
         if self.session.evaluator.notices:
             lines.append(f"⚠️ {self.session.evaluator.notices[-1]}")
+        if self.history is not None and self.history.write_error:
+            lines.append(f"⚠️ {self.history.write_error}")
         return "\n\n".join(lines)
 
     def _experts_text(self, spec) -> str:
@@ -188,14 +190,7 @@ class Controller(ControlPanel):
         if row is None:
             fail(f"history: no row with id {text}")
         experts = [e for e in row["experts"].split(",") if e]
-        gone = [e for e in experts if e not in self.pool.experts]
-        if gone:  # the checkbox would take a name it does not offer, and every later event would fail
-            fail(f"history: row {text} merges {', '.join(gone)}, not an expert of this pool now (a lab expert "
-                 "lives in memory: it went with the server that made it); nothing was changed")
-        unoffered = [e for e in experts if e not in self.offered.to(session)]
-        if unoffered:
-            fail(f"history: row {text} merges {', '.join(unoffered)}, made in the Expert lab by another page: tick "
-                 "\"also offer the lab experts other sessions made\" there, then reload the row; nothing was changed")
+        self._offered_or_fail(experts, session, f"history: row {text}", "reload the row")
         params = json.loads(row["params"])
         task_weights, block_weights = params.pop("task_weights", {}), params.pop("block_weights", {})
         updates = self.spec_updates(experts, row["method"], params, task_weights, block_weights)
@@ -204,6 +199,31 @@ class Controller(ControlPanel):
         gr.Info(f"History row {text} ({row['method']}) is in the Merge tab's controls now.{recorded}"
                 + ("; the Merge tab shows the live split." if recorded and row["split"] != "live" else "."))
         return updates
+
+    def _offered_or_fail(self, experts, session: str, what: str, again: str) -> None:
+        """Refuse settings whose experts this browser session's checkbox does not list: it would take
+        a name it does not offer, and every later event of the page would fail."""
+        gone = [e for e in experts if e not in self.pool.experts]
+        if gone:
+            fail(f"{what} merges {', '.join(gone)}, not an expert of this pool now (a lab expert lives in memory: "
+                 "it went with the server that made it); nothing was changed")
+        unoffered = [e for e in experts if e not in self.offered.to(session)]
+        if unoffered:
+            fail(f"{what} merges {', '.join(unoffered)}, made in the Expert lab by another page: tick \"also offer "
+                 f"the lab experts other sessions made\" there, then {again}; nothing was changed")
+
+    def work_updates(self, picked, seen, session: str = "default") -> tuple:
+        """Controls of the Merge tab set to a run or slow preparation the page saw under way
+        (``RunController.under_way``: label -> spec)."""
+        spec = (seen or {}).get(picked)
+        if spec is None:
+            fail("pick one of the works listed under the Run status first")
+        self._offered_or_fail(spec.experts, session, f"`{picked}`", "set the controls to it again")
+        still = picked in self.session.under_way()
+        gr.Info(f"The controls hold `{picked}` now: " + ("press Run to follow it." if still else
+                                                           "it shows as soon as it is evaluated, if it finished."))
+        return self.spec_updates(list(spec.experts), spec.method, dict(spec.kwargs), dict(spec.task_weights),
+                                 dict(spec.block_weights))
 
     def spec_updates(self, experts, method: str, params: dict, task_weights: dict, block_weights: dict) -> tuple:
         """Updates of every Merge-tab input (experts, method, parameter controls, coefficient
@@ -242,6 +262,9 @@ class Controller(ControlPanel):
         if not methods.get(spec.method).data_driven:
             return None
         run = self.session.cached_run(spec)
+        if run is None and spec.rounded() in self.session.under_way().values():
+            raise MergerError(f"the {methods.get(spec.method).display_name} run for these settings is still under "
+                              f"way (its progress is in “{RUNS_LABEL}”): this takes it once it has ended")
         if run is None:
             raise MergerError(f"no {methods.get(spec.method).display_name} run for these settings yet: press Run "
                               f"(in “{RUNS_LABEL}”) first; this takes the run whose numbers the page shows")
@@ -310,6 +333,11 @@ def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str
                                              "slow preparation (SVDs, sorts on a large pool) also runs here.")
                     # follows the work under way when the page opened, until it ends (RunController)
                     status_timer = gr.Timer(2.0, active=False)
+                    with gr.Row():
+                        work_pick = gr.Dropdown([], label="a run or preparation seen under way on this server",
+                                                visible=False, elem_id="work-pick")
+                        work_btn = gr.Button("Set the controls to it", visible=False, elem_id="work-set")
+                    work_seen = gr.State({})
                 pins = gr.State([])
                 pins_md = gr.Markdown(Controller.pins_text([]))
                 files = gr.File(label="exported files", file_count="multiple", interactive=False)
@@ -339,12 +367,14 @@ def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str
                       api_visibility="private")
         cancel_btn.click(runs.cancel, None, run_status, concurrency_id="cancel", concurrency_limit=None,
                          api_visibility="private")
-        status_timer.tick(runs.still_under_way, run_status, [run_status, status_timer], queue=False,
+        under_way = [run_status, status_timer, work_pick, work_btn, work_seen]
+        status_timer.tick(runs.still_under_way, [run_status, work_seen], under_way, queue=False,
                           api_visibility="private")
+        work_btn.click(events.set_to_work, [work_pick, work_seen, *inputs], inputs, api_visibility="private")
         pin_btn.click(events.pin, [pins, *inputs], [pins, pins_md], api_visibility="private")
         unpin_btn.click(Controller.clear_pins, None, [pins, pins_md], queue=False, api_visibility="private")
         export_btn.click(batch(events.export), inputs, [files, export_msg], **BATCH_EVENT, api_visibility="private")
         wire_coefficients_panel(panel, ctl, events, experts, inputs, inputs)
     return {"experts": experts, "method": method, "controls": controls, "about": about, "pins": pins,
             "inputs": inputs, "outputs": outputs, "learned": learned, "weights": weights, "runs": runs,
-            "run_status": run_status, "status_timer": status_timer}
+            "under_way": under_way}

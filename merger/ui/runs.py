@@ -143,29 +143,41 @@ class RunController:
     def under_way(self):
         """The page's first Run status (its load event): the runs and preparations under way on this
         server, which Run follows with the same settings (a page reloaded during its run finds it
-        so); and whether the status timer should watch them end (``still_under_way``)."""
+        so); whether the status timer should watch them end (``still_under_way``); and the chooser
+        that sets the controls to one of them, with the works it offers (label -> spec)."""
         work = self.ctl.session.under_way()
         if not work:
-            return gr.skip(), gr.Timer(active=False)
-        return self._under_way_line(work), gr.Timer(active=True)
+            return gr.skip(), gr.Timer(active=False), *(gr.skip(),) * 3
+        return self._under_way_line(work), gr.Timer(active=True), *self._chooser(work, {})
 
     def _under_way_line(self, work) -> str:
-        return (self.UNDER_WAY + "; ".join(f"`{w}`" for w in work) + ". Press Run with the same settings to follow "
-                "it: its progress so far, then its result (no second run).")
+        return (self.UNDER_WAY + "; ".join(f"`{w}`" for w in work) + ". " + self.TO_FOLLOW)
 
-    def still_under_way(self, status: str):
-        """The status timer's tick: the line of work under way follows it (one that ends leaves it),
-        until the page's own Run or Cancel has replaced the line; then the timer stops."""
+    TO_FOLLOW = ("To follow it, set the controls to it (below) and press Run: its progress so far, then its result "
+                 "(no second run).")
+
+    @staticmethod
+    def _chooser(work: dict, seen: dict) -> tuple:
+        """(chooser, its button, the works it offers): every work this page saw under way; the
+        chooser on the first of those under way now."""
+        seen = {**(seen or {}), **work}
+        return gr.update(choices=list(seen), value=next(iter(work)), visible=True), gr.update(visible=True), seen
+
+    def still_under_way(self, status: str, seen: dict):
+        """The status timer's tick: the line of work under way follows it (one that ends leaves it,
+        and stays in the chooser: a finished run shows at once once the controls hold it), until
+        the page's own Run or Cancel has replaced the line; then the timer stops."""
         if not (status or "").startswith(self.UNDER_WAY):
-            return gr.skip(), gr.Timer(active=False)
+            return gr.skip(), gr.Timer(active=False), *(gr.skip(),) * 3
         work = self.ctl.session.under_way()
+        chooser = self._chooser(work, seen) if set(work) - set(seen or {}) else (gr.skip(),) * 3
         if work:
             line = self._under_way_line(work)
-            return (gr.skip() if line == status else line), gr.Timer(active=True)
-        ended = status[len(self.UNDER_WAY):].split(". Press Run")[0]
+            return (gr.skip() if line == status else line), gr.Timer(active=True), *chooser
+        ended = status[len(self.UNDER_WAY):].split(". " + self.TO_FOLLOW)[0]
         return (f"The work under way when this page opened has ended: {ended}. A finished run or preparation is "
-                "kept: with its settings in the controls it shows at once. A cancelled one left nothing."), \
-            gr.Timer(active=False)
+                "kept: set the controls to it (below) and it shows at once. A cancelled one left nothing."), \
+            gr.Timer(active=False), *chooser
 
     def cancel(self, request: gr.Request = None):
         if self._cancel.cancel(session_of(request)):
