@@ -281,17 +281,23 @@ def bars(series: Mapping[str, Sequence[float]], labels: Sequence[str], title: st
 
 
 def lines(curves: Mapping[str, tuple], x_title: str, y_title: str, title: str, log_x: bool = False,
-          dashed: Sequence[str] = ()) -> go.Figure:
-    """curves: name -> (xs, ys); names in ``dashed`` are drawn dotted (e.g. a fitted trend)."""
+          dashed: Sequence[str] = (), right: Sequence[str] = (), right_title: str = "") -> go.Figure:
+    """curves: name -> (xs, ys); names in ``dashed`` are drawn dotted (e.g. a fitted trend); names in
+    ``right`` on a second y axis (a quantity of another scale: beside one of 34 to 105, one of 0 to 4
+    read as flat at zero)."""
     fig = go.Figure()
     for i, (name, (xs, ys)) in enumerate(curves.items()):
         fig.add_trace(go.Scatter(x=list(xs), y=list(ys), name=name, mode="lines" if name in dashed else "lines+markers",
-                                 line=dict(color=PALETTE[i % len(PALETTE)], dash="dot" if name in dashed else "solid")))
+                                 line=dict(color=PALETTE[i % len(PALETTE)], dash="dot" if name in dashed else "solid"),
+                                 yaxis="y2" if name in right else "y"))
     xaxis = dict(title=x_title, type="log" if log_x else "linear")
-    run = sorted({float(x) for name, (xs, _) in curves.items() if name not in dashed for x in xs})
-    if log_x and len(run) <= 12:  # a log axis over a decade or two labels 2, 5, 2, 5…: tick the values run instead
-        xaxis.update(tickvals=run, ticktext=[f"{x:g}" for x in run])
-    fig.update_layout(title=title, xaxis=xaxis, yaxis=dict(title=y_title), **_CURVES)
+    if log_x:  # a log axis over a decade or two labels 2, 5, 2, 5…: tick the values run instead
+        run = sorted({float(x) for name, (xs, _) in curves.items() if name not in dashed for x in xs})
+        if len(run) <= 12:
+            xaxis.update(tickvals=run, ticktext=[f"{x:g}" for x in run])
+    extra = {"yaxis2": dict(title=right_title, overlaying="y", side="right", showgrid=False),
+             "legend": {**_CURVES["legend"], "x": 1.12}} if right else {}  # the legend clear of that axis
+    fig.update_layout(title=title, xaxis=xaxis, yaxis=dict(title=y_title), **{**_CURVES, **extra})
     return fig
 
 

@@ -209,6 +209,8 @@ def test_python_objects_given_to_the_api_are_named_not_raised_raw(pair, tiny_poo
     merged = merger.merge(pool, "task_arithmetic", lam=0.3)
     cases = [
         (lambda: merger.PoolSession(str(tiny_pool)), "PoolSession: expected an open pool, got .*merger.open_pool"),
+        (lambda: merger.open_pool(pool.expert_info[pool.tasks[0]]["path"]),  # it was "not UTF-8 text"
+         r"\.safetensors: a checkpoint, not a pool file: a pool is a YAML naming the base and the experts"),
         (lambda: merger.merge_state_dicts(base, experts, "task_arithmetic", device="tpu"),
          r"device 'tpu': not a device \(cpu, cuda or cuda:N\)"),
         (lambda: merger.merge_state_dicts(base, [{**experts[0], key: "x"}, *experts[1:]], "task_arithmetic"),

@@ -672,6 +672,9 @@ def test_analysis_tab_callbacks(ctl):
         ac.weights(*controls(ctl, "ties", sparsity=None))
     spectra, ri = ac.lowrank(ctl.pool.tasks, "all matrices (summed)")
     assert {t.name for t in ri.data} >= {"R(k) centred", "I(k) uncentred"}
+    # I(k) (tens) on its own axis: beside it R(k) (units) read as flat at zero
+    assert {t.name: t.yaxis for t in ri.data} == {"R(k) centred": "y", "R(k) uncentred": "y", "I(k) centred": "y2",
+                                                  "I(k) uncentred": "y2"}
     fig, text = ac.heterogeneity(*controls(ctl, "task_arithmetic", lam=0.3))
     assert "Σλ = 0.9 ≠ 1" in text and "χ²" in text
     fig, text = ac.heterogeneity(*controls(ctl, "weight_averaging"))

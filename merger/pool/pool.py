@@ -297,6 +297,9 @@ def read_pool_yaml(path: str | os.PathLike) -> tuple[dict, Path]:
     path = inputs.check_path(path, "pool", PoolError).expanduser()
     if path.is_dir():
         path = path / "pool.yaml"
+    if path.suffix.lower() in (".safetensors", ".bin", ".pt", ".pth", ".ckpt"):  # it read as "not UTF-8 text"
+        raise PoolError(f"{path}: a checkpoint, not a pool file: a pool is a YAML naming the base and the experts "
+                        "(see the README's pool.yaml); merger.merge_state_dicts takes checkpoint files as they are")
     return inputs.load_yaml(path, PoolError, "pool file"), path
 
 

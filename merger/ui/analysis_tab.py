@@ -38,7 +38,8 @@ class AnalysisController:
         own = "sparsity" in methods.get(method).param_names
         sparsity = self.ctl.spec_from_controls(experts, method, *values).rounded().kwargs["sparsity"] if own else 0.8
         n = analysis.task_vector_norms(tv)
-        norms = plots.bars({"‖τt‖ / ‖θ0‖": n["relative"]}, tv.tasks, "Task-vector norms (relative to the base)")
+        norms = plots.bars({"‖τt‖ / ‖θ0‖": n["relative"]}, tv.tasks, "Task-vector norms (relative to the base)",
+                           "‖τt‖ / ‖θ0‖")
         layers = plots.heatmap([n["layers"][name] for name in n["layers"]], tv.tasks, list(n["layers"]),
                                "‖τt,l‖ per layer", fmt=".2g")
         cos = plots.heatmap(analysis.cosine_matrix(tv), tv.tasks, tv.tasks, "Cosine similarity of task vectors", zmid=0)
@@ -70,9 +71,10 @@ class AnalysisController:
         u = analysis.reconstruction_and_interference(tv, ks, False, keys)
         ri = plots.lines({"R(k) centred": (ks, c["sum"]["R"]), "R(k) uncentred": (ks, u["sum"]["R"]),
                           "I(k) centred": (ks, c["sum"]["I"]), "I(k) uncentred": (ks, u["sum"]["I"])},
-                         "k (kept rank)", "value", "Reconstruction error R(k) and interference I(k)"
+                         "k (kept rank)", "R(k): reconstruction error", "Reconstruction error R(k) and interference I(k)"
                          + ("" if len(keys) == 1 else " (summed over matrices)"), log_x=True,
-                         dashed=["R(k) uncentred", "I(k) uncentred"])
+                         dashed=["R(k) uncentred", "I(k) uncentred"], right=["I(k) centred", "I(k) uncentred"],
+                         right_title="I(k): interference")
         return spectra, ri
 
     @keeps_outputs(2)
@@ -107,7 +109,8 @@ class AnalysisController:
         if len(traj.points) >= 3:
             d = analysis.epoch_dynamics(traj.points)
             epochs = [f"epoch {s}" for s in traj.steps[1:]]
-            shares = plots.bars({"share of Σ‖update‖": d["shares"]}, epochs, f"{task}: update-norm share per epoch")
+            shares = plots.bars({"share of Σ‖update‖": d["shares"]}, epochs, f"{task}: update-norm share per epoch",
+                                "share of Σ‖update‖")
             cos = plots.heatmap(d["cosine"], epochs, epochs, "Cosine between epoch updates", zmid=0)
             first = plots.lines({"cos(τ(k), τ(1))": (traj.steps[1:], d["cos_to_first"])}, "epoch k", "cosine",
                                 "cos(τ(k), τ(1))")
@@ -149,7 +152,7 @@ class AnalysisController:
         err = [[m - a for m, a in zip(lin["mean"], lin["q25"])], [b - m for m, b in zip(lin["mean"], lin["q75"])]]
         fig = plots.bars({pred: lin["mean"], "baseline: 1 − cos(merge, each endpoint)": lin["baseline"]},
                          blocks, f"Cross-task linearity of {spec.label()} (weights {', '.join(f'{v:.2g}' for v in w)}; "
-                         f"{len(x)} probe images from every task, all tokens)", errors={pred: err})
+                         f"{len(x)} probe images from every task, all tokens)", "1 − cos (0: linear)", errors={pred: err})
         return fig
 
     @keeps_outputs(1)
