@@ -193,13 +193,13 @@ def _tsv_matrix(prepared: dict, key: str, rank_ratio) -> torch.Tensor:
         return torch.zeros_like(prepared["mean"][key])
     # the first k of each task's K directions, task-major as the concatenation (a copy of [2, T·k, T·k])
     grams = prepared["grams"][key].view(2, T, K, T, K)[:, :, :k, :, :k].reshape(2, T * k, T * k)
-    left_isqrt, right_isqrt = (inverse_sqrt(g[None], max_cond=None if _square(T * k, side) else TSV_FP32_COND)[0]
+    left_isqrt, right_isqrt = (inverse_sqrt(g[None], refined=not _square(T * k, side))[0]
                                for g, side in zip(grams, (m, n)))
     if left_isqrt.dtype == right_isqrt.dtype == torch.float32:
         return _tsv_conditioned(left, right, s[:, :k], k, left_isqrt, right_isqrt)
-    # T·k = r, or a Gram above TSV_FP32_COND: fp64, and the one order this always had: its rounding
-    # shows there (the order moved the default merge of ViT-B/32's in_proj by 5e-4 and out_proj by
-    # 9%, random experts).
+    # T·k = r, or a Gram near singular (linalg.REFINED_COND): fp64, and the one order this always had:
+    # its rounding shows there (the order moved the default merge of ViT-B/32's in_proj by 5e-4 and
+    # out_proj by 9%, random experts).
     u, vh = unit_factors(left[:, :, :k], right[:, :k], s[:, :k])
     core = (left_isqrt.double() * s[:, :k].reshape(-1).double()) @ right_isqrt.double()
     u, vh = u.permute(1, 0, 2).reshape(m, T * k), vh.reshape(T * k, -1)
@@ -221,14 +221,14 @@ def _tsv_conditioned(left, right, s, k, left_isqrt, right_isqrt) -> torch.Tensor
     return u @ (core @ vh) if m > n else (u @ core) @ vh
 
 
-# The Gram of one side's concatenated singular vectors is solved in fp32 when its condition number
-# is at most this, else in fp64. At rank 0.1 on a ViT-B/32 × 8 pool every Gram passed (condition
-# up to about 300) and the direction was within 5e-6 of fp64's, relative (2.3 → 1.4 s a move); at
-# a condition near the cap the fp32 G^(-1/2) is about 1e-5 off (largest entry), below the 2e-3 that
-# bf16 storage of the singular vectors already carries. Where T·k equals that side's dimension (the
-# default rank's r side) the concatenation is square and its Gram near singular: fp64 at once (an
-# fp32 eigh there was 0.05 off the authors' SVDs on a test pool).
-TSV_FP32_COND = 1e3
+# The Gram of one side's concatenated singular vectors is solved in fp32 with its small eigenpairs
+# refined in fp64 (linalg.inverse_sqrt, refined): the direction within about 2e-5 of fp64's, relative,
+# below the 2e-3 that bf16 storage of the singular vectors already carries. Before, an fp32 eigh was
+# kept only up to a condition of 1e3 and fp64 taken above it: on a ViT-B/32 × 8 pool at rank 0.12
+# (T·k = 736 of 768) 60 of the 96 Grams were above it (up to 9.4e3), and the move took 7.6 s on this
+# 2-core CPU against 2.6 s at 0.1. Where T·k equals that side's dimension (the default rank's r side)
+# the concatenation is square and its Gram near singular: fp64 at once (an fp32 eigh there was 0.05
+# off the authors' SVDs on a test pool).
 
 
 TSV_M = register(Method(

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import time
 
 import torch
@@ -27,9 +28,10 @@ def slider_moves(m, T: int) -> list[tuple[str, dict]]:
     moves = [(f"λ {lam}", {**default, "lam": lam}) for lam in (0.3, 0.5, 0.7) if "lam" in default] or [("-", default)]
     if "rank_ratio" in default:
         hi = m.bounds("rank_ratio", T)[1]
-        for r in (0.04, 0.1, 0.16, 0.32, 0.5):
-            if r <= hi:
-                moves.append((f"rank {r}", {**default, "rank_ratio": r}))
+        step = m.param("rank_ratio").step
+        top = round(math.floor(hi / step + 1e-9) * step, 6)  # the slider's last step (TSV-M: 0.12 with 8 experts)
+        for r in sorted({r for r in (0.04, 0.1, 0.16, 0.32, 0.5) if r <= hi} | {top}):
+            moves.append((f"rank {r:g}", {**default, "rank_ratio": r}))
     if "sparsity" in default:
         moves += [(f"sparsity {p}", {**default, "sparsity": p}) for p in (0.5, 0.9)]
     return moves
