@@ -11,6 +11,7 @@ from merger import allocator, methods
 from merger.io import disk_cache
 from merger.errors import MergerError
 from merger.evaluation.shared_work import SharedWork
+from merger.evaluation.warm_up import PartStore, WarmUp
 from merger.spec import Spec, on_experts, with_block_weights
 
 
@@ -44,6 +45,9 @@ class Merges:
     # rather than inside a move (see prepare_is_slow).
     INLINE_ENTRIES = 20_000_000
     DERIVED_BYTES = 2 << 30  # derived states kept: about this much (each about one fp32 Δ), 1 to 4 of them
+    # Derive parts kept (TSV-M: 0.65 GB for every rank step of ViT-B/32 × 8; ViT-L/14 × 8 would take about
+    # 2.5 GB, so its warm-up stops at WarmUp.FILL of this, the steps nearest the last move first).
+    PART_BYTES = 1 << 30
 
     def __init__(self, pool, queue, counts: Counter, deltas: int = 2):
         self.pool, self.queue, self.counts = pool, queue, counts
@@ -55,6 +59,11 @@ class Merges:
         self._deltas: OrderedDict = OrderedDict()
         self._preparing = SharedWork()  # slow preparations under way (Run), each followed by every caller
         self.disk = disk_cache.DiskCache()
+        self.parts = PartStore(self.PART_BYTES)
+        # a large pool's derive parts computed in idle time after its preparation (off: bench merge times
+        # the moves before it, then warm_now)
+        self.warm_ahead = True
+        self.warm_up = WarmUp(queue, self.parts, counts, busy=lambda: bool(self._preparing.under_way()))
 
     @staticmethod
     def _prepared_key(method, experts: tuple[str, ...], prepare_args: dict, scale: tuple = ()) -> tuple:
@@ -113,7 +122,36 @@ class Merges:
 
     def _store_prepared(self, key: tuple, state):
         self.counts["prepares"] += 1
-        return lru_put(self._prepared, key, state, 3)
+        for old in list(self._prepared)[: max(0, len(self._prepared) - 2)] if key not in self._prepared else ():
+            self.warm_up.stop(old)  # the one lru_put drops: its parts go with it
+            self.parts.drop(old)
+        lru_put(self._prepared, key, state, 3)
+        m = methods.get(key[0])
+        if m.warm is not None and self.warm_ahead and self._large(key[1]):
+            self.warm_up.start(m, key, state, m.warm_settings(len(key[1])))
+        return state
+
+    def forget_derived(self) -> None:
+        """Drop the derived states and Δs (benches: the next move of each setting derives again)."""
+        with self.queue:
+            self._derived.clear()
+            self._deltas.clear()
+
+    def _large(self, experts) -> bool:
+        """A pool large enough that slow work goes through Run and derive parts are warmed ahead."""
+        return self.pool.task_vectors.numel() * len(experts) > self.inline_entries
+
+    def warm_now(self, spec: Spec) -> int:
+        """Compute every derive part of a static spec's method for all its settings now, on this thread
+        (benches: the state a warm-up leaves); returns how many were computed."""
+        m = methods.get(spec.method)
+        pkey, state = self.prepared_for(spec)
+        if m.warm is None:
+            return 0
+        view = self.parts.view(pkey)
+        for setting in m.warm_settings(len(spec.experts)):
+            m.warm(state, view, lambda: True, **setting)
+        return view.computed
 
     def _prepare_args(self, spec: Spec, rounded: bool = True):
         """(method, prepare arguments, task weights it prepares with) of a spec (see ``prepared``)."""
@@ -150,8 +188,7 @@ class Merges:
         it through Run, with progress and Cancel."""
         if not methods.get(spec.method).slow_prepare:
             return False
-        entries = self.pool.task_vectors.numel() * len(spec.experts)
-        return entries > self.inline_entries and not self.is_prepared(spec)
+        return self._large(spec.experts) and not self.is_prepared(spec)
 
     def prepare(self, spec: Spec, progress=None, cancel=None) -> None:
         """Prepare a static spec's method ahead of its moves, with progress and cancel where the
@@ -215,12 +252,16 @@ class Merges:
                 else:
                     if self._derived_size() > 1:  # one is kept, as the base a CART rank move may start from
                         lru_make_room(self._derived, self._derived_size())
-                    near = {}
-                    if m.derive_near and self.pool.task_vectors.numel() * len(spec.experts) > self.inline_entries:
+                    extra = {}
+                    if m.derive_near and self._large(spec.experts):
                         # large pools only: small ones recompute in milliseconds and stay path-independent
-                        near = {"near": [v for (p, _), v in self._derived.items() if p == pkey]}
+                        extra["near"] = [v for (p, _), v in self._derived.items() if p == pkey]
+                    if m.warm is not None:
+                        extra["parts"] = self.parts.view(pkey)
+                        self.warm_up.moved(pkey, dict(dargs))
                     self.counts["derives"] += 1
-                    state = lru_put(self._derived, dkey, m.derive(state, **dict(dargs), **near), self._derived_size())
+                    state = lru_put(self._derived, dkey, m.derive(state, **dict(dargs), **extra), self._derived_size())
+                    self.counts["parts computed"] += extra["parts"].computed if "parts" in extra else 0
             self.counts["applies"] += 1
             lru_make_room(self._deltas, self.delta_size)
             delta = with_block_weights(m.apply(state, **kw, **m.weights_kwargs(key)), key)

@@ -191,6 +191,11 @@ class WorkQueue:
             self._owner, self._depth = me, depth
             self._previews_in_a_row = 0
 
+    def idle(self) -> bool:
+        """Nothing holds the model or waits for it (the warm-up's cue)."""
+        with self._cond:
+            return self._owner is None and not self._previews and not self._chunks and not self._handing_off()
+
     def previews_waiting(self) -> int:
         with self._cond:
             return len(self._previews)

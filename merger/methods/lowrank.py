@@ -170,55 +170,95 @@ def tsv_rank(rank_ratio, m: int, n: int, T: int) -> int:
     return min(r // T, math.floor(rank_ratio * r + 1e-9))
 
 
-def tsv_direction(prepared: dict, rank_ratio) -> dict:
+def tsv_direction(prepared: dict, rank_ratio, parts=None) -> dict:
     """The merged direction at one rank (TSV-M's derive step: cached per rank by the session).
 
     The orthogonal factors P = U (UᵀU)^(-1/2), Q = V (VᵀV)^(-1/2) of the concatenated singular
     vectors (what an SVD X = P S Qᵀ → P Qᵀ gives) meet in a [T·k, T·k] core, so the direction
     P S Qᵀ = U (G_U^(-1/2) S G_V^(-1/2)) Vᵀ costs two small eighs and two products; the Grams at
-    rank k are read off those prepared at K (the first k of each task's K directions)."""
+    rank k are read off those prepared at K (the first k of each task's K directions).
+
+    ``parts``: the session's store (get, put) of each matrix's work at each k but its last product
+    (``_tsv_half``): one found there leaves that product alone (the eighs were 60 % of a move at rank
+    0.1 on ViT-B/32 × 8); those computed here are put there. ``tsv_warm`` fills it ahead."""
     if rank_ratio == "auto" and "auto" in prepared:
         return prepared["auto"]
     out = dict(prepared["mean"])
-    out.update(each_matrix(lambda key: _tsv_matrix(prepared, key, rank_ratio), prepared["factors"]))
+    out.update(each_matrix(lambda key: _tsv_matrix(prepared, key, rank_ratio, parts), prepared["factors"]))
     return out
 
 
-def _tsv_matrix(prepared: dict, key: str, rank_ratio) -> torch.Tensor:
+def tsv_warm(prepared: dict, parts, gate, rank_ratio) -> None:
+    """Put the halves (``_tsv_half``) of every matrix at one rank that ``parts`` lacks, a worker's share
+    of matrices at a time (each_matrix), ``gate()`` before each share: False stops (the session's
+    idle-time warm-up)."""
+    if rank_ratio == "auto" and "auto" in prepared:
+        return
+    missing = []
+    for key, (left, right, _) in prepared["factors"].items():
+        k = tsv_rank(rank_ratio, left.shape[1], right.shape[2], left.shape[0])
+        if k and (key, k) not in parts:
+            missing.append((key, k))
+    share = max(1, torch.get_num_threads())
+    for i in range(0, len(missing), share):
+        if not gate():
+            return
+        for item, half in each_matrix(lambda item: _tsv_half(prepared, *item), missing[i:i + share]):
+            parts.put(item, half)
+
+
+def _tsv_matrix(prepared: dict, key: str, rank_ratio, parts=None) -> torch.Tensor:
+    left, right, _ = prepared["factors"][key]
+    T, m, _ = left.shape
+    k = tsv_rank(rank_ratio, m, right.shape[2], T)
+    if k == 0:  # fewer dimensions than tasks: no task keeps a singular vector here
+        return torch.zeros_like(prepared["mean"][key])
+    half = None if parts is None else parts.get((key, k))
+    if half is None:
+        half = _tsv_half(prepared, key, k)
+        if parts is not None:
+            parts.put((key, k), half)
+    return _tsv_product(prepared, key, k, *half)
+
+
+def _tsv_half(prepared: dict, key: str, k: int) -> tuple[torch.Tensor, str]:
+    """All of one matrix's direction at rank k but its last product: its two eighs, the [T·k, T·k]
+    core between them, and the core times the factor of the shorter side. (that product, which side
+    it holds: "right" = core · Vᵀ [T·k, n], to take U · it; "left" = U · core [m, T·k], to take it · Vᵀ;
+    "unit left" = the same with the singular vectors, S divided out: the fp64 route's order)."""
     left, right, s = prepared["factors"][key]
     T, m, K = left.shape
     n = right.shape[2]
-    k = tsv_rank(rank_ratio, m, n, T)
-    if k == 0:  # fewer dimensions than tasks: no task keeps a singular vector here
-        return torch.zeros_like(prepared["mean"][key])
     # the first k of each task's K directions, task-major as the concatenation (a copy of [2, T·k, T·k])
     grams = prepared["grams"][key].view(2, T, K, T, K)[:, :, :k, :, :k].reshape(2, T * k, T * k)
     left_isqrt, right_isqrt = (inverse_sqrt(g[None], refined=not _square(T * k, side))[0]
                                for g, side in zip(grams, (m, n)))
+    sk = s[:, :k].reshape(-1)
     if left_isqrt.dtype == right_isqrt.dtype == torch.float32:
-        return _tsv_conditioned(left, right, s[:, :k], k, left_isqrt, right_isqrt)
+        # the stored factors taken as they are: S, which ``spectral`` left on one side, is divided out
+        # in the core (its rows where m ≥ n, see unit_factors) instead of across a [m, T·k] factor
+        core = (left_isqrt * sk) @ right_isqrt
+        core = divided(core, sk[:, None]) if m >= n else divided(core, sk)
+        if m > n:
+            return core @ right[:, :k].reshape(T * k, n).float(), "right"
+        return left[:, :, :k].permute(1, 0, 2).reshape(m, T * k).float() @ core, "left"
     # T·k = r, or a Gram near singular (linalg.REFINED_COND): fp64, and the one order this always had:
     # its rounding shows there (the order moved the default merge of ViT-B/32's in_proj by 5e-4 and
     # out_proj by 9%, random experts).
-    u, vh = unit_factors(left[:, :, :k], right[:, :k], s[:, :k])
-    core = (left_isqrt.double() * s[:, :k].reshape(-1).double()) @ right_isqrt.double()
-    u, vh = u.permute(1, 0, 2).reshape(m, T * k), vh.reshape(T * k, -1)
-    return (u @ core.float()) @ vh
+    core = ((left_isqrt.double() * sk.double()) @ right_isqrt.double()).float()
+    u, _ = unit_factors(left[:, :, :k], right[:, :k], s[:, :k])
+    return u.permute(1, 0, 2).reshape(m, T * k) @ core, "unit left"
 
 
-def _tsv_conditioned(left, right, s, k, left_isqrt, right_isqrt) -> torch.Tensor:
-    """U G_U^(-1/2) S G_V^(-1/2) Vᵀ with the stored factors taken as they are: S, which ``spectral``
-    left on one side, is divided out in the [T·k, T·k] core instead of across a [m, T·k] factor; the
-    shorter side first."""
+def _tsv_product(prepared: dict, key: str, k: int, half: torch.Tensor, side: str) -> torch.Tensor:
+    """The direction of one matrix at rank k from its ``_tsv_half``: the one product left."""
+    left, right, s = prepared["factors"][key]
     T, m, _ = left.shape
     n = right.shape[2]
-    s = s.reshape(-1)
-    core = (left_isqrt * s) @ right_isqrt
-    # S sits in left where m ≥ n (unit_factors): its rows of the core, else its columns
-    core = divided(core, s[:, None]) if m >= n else divided(core, s)
-    u = left[:, :, :k].permute(1, 0, 2).reshape(m, T * k).float()
-    vh = right[:, :k].reshape(T * k, n).float()
-    return u @ (core @ vh) if m > n else (u @ core) @ vh
+    if side == "right":
+        return left[:, :, :k].permute(1, 0, 2).reshape(m, T * k).float() @ half
+    vh = unit_factors(left[:, :, :k], right[:, :k], s[:, :k])[1] if side == "unit left" else right[:, :k].float()
+    return half @ vh.reshape(T * k, n)
 
 
 # The Gram of one side's concatenated singular vectors is solved in fp32 with its small eigenpairs
@@ -244,6 +284,7 @@ TSV_M = register(Method(
     prepare=prepare_tsv,
     derive=tsv_direction,
     derive_params=("rank_ratio",),
+    warm=tsv_warm,
     apply=lam_times(),
     tune_grid={"lam": frange(0.5, 2.0, 0.1)},
     weights=sum_weights("mean"),

@@ -74,9 +74,8 @@ class Paper:
 
 @dataclass(frozen=True)
 class Published:
-    """A number the field reports for a method: average absolute accuracy % over the 8-task CLIP
-    suite (SUN397, Cars, RESISC45, EuroSAT, SVHN, GTSRB, MNIST, DTD) on one architecture. Shown
-    as a labelled guide line on real pools of that architecture."""
+    """A number the field reports for a method: average absolute accuracy % over the 8-task CLIP suite (SUN397,
+    Cars, RESISC45, EuroSAT, SVHN, GTSRB, MNIST, DTD) on one architecture: a guide line on its real pools."""
     architecture: str
     accuracy: float
     source: str
@@ -93,13 +92,17 @@ class Method:
     prepare: Callable[..., Any]
     apply: Callable[..., Mapping[str, Any]]
     prepare_params: tuple[str, ...] = ()  # parameters that change prepare's result (e.g. seed)
-    # Optional middle step, derive(prepared, **derive_params) -> state for apply (TSV-M's direction
-    # per rank): prepared state stays immutable, the session caches what is derived from it.
+    # Optional middle step, derive(prepared, **derive_params) -> state for apply (TSV-M's direction per
+    # rank): prepared state stays immutable, the session caches what is derived from it.
     derive: Callable[..., Any] | None = None
     derive_params: tuple[str, ...] = ()
     # derive(prepared, near=[states derived before from the same preparation], ...) may start from
     # one of them (CART: a rank move costs the directions between the two ranks).
     derive_near: bool = False
+    # Derive parts kept apart from the derived state (TSV-M: each matrix's eighs and core at one rank):
+    # derive(..., parts=store) reads and fills the session's store; warm(prepared, parts, gate, **setting)
+    # computes one setting's ahead in idle time, gate() between matrices (False: stop). See warm_up.py.
+    warm: Callable[..., None] | None = None
     # A one-line remark for the current setting (e.g. "λ has no effect at full rank"), or None.
     note: Callable[[Mapping[str, Any], Any], str | None] | None = None
     defaults_for: Callable[[int], dict[str, Any]] | None = None  # defaults that depend on T
@@ -210,6 +213,13 @@ class Method:
                 if out[p.name] > bound + 1e-12:
                     p.refuse(self.name, value, f"is above {bound:.6g} with {num_experts} experts: {reason}")
         return out
+
+    def warm_settings(self, num_experts: int) -> list[dict]:
+        """Each step of the (one) derive parameter's slider in its range for T (TSV-M, 8: rank 0.01 … 0.12)."""
+        (name,) = self.derive_params
+        p, (lo, hi) = self.param(name), self.bounds(name, num_experts)
+        steps = range(math.ceil(lo / p.step - 1e-9), math.floor(hi / p.step + 1e-9) + 1)
+        return [{name: round(i * p.step, 9)} for i in steps if round(i * p.step, 9) > lo or not p.min_open]
 
     def bounds(self, name: str, num_experts: int) -> tuple[float, float]:
         """The slider range of a parameter for this many experts (T-dependent caps applied)."""

@@ -126,7 +126,9 @@ class RunController:
             return
         acc, loss, radar, summary = self.ctl.preview(experts, method, *values)
         if "prepared" in box:
-            yield (f"✓ {m.display_name}: prepared in {box['prepared']:.1f} s; its sliders are live now.{went_on}",
+            ahead = (f" Each {' / '.join(m.param(p).label or p for p in m.derive_params)} step is readied while "
+                     "the server is idle (each step's first move is slower until then)." if m.warm else "")
+            yield (f"✓ {m.display_name}: prepared in {box['prepared']:.1f} s; its sliders are live now.{ahead}{went_on}",
                    *(gr.skip(),) * 3,
                    acc, loss, radar, summary)
             return
