@@ -1,5 +1,6 @@
 """The linear algebra the spectral merges share (methods/linalg.py): the structured polar factor
 against an SVD's, and matrices side by side in order, cancellable, with the threads given back."""
+import threading
 import time
 
 import pytest
@@ -57,6 +58,22 @@ def test_matrices_side_by_side_come_back_in_order_on_single_threaded_workers():
     # nested (a worker asking for more side-by-side work) runs inline instead of waiting on itself
     inner = list(side_by_side(lambda i: list(side_by_side(lambda j: i * 10 + j, range(2))), range(3)))
     assert inner == [[0, 1], [10, 11], [20, 21]]
+
+
+def test_a_thread_started_during_side_by_side_work_keeps_the_process_thread_count():
+    """A worker's one thread is its own: a Gradio worker or Run thread started while matrices are
+    computed once took one torch thread for its whole life (found by a review of the warm-up)."""
+    threads, seen = torch.get_num_threads(), []
+
+    def work(i):
+        if i == 0:
+            probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+            probe.start()
+            probe.join()
+        return torch.get_num_threads()
+
+    assert list(side_by_side(work, range(4))) == [1] * 4
+    assert seen == [threads] and torch.get_num_threads() == threads
 
 
 def test_a_cancel_stops_the_matrices_not_yet_started():

@@ -104,6 +104,11 @@ def test_a_preparation_leaving_the_cache_takes_its_parts_and_warm_up_with_it(ses
     assert session.merges.warm_up.wait(timeout=120)
 
 
+def test_a_preparation_for_the_api_starts_no_warm_up(session):
+    session.merges.prepared_for(session.spec("tsv_m", lam=1.0))  # merger.merge, the CLI, exports
+    assert not session.merges.warm_up.under_way and session.counts["settings warmed"] == 0
+
+
 # ---- WarmUp and PartStore on their own --------------------------------------------------------
 
 def _recording_method(calls, part=torch.zeros(10)):
@@ -144,6 +149,27 @@ def test_a_stopped_warm_up_computes_nothing_more():
     assert not stopper.is_alive() and not warm_up.under_way and calls == []
 
 
+def test_a_warm_up_replaced_ends_before_the_next_begins_and_none_is_left_behind():
+    calls, release = [], threading.Event()
+
+    def warm(state, parts, gate, rank_ratio):
+        release.wait(timeout=30)
+        if gate():
+            calls.append((state, rank_ratio))
+            parts.put(rank_ratio, torch.zeros(1))
+
+    store = PartStore(1 << 20)
+    warm_up = WarmUp(WorkQueue(), store, Counter())
+    method = SimpleNamespace(warm=warm, name="fake")
+    warm_up.start(method, "a", "a", [{"rank_ratio": 0.1}, {"rank_ratio": 0.2}])
+    warm_up.start(method, "b", "b", [{"rank_ratio": 0.1}])  # replaces a's: a stops after its share
+    store.drop("a")
+    release.set()
+    assert warm_up.wait(timeout=30)
+    assert calls == [("b", 0.1)] and store.count("a") == 0 and store.count("b") == 1
+    assert not [t for t in threading.enumerate() if t.name == "merger-warm-up"]
+
+
 def test_the_part_store_drops_the_least_recently_used_above_its_cap():
     store = PartStore(cap=100)
     for i in range(3):
@@ -151,3 +177,8 @@ def test_the_part_store_drops_the_least_recently_used_above_its_cap():
     assert store.get(("p", 0)) is None and store.get(("p", 2)) is not None and store.bytes == 80
     store.drop("p")
     assert store.bytes == 0 and store.count("p") == 0
+    store.put(("p", 5), torch.zeros(10))  # a share that ended after the drop
+    assert store.count("p") == 0
+    store.allow("p")  # the preparation back in the session's cache
+    store.put(("p", 5), torch.zeros(10))
+    assert store.count("p") == 1

@@ -125,11 +125,15 @@ class Merges:
         for old in list(self._prepared)[: max(0, len(self._prepared) - 2)] if key not in self._prepared else ():
             self.warm_up.stop(old)  # the one lru_put drops: its parts go with it
             self.parts.drop(old)
-        lru_put(self._prepared, key, state, 3)
+        self.parts.allow(key)
+        return lru_put(self._prepared, key, state, 3)
+
+    def _warm_up(self, key: tuple, state) -> None:
+        """Start computing a preparation's derive parts in idle time: after a Run's preparation (the
+        app, on a large pool), never after the API's or the CLI's, which would only compete with them."""
         m = methods.get(key[0])
         if m.warm is not None and self.warm_ahead and self._large(key[1]):
             self.warm_up.start(m, key, state, m.warm_settings(len(key[1])))
-        return state
 
     def forget_derived(self) -> None:
         """Drop the derived states and Δs (benches: the next move of each setting derives again)."""
@@ -209,6 +213,7 @@ class Merges:
             state = self._compute(m, spec.experts, args, scale, progress, cancel)
             with self.queue:
                 self._store_prepared(key, state)
+            self._warm_up(key, state)
 
         # callers of the same one follow it (one holding the model prepares on its own)
         self._preparing.get(key, compute, progress, cancel, alone=self.queue.held_here(), subject=spec,

@@ -3,6 +3,7 @@ what remains of its derive (TSV-M: a rank move's 96 eighs are 60 % of it on ViT-
 cores leave the two products per matrix). Both are owned by ``Merges``."""
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 
@@ -25,6 +26,7 @@ class PartStore:
         self.cap = cap
         self._parts: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
+        self._dropped: set = set()  # preparations gone: a share that ends after the drop puts nothing
         self.bytes = 0
 
     def view(self, prepared_key) -> "PartView":
@@ -39,7 +41,7 @@ class PartStore:
 
     def put(self, key, value) -> None:
         with self._lock:
-            if key in self._parts:
+            if key in self._parts or key[0] in self._dropped:
                 return
             self._parts[key] = value
             self.bytes += nbytes(value)
@@ -52,10 +54,16 @@ class PartStore:
             return key in self._parts
 
     def drop(self, prepared_key) -> None:
-        """Every part of one preparation (it left the session's cache)."""
+        """Every part of one preparation (it left the session's cache), and any put for it from now on."""
         with self._lock:
+            self._dropped.add(prepared_key)
             for key in [k for k in self._parts if k[0] == prepared_key]:
                 self.bytes -= nbytes(self._parts.pop(key))
+
+    def allow(self, prepared_key) -> None:
+        """A preparation (back) in the session's cache: its parts are kept."""
+        with self._lock:
+            self._dropped.discard(prepared_key)
 
     def count(self, prepared_key) -> int:
         with self._lock:
@@ -99,23 +107,26 @@ class WarmUp:
         self._lock = threading.Lock()
 
     def start(self, method, prepared_key, state, settings: list[dict]) -> None:
-        self.stop()
+        """Warm this preparation's settings up, in place of any warm-up under way (which ends first)."""
         with self._lock:
-            self._stop = threading.Event()
-            self._key = prepared_key
-            self._thread = threading.Thread(target=self._run, args=(method, prepared_key, state, settings, self._stop),
-                                            name="merger-warm-up", daemon=True)
+            self._stop.set()
+            self._stop = stop = threading.Event()
+            self._key, previous = prepared_key, self._thread
+            self._thread = threading.Thread(target=self._run, name="merger-warm-up", daemon=True,
+                                            args=(method, prepared_key, state, settings, stop, previous))
             self._thread.start()
 
     def stop(self, prepared_key=None) -> None:
-        """Stop the warm-up (of ``prepared_key`` only, where given) and wait for its share under way."""
+        """Stop the warm-up (of ``prepared_key`` only, where given) and wait for the share under way.
+        Never call it inside side_by_side work (holding linalg's lock): the share waits for that lock."""
         with self._lock:
+            self._last.pop(prepared_key, None)
             if self._thread is None or (prepared_key is not None and prepared_key != self._key):
                 return
             self._stop.set()
             thread, self._thread, self._key = self._thread, None, None
         if thread is not threading.current_thread():
-            thread.join()
+            thread.join()  # which joins the warm-ups it replaced first
 
     def moved(self, prepared_key, setting: dict) -> None:
         """A move derived this setting: the warm-up goes on from the settings nearest it."""
@@ -141,7 +152,9 @@ class WarmUp:
             stop.wait(self.POLL_S)
         return False
 
-    def _run(self, method, prepared_key, state, settings, stop) -> None:
+    def _run(self, method, prepared_key, state, settings, stop, previous) -> None:
+        if previous is not None:
+            previous.join()  # its stop is set: it ends after its share under way
         view = self.parts.view(prepared_key)
         left = list(settings)
         while left and not stop.is_set():
@@ -150,7 +163,12 @@ class WarmUp:
                 return
             setting = min(left, key=lambda s: _distance(s, self._last.get(prepared_key)))
             left.remove(setting)
-            method.warm(state, view, lambda: self._idle(stop), **setting)
+            try:
+                method.warm(state, view, lambda: self._idle(stop), **setting)
+            except Exception as exc:  # noqa: BLE001  (a warm-up only saves time: a move computes what it lacks)
+                self.counts["warm-up errors"] += 1
+                print(f"warm-up of {method.name} stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                return
             if not stop.is_set():
                 self.counts["settings warmed"] += 1
         self.counts["parts warmed"] += view.computed

@@ -15,6 +15,7 @@ import torch
 from merger.methods.registry import each
 _LAPACK_LOCK = threading.RLock()  # re-entered by a caller that runs more work inside an each_matrix loop
 _LAPACK_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
 _WORKER = "merger-lapack"
 
 
@@ -34,22 +35,44 @@ def per_matrix(fn, x: torch.Tensor):
 
 
 def side_by_side(fn, items) -> Iterator:
-    """fn(item) for each item, in order, computed as many at once as torch has threads, each call
-    single-threaded on a worker thread (see ``per_matrix``). Closing the iterator early cancels the
-    calls not yet started. A worker's thread count is its own, but setting it also sets the count
-    new threads start with: that is put back to the caller's at the end, under a lock."""
-    global _LAPACK_POOL
+    """fn(item) for each item, in order, computed as many at once as torch had threads when the first
+    call came, each call single-threaded on a worker thread (see ``per_matrix``). Closing the
+    iterator early cancels the calls not yet started."""
     if _on_worker():  # nested: this worker goes on alone (the pool is busy with its caller)
         yield from map(fn, items)
         return
     with _LAPACK_LOCK:
-        threads = torch.get_num_threads()
+        yield from _workers().map(fn, items)
+
+
+def _workers() -> ThreadPoolExecutor:
+    """The worker threads, each set to one torch thread once, when it starts. Setting a thread's count
+    also sets the count threads started from then on take for their whole life (a Gradio worker
+    started during a warm-up once ran its applies at half speed), so that is put back at once, with
+    every worker started, under the lock; no later call changes it."""
+    global _LAPACK_POOL, _POOL_SIZE
+    with _LAPACK_LOCK:
         if _LAPACK_POOL is None:
-            _LAPACK_POOL = ThreadPoolExecutor(max(1, threads), thread_name_prefix=_WORKER)
-        try:
-            yield from _LAPACK_POOL.map(lambda item: _single_threaded(fn, item), items)
-        finally:
+            threads = max(1, torch.get_num_threads())
+            started = threading.Barrier(threads)
+            pool = ThreadPoolExecutor(threads, thread_name_prefix=_WORKER, initializer=_one_thread)
+            list(pool.map(lambda _: started.wait(timeout=60), range(threads)))
             torch.set_num_threads(threads)
+            _LAPACK_POOL, _POOL_SIZE = pool, threads
+        return _LAPACK_POOL
+
+
+def _one_thread() -> None:
+    # torch reads the count a thread starts with at its first call (get_num_threads included): that
+    # read first, or it would take the count put back after the workers started
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
+def workers() -> int:
+    """How many matrices ``side_by_side`` computes at once."""
+    _workers()
+    return _POOL_SIZE
 
 
 def each_matrix(fn, keys, progress=None, cancel=None, what: str = "matrix") -> Iterator[tuple]:
@@ -61,11 +84,6 @@ def each_matrix(fn, keys, progress=None, cancel=None, what: str = "matrix") -> I
     with contextlib.closing(side_by_side(fn, keys)) as results:
         for key in each(keys, progress, cancel, what):
             yield key, next(results)
-
-
-def _single_threaded(fn, item):
-    torch.set_num_threads(1)
-    return fn(item)
 
 
 def _on_worker() -> bool:

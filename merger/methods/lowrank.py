@@ -10,7 +10,8 @@ import torch
 
 from merger.methods.registry import (CART_README, LAM, RANK_RATIO, RECOLLECTION, Method, Paper, Published, each,
                                      frange, kept_rank, lam_times, register, sum_weights, with_default)
-from merger.methods.linalg import divided, each_matrix, gram_rows, inverse_sqrt, spectral, thin_svd, unit_factors
+from merger.methods.linalg import (divided, each_matrix, gram_rows, inverse_sqrt, spectral, thin_svd, unit_factors,
+                                   workers)
 from merger.pool.task_vectors import TaskVectors
 
 MATRICES_NOTE = ("Matrices = the 2-D attention and MLP weights (in_proj, out_proj, c_fc, c_proj); "
@@ -199,7 +200,7 @@ def tsv_warm(prepared: dict, parts, gate, rank_ratio) -> None:
         k = tsv_rank(rank_ratio, left.shape[1], right.shape[2], left.shape[0])
         if k and (key, k) not in parts:
             missing.append((key, k))
-    share = max(1, torch.get_num_threads())
+    share = workers()
     for i in range(0, len(missing), share):
         if not gate():
             return

@@ -127,7 +127,8 @@ class RunController:
         acc, loss, radar, summary = self.ctl.preview(experts, method, *values)
         if "prepared" in box:
             ahead = (f" Each {' / '.join(m.param(p).label or p for p in m.derive_params)} step is readied while "
-                     "the server is idle (each step's first move is slower until then)." if m.warm else "")
+                     "the server is idle (each step's first move is slower until then)."
+                     if m.warm and self.ctl.session.merges.warm_ahead else "")
             yield (f"✓ {m.display_name}: prepared in {box['prepared']:.1f} s; its sliders are live now.{ahead}{went_on}",
                    *(gr.skip(),) * 3,
                    acc, loss, radar, summary)
