@@ -11,6 +11,7 @@ import torch
 from helpers import ui_controller
 
 from merger import methods
+from merger.evaluation.merges import Merges
 from merger.evaluation.warm_up import PartStore, WarmUp
 from merger.evaluation.work_queue import WorkQueue
 
@@ -25,12 +26,12 @@ def session(tmp_path):
 
 
 def _settings(session):
-    return TSV.warm_settings(len(session.pool.tasks))
+    return session.merges.warm_settings(TSV, len(session.pool.tasks))
 
 
 def test_the_settings_warmed_are_the_rank_sliders_steps_under_its_cap():
-    assert [s["rank_ratio"] for s in TSV.warm_settings(8)] == [round(0.01 * i, 2) for i in range(1, 13)]
-    assert TSV.warm_settings(3)[-1] == {"rank_ratio": 0.33} and len(TSV.warm_settings(3)) == 33
+    assert [s["rank_ratio"] for s in Merges.warm_settings(TSV, 8)] == [round(0.01 * i, 2) for i in range(1, 13)]
+    assert Merges.warm_settings(TSV, 3)[-1] == {"rank_ratio": 0.33} and len(Merges.warm_settings(TSV, 3)) == 33
 
 
 def _count_halves(monkeypatch) -> list:

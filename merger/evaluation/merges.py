@@ -133,7 +133,13 @@ class Merges:
         app, on a large pool), never after the API's or the CLI's, which would only compete with them."""
         m = methods.get(key[0])
         if m.warm is not None and self.warm_ahead and self._large(key[1]):
-            self.warm_up.start(m, key, state, m.warm_settings(len(key[1])))
+            self.warm_up.start(m, key, state, self.warm_settings(m, len(key[1])))
+
+    @staticmethod
+    def warm_settings(m, num_experts: int) -> list[dict]:
+        """What a warm-up computes ahead: each step of the (one) derive parameter's slider."""
+        (name,) = m.derive_params
+        return [{name: v} for v in m.slider_steps(name, num_experts)]
 
     def forget_derived(self) -> None:
         """Drop the derived states and Δs (benches: the next move of each setting derives again)."""
@@ -153,7 +159,7 @@ class Merges:
         if m.warm is None:
             return 0
         view = self.parts.view(pkey)
-        for setting in m.warm_settings(len(spec.experts)):
+        for setting in self.warm_settings(m, len(spec.experts)):
             m.warm(state, view, lambda: True, **setting)
         return view.computed
 

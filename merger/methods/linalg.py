@@ -21,7 +21,7 @@ _WORKER = "merger-lapack"
 
 def per_matrix(fn, x: torch.Tensor):
     """``fn`` (a LAPACK routine: eigh, svd) on each matrix of a batch [B, ...], each single-
-    threaded on a worker thread, as many at once as torch has threads; the results stacked as
+    threaded on a worker thread, as many at once as there are workers; the results stacked as
     ``fn`` returns them. A GPU solves the batch at once.
 
     LAPACK's syevd and gesdd fork and join their OpenMP team many times per matrix. Once a second

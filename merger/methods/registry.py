@@ -214,12 +214,11 @@ class Method:
                     p.refuse(self.name, value, f"is above {bound:.6g} with {num_experts} experts: {reason}")
         return out
 
-    def warm_settings(self, num_experts: int) -> list[dict]:
-        """Each step of the (one) derive parameter's slider in its range for T (TSV-M, 8: rank 0.01 … 0.12)."""
-        (name,) = self.derive_params
+    def slider_steps(self, name: str, num_experts: int) -> list[float]:
+        """Each step of a parameter's slider in its range for T (TSV-M's rank with 8 experts: 0.01 … 0.12)."""
         p, (lo, hi) = self.param(name), self.bounds(name, num_experts)
         steps = range(math.ceil(lo / p.step - 1e-9), math.floor(hi / p.step + 1e-9) + 1)
-        return [{name: round(i * p.step, 9)} for i in steps if round(i * p.step, 9) > lo or not p.min_open]
+        return [round(i * p.step, 9) for i in steps if round(i * p.step, 9) > lo or not p.min_open]
 
     def bounds(self, name: str, num_experts: int) -> tuple[float, float]:
         """The slider range of a parameter for this many experts (T-dependent caps applied)."""

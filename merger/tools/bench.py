@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import math
 import time
 
 import torch
@@ -27,10 +26,8 @@ def slider_moves(m, T: int) -> list[tuple[str, dict]]:
     default = m.resolve({}, T)
     moves = [(f"λ {lam}", {**default, "lam": lam}) for lam in (0.3, 0.5, 0.7) if "lam" in default] or [("-", default)]
     if "rank_ratio" in default:
-        hi = m.bounds("rank_ratio", T)[1]
-        step = m.param("rank_ratio").step
-        top = round(math.floor(hi / step + 1e-9) * step, 6)  # the slider's last step (TSV-M: 0.12 with 8 experts)
-        for r in sorted({r for r in (0.04, 0.1, 0.16, 0.32, 0.5) if r <= hi} | {top}):
+        steps = m.slider_steps("rank_ratio", T)  # its last: TSV-M's 0.12 with 8 experts
+        for r in sorted({r for r in (0.04, 0.1, 0.16, 0.32, 0.5) if r <= steps[-1]} | {steps[-1]}):
             moves.append((f"rank {r:g}", {**default, "rank_ratio": r}))
     if "sparsity" in default:
         moves += [(f"sparsity {p}", {**default, "sparsity": p}) for p in (0.5, 0.9)]
@@ -82,13 +79,11 @@ def bench_merge(args) -> int:
                               "in idle time after the preparation; 'warm' = the same moves after it")
         _, peak = rss_gb()
         # a warmed method's rank moves count once warm; those before its warm-up are named apart
-        cold = [t for label, t, _, _ in times if m.warm is not None and label.startswith("rank") and "warm" not in label]
-        ok = prepare_s <= GOAL_PREPARE_S and all(t <= GOAL_APPLY_S for label, t, _, _ in times
-                                                 if not (m.warm is not None and label.startswith("rank")
-                                                         and "warm" not in label))
+        cold = {label for label, *_ in times if m.warm is not None and label.startswith("rank") and "warm" not in label}
+        ok = prepare_s <= GOAL_PREPARE_S and all(t <= GOAL_APPLY_S for label, t, _, _ in times if label not in cold)
         if not ok:
             failed.append(name)
-        if any(t > GOAL_APPLY_S for t in cold):
+        if any(t > GOAL_APPLY_S for label, t, _, _ in times if label in cold):
             before_warm.append(name)
         for i, (label, t, work, faulted) in enumerate(times):
             head = (f"{name:<17}{prepare_s:>10.2f}{prepared_gb(prepared):>10.2f}{peak:>12.2f}" if i == 0 else " " * 49)
