@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from merger.errors import Cancelled
+from merger.methods import linalg
 from merger.methods.linalg import (each_matrix, gram_rows, inverse_sqrt, polar_extending, polar_rows, side_by_side,
                                    spectral, thin_svd)
 
@@ -143,3 +144,53 @@ def test_spectral_of_stored_bf16_task_vectors_matches_its_fp32_copy():
     assert torch.allclose(s16, s32, rtol=1e-5)
     assert torch.allclose(l16 @ r16, l32 @ r32, atol=1e-6)
     assert torch.allclose(s16, torch.linalg.svdvals(x.double())[:, :6].float(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
+def test_the_subset_solver_gives_the_top_eigenpairs_of_the_whole_eigh(dtype, tol):
+    """LAPACK's ?syevr for the top q alone (what TSV-M's and Iso-CTS's top_eigh take): the same values and
+    vectors (up to sign) as torch's whole eigh in fp64, largest first, orthonormal, a batch at a time."""
+    from merger.methods import lapack
+
+    assert lapack.ready()  # SciPy's OpenBLAS on Linux: the fast path is live here, not a silent fallback
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 300, 120, generator=g, dtype=torch.float64)
+    gram = x.mT @ x
+    values, vectors = lapack.top_eigh(gram.to(dtype), 17)
+    exact_values, exact_vectors = torch.linalg.eigh(gram)
+    top = exact_values[..., -1:]
+    assert values.shape == (3, 17) and vectors.shape == (3, 120, 17) and values.dtype == dtype
+    assert ((values.double() - exact_values.flip(-1)[..., :17]).abs() / top).max() < tol
+    v = vectors.double()
+    assert (v.mT @ v - torch.eye(17, dtype=torch.float64)).abs().max() < 50 * tol
+    cosines = (v * exact_vectors.flip(-1)[..., :17]).sum(-2).abs()  # each eigenvector up to its sign
+    assert (1 - cosines).max() < 50 * tol
+
+
+def test_top_eigh_takes_the_subset_solver_up_to_a_quarter_of_the_rank(monkeypatch):
+    from merger.methods import lapack
+
+    calls = []
+    real = lapack.top_eigh
+    monkeypatch.setattr(lapack, "top_eigh", lambda g, q: calls.append(q) or real(g, q))
+    x = torch.randn(4, 200, 64)
+    gram = x.mT @ x
+    small, small_vectors = linalg.top_eigh(gram, 16)
+    assert len(calls) == 4 and set(calls) == {16}  # one per matrix, on the LAPACK workers
+    whole, whole_vectors = linalg.top_eigh(gram, 17)  # over a quarter of 64: torch's eigh
+    assert len(calls) == 4
+    assert torch.allclose(small, whole[:, :16], rtol=1e-5)
+    assert torch.allclose((small_vectors * whole_vectors[..., :16]).sum(-2).abs(), torch.ones(4, 16), atol=1e-4)
+
+
+def test_without_the_subset_solver_top_eigh_takes_the_whole_eigh(monkeypatch):
+    from merger.methods import lapack
+
+    x = torch.randn(2, 100, 40, dtype=torch.float64)
+    gram = x.mT @ x
+    fast = linalg.top_eigh(gram, 5)
+    monkeypatch.setattr(lapack, "ready", lambda: False)
+    monkeypatch.setattr(lapack, "top_eigh", lambda *a: pytest.fail("the subset solver ran"))
+    slow = linalg.top_eigh(gram, 5)
+    assert torch.allclose(fast[0], slow[0], rtol=1e-12)
+    assert torch.allclose((fast[1] * slow[1]).sum(-2).abs(), torch.ones(2, 5, dtype=torch.float64), atol=1e-10)

@@ -404,6 +404,42 @@ def test_cart_rank_move_from_a_nearby_rank_equals_the_sum_from_scratch(world):
     assert cart_sums(prepared, 0.315, near=[chained])["chains"][matrix] == 0
 
 
+@pytest.mark.parametrize("bf16_matmul", [False, True])
+def test_cart_rank_sums_multiplied_in_bf16_stay_within_30_percent_of_the_fp32_products_error(monkeypatch, bf16_matmul):
+    """A real pool stores CART's factors in bf16; on a CPU with bf16 matmul units its rank moves multiply them
+    as they are (fp32 accumulation, the product rounded once). Against the exact Σt SVD_k(τt − τ̄) of the
+    stored task vectors, that sum is at most 1.3× as far off as the fp32 product's (and without those
+    units the fp32 product is taken, bit for bit)."""
+    from merger.methods import lowrank
+    from merger.methods.lowrank import _factors, cart_sums
+
+    g = torch.Generator().manual_seed(3)
+    w = "visual.transformer.resblocks.0.mlp.c_fc.weight"
+    base = {w: torch.randn(192, 96, generator=g)}
+    experts = {str(t): {w: base[w] + 1e-2 * torch.randn(192, 96, generator=g)} for t in range(6)}
+    tv = TaskVectors(base, experts, dtype="bfloat16")
+    prepared = prepare_cart(tv)
+    us, vh = prepared["factors"][w]
+    centred = tv.fp32(w).double() - tv.fp32(w).double().mean(0)
+    u, s, v = torch.linalg.svd(centred, full_matrices=False)
+    monkeypatch.setattr(lowrank, "BF16_MATMUL", bf16_matmul)
+    start = cart_sums(prepared, 0.1)
+    for ratio in (0.1, 0.3, 0.7):  # from scratch, an update from 0.1, and the complement above half
+        k = math.ceil(ratio * 96)
+        exact = sum(u[t, :, :k] @ torch.diag(s[t, :k]) @ v[t, :k] for t in range(6))
+        taken = cart_sums(prepared, ratio, near=[start] if ratio == 0.3 else ())["sums"][w].double()
+        a, b = _factors(us, vh, k) if 2 * k <= 96 else _factors(us, vh, 96, start=k)
+        fp32 = (torch.mm(a.float(), b.float()) * (1 if 2 * k <= 96 else -1)).double()
+        if ratio == 0.3:
+            fp32 = start["sums"][w].double() + torch.mm(*(f.float() for f in _factors(us, vh, k, start=10))).double()
+        error, fp32_error = ((x - exact).norm() / exact.norm() for x in (taken, fp32))
+        assert 1e-3 < fp32_error < 2e-2 and error <= 1.3 * fp32_error, (ratio, error, fp32_error)
+        if not bf16_matmul:
+            assert torch.equal(taken, fp32) or ratio == 0.3 and torch.allclose(taken, fp32, atol=1e-7), ratio
+        else:
+            assert not torch.equal(taken, fp32), ratio  # the bf16 product really ran
+
+
 def test_per_matrix_solves_each_matrix_and_gives_the_threads_back():
     """LAPACK one matrix per thread (linalg.per_matrix): the same factorisations as the batched
     call, and torch's thread count restored afterwards, also when the routine fails."""
