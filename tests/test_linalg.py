@@ -1,5 +1,6 @@
 """The linear algebra the spectral merges share (methods/linalg.py): the structured polar factor
 against an SVD's, and matrices side by side in order, cancellable, with the threads given back."""
+import sys
 import threading
 import time
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from merger.errors import Cancelled
-from merger.methods import linalg
+from merger.methods import lapack, linalg
 from merger.methods.linalg import (each_matrix, gram_rows, inverse_sqrt, polar_extending, polar_rows, side_by_side,
                                    spectral, thin_svd)
 
@@ -146,13 +147,31 @@ def test_spectral_of_stored_bf16_task_vectors_matches_its_fp32_copy():
     assert torch.allclose(s16, torch.linalg.svdvals(x.double())[:, :6].float(), rtol=1e-5)
 
 
+def _scipy_lapack() -> str:
+    import scipy
+
+    try:
+        return scipy.show_config(mode="dicts")["Build Dependencies"]["lapack"]["name"].lower()
+    except (TypeError, KeyError, AttributeError):
+        return ""
+
+
+def test_the_subset_solver_runs_on_scipys_own_openblas():
+    """A pip SciPy on Linux carries its OpenBLAS: there the fast path must be live, not a silent
+    fallback to torch's whole eigh (elsewhere, e.g. Accelerate or MKL, ready() is False by design)."""
+    if "openblas" not in _scipy_lapack() or sys.platform != "linux":
+        pytest.skip(f"SciPy's LAPACK here is {_scipy_lapack() or 'unknown'} on {sys.platform}")
+    assert lapack.ready()
+
+
+needs_subset_solver = pytest.mark.skipif(not lapack.ready(), reason="SciPy's LAPACK here is not a usable OpenBLAS")
+
+
+@needs_subset_solver
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
 def test_the_subset_solver_gives_the_top_eigenpairs_of_the_whole_eigh(dtype, tol):
     """LAPACK's ?syevr for the top q alone (what TSV-M's and Iso-CTS's top_eigh take): the same values and
     vectors (up to sign) as torch's whole eigh in fp64, largest first, orthonormal, a batch at a time."""
-    from merger.methods import lapack
-
-    assert lapack.ready()  # SciPy's OpenBLAS on Linux: the fast path is live here, not a silent fallback
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 300, 120, generator=g, dtype=torch.float64)
     gram = x.mT @ x
@@ -167,9 +186,37 @@ def test_the_subset_solver_gives_the_top_eigenpairs_of_the_whole_eigh(dtype, tol
     assert (1 - cosines).max() < 50 * tol
 
 
-def test_top_eigh_takes_the_subset_solver_up_to_a_quarter_of_the_rank(monkeypatch):
-    from merger.methods import lapack
+@needs_subset_solver
+def test_the_subset_solver_reads_the_lower_triangle_as_torch_does_and_refuses_a_bad_count():
+    x = torch.randn(200, 60, dtype=torch.float64)
+    gram = x.mT @ x
+    garbage = torch.tril(gram) + torch.triu(torch.randn(60, 60, dtype=torch.float64), diagonal=1)
+    values, vectors = lapack.top_eigh(garbage, 5)
+    exact = torch.linalg.eigh(garbage)[0].flip(0)[:5]  # torch reads the lower triangle too
+    assert torch.allclose(values, exact, rtol=1e-12) and torch.allclose(values, torch.linalg.eigh(gram)[0].flip(0)[:5])
+    for q in (0, 61):
+        with pytest.raises(ValueError, match=f"q = {q} eigenpairs of a 60² matrix"):
+            lapack.top_eigh(gram, q)
+    empty = lapack.top_eigh(gram[None][:0], 5)
+    assert empty[0].shape == (0, 5) and empty[1].shape == (0, 60, 5)
 
+
+@needs_subset_solver
+def test_a_matrix_the_subset_solver_fails_on_gets_torchs_eigh(monkeypatch):
+    calls = []
+    whole = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda g: calls.append(g.shape) or whole(g))
+    gram = torch.eye(40)
+    gram[5, 3] = float("nan")  # in the triangle read: ?syevr fails, the whole eigh answers as it would have
+    values, vectors = lapack.top_eigh(gram, 4)
+    assert calls == [(40, 40)]
+    assert values.shape == (4,) and vectors.shape == (40, 4) and torch.isnan(values).all()
+    lapack.top_eigh(torch.eye(40), 4)
+    assert len(calls) == 1  # a sound matrix: no fallback
+
+
+@needs_subset_solver
+def test_top_eigh_takes_the_subset_solver_up_to_a_quarter_of_the_rank(monkeypatch):
     calls = []
     real = lapack.top_eigh
     monkeypatch.setattr(lapack, "top_eigh", lambda g, q: calls.append(q) or real(g, q))
@@ -184,8 +231,6 @@ def test_top_eigh_takes_the_subset_solver_up_to_a_quarter_of_the_rank(monkeypatc
 
 
 def test_without_the_subset_solver_top_eigh_takes_the_whole_eigh(monkeypatch):
-    from merger.methods import lapack
-
     x = torch.randn(2, 100, 40, dtype=torch.float64)
     gram = x.mT @ x
     fast = linalg.top_eigh(gram, 5)

@@ -7,11 +7,12 @@ solves for the wanted eigenvectors only. 768², fp32, one thread, on a 2-core AM
 torch's whole eigh; ``linalg.top_eigh`` takes it up to a quarter of the rank.
 
 The routine is SciPy's LAPACK, reached through the function pointers of ``scipy.linalg.cython_lapack``
-(as numba reaches them) and called through ctypes, which lets go of the GIL, so that the LAPACK workers
-(``linalg.side_by_side``) run side by side. Each worker's calls into that library are set to one
-thread (OpenBLAS's ``openblas_set_num_threads_local``): two workers on a threaded OpenBLAS took 56–67 ms
-each instead of 28. Where that setting or the routine is missing (a SciPy built against another
-LAPACK, a platform without dladdr), ``ready()`` is False and ``top_eigh`` keeps torch's eigh."""
+(as numba reaches them; their C signature is checked first) and called through ctypes, which lets go of
+the GIL, so that the LAPACK workers (``linalg.side_by_side``) run side by side. SciPy's OpenBLAS is set
+to one thread for the whole process (its count is the library's, per-thread setter included): two
+workers on a threaded OpenBLAS took 56–67 ms each instead of 28. merger makes no other SciPy BLAS call.
+Where the routine, its signature or that setting is missing (a SciPy built against another LAPACK, an
+ILP64 build, a platform without dladdr), ``ready()`` is False and ``top_eigh`` keeps torch's eigh."""
 from __future__ import annotations
 
 import ctypes
@@ -21,38 +22,41 @@ import torch
 
 _P = ctypes.c_void_p
 _STATE: dict = {}
-_LOCAL = threading.local()
+_LOADING = threading.Lock()
+# ?syevr's arguments as the capsule names them: LP64 ints (an ILP64 SciPy would read 8-byte ints where 4 are
+# passed), "R" the real type (SciPy's typedef ..._s for float, ..._d for double)
+_SIGNATURE = "char,char,char,int,R,int,R,R,int,int,R,int,R,R,int,int,R,int,int,int,int".split(",")
+_CAPSULE_NAME = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(("PyCapsule_GetName", ctypes.pythonapi))
+_CAPSULE_POINTER = ctypes.PYFUNCTYPE(_P, ctypes.py_object, ctypes.c_char_p)(("PyCapsule_GetPointer", ctypes.pythonapi))
 
 
 class _DlInfo(ctypes.Structure):
     _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", _P), ("dli_sname", ctypes.c_char_p), ("dli_saddr", _P)]
 
 
-def _pointer(name: str) -> int:
+def _pointer(name: str) -> int | None:
+    """The address of SciPy's ``name`` (?syevr), or None where its signature is not the LP64 one."""
     from scipy.linalg import cython_lapack
 
     capsule = cython_lapack.__pyx_capi__[name]
-    api = ctypes.pythonapi
-    api.PyCapsule_GetName.restype, api.PyCapsule_GetName.argtypes = ctypes.c_char_p, [ctypes.py_object]
-    api.PyCapsule_GetPointer.restype, api.PyCapsule_GetPointer.argtypes = _P, [ctypes.py_object, ctypes.c_char_p]
-    return api.PyCapsule_GetPointer(capsule, api.PyCapsule_GetName(capsule))
+    signature = _CAPSULE_NAME(capsule)
+    text = signature.decode()
+    args = [a.strip() for a in text[text.find("(") + 1:text.rfind(")")].split(",")]
+    real = f"_{name[0]} *"  # ssyevr: ..._s *, dsyevr: ..._d *
+    if not text.startswith("void (") or len(args) != len(_SIGNATURE) or not all(
+            a.endswith(real) if kind == "R" else a == f"{kind} *" for a, kind in zip(args, _SIGNATURE)):
+        return None
+    return _CAPSULE_POINTER(capsule, signature)
 
 
-def _thread_setting(address: int):
-    """The per-thread thread count setter of the library that holds ``address``, or None."""
+def _thread_count_setter(address: int):
+    """The thread count setter of the BLAS library behind ``address`` (SciPy's OpenBLAS), or None."""
     dladdr = ctypes.CDLL(None).dladdr
     dladdr.argtypes, dladdr.restype = (_P, ctypes.POINTER(_DlInfo)), ctypes.c_int
     info = _DlInfo()
     if not dladdr(address, ctypes.byref(info)) or not info.dli_fname:
         return None
     library = ctypes.CDLL(info.dli_fname.decode())  # SciPy's module: dlsym searches the LAPACK it links too
-    for name in ("openblas_set_num_threads_local", "scipy_openblas_set_num_threads_local"):
-        setter = getattr(library, name, None)
-        if setter is not None:
-            setter.argtypes, setter.restype = (ctypes.c_int,), ctypes.c_int
-            return setter
-    # an OpenBLAS before 0.3.27 (no per-thread count): its count for every thread, which only these calls use
-    # (merger runs no other SciPy BLAS; numpy's OpenBLAS is another library)
     for name in ("scipy_openblas_set_num_threads", "openblas_set_num_threads"):
         setter = getattr(library, name, None)
         if setter is not None:
@@ -62,14 +66,23 @@ def _thread_setting(address: int):
 
 
 def _load() -> dict:
-    if not _STATE:
-        try:
-            subset = {torch.float32: _pointer("ssyevr"), torch.float64: _pointer("dsyevr")}
-            setter = _thread_setting(subset[torch.float32])
-        except (ImportError, KeyError, AttributeError, OSError, TypeError, ValueError):
-            subset, setter = {}, None
-        _STATE.update(routines={dtype: ctypes.CFUNCTYPE(None, *[_P] * 21)(address) for dtype, address in subset.items()}
-                      if setter else {}, one_thread=setter)
+    """The routines by dtype ({} where they cannot run here), loaded once; whole or not at all."""
+    if _STATE:
+        return _STATE
+    with _LOADING:
+        if not _STATE:
+            routines = {}
+            try:
+                addresses = {torch.float32: _pointer("ssyevr"), torch.float64: _pointer("dsyevr")}
+                setter = None if None in addresses.values() else _thread_count_setter(addresses[torch.float32])
+                if setter is not None:
+                    # OpenBLAS's count is the whole library's (its "_local" setter too, in 0.3.30): SciPy's BLAS
+                    # runs one thread per call in this process from here on; merger makes no other SciPy BLAS call
+                    setter(1)
+                    routines = {dtype: ctypes.CFUNCTYPE(None, *[_P] * 21)(address) for dtype, address in addresses.items()}
+            except (ImportError, KeyError, AttributeError, OSError, TypeError, ValueError):
+                routines = {}
+            _STATE["routines"] = routines
     return _STATE
 
 
@@ -80,22 +93,23 @@ def ready() -> bool:
 
 def top_eigh(gram: torch.Tensor, q: int):
     """The top q eigenpairs of each symmetric matrix of ``gram`` [..., r, r] (fp32 or fp64, CPU),
-    largest first: (values [..., q], vectors [..., r, q]). Only the lower triangle is read."""
+    largest first: (values [..., q], vectors [..., r, q]). Only the lower triangle is read, as by
+    torch.linalg.eigh. Call where ``ready()``; 0 < q ≤ r."""
     r = gram.shape[-1]
+    if not 0 < q <= r:
+        raise ValueError(f"top_eigh: q = {q} eigenpairs of a {r}² matrix")
     flat = gram.reshape(-1, r, r)
     pairs = [_one(g, q) for g in flat]
-    return (torch.stack([v for v, _ in pairs]).reshape(*gram.shape[:-2], q),
-            torch.stack([w for _, w in pairs]).reshape(*gram.shape[:-2], r, q))
+    values = torch.stack([v for v, _ in pairs]) if pairs else gram.new_empty(0, q)
+    vectors = torch.stack([w for _, w in pairs]) if pairs else gram.new_empty(0, r, q)
+    return values.reshape(*gram.shape[:-2], q), vectors.reshape(*gram.shape[:-2], r, q)
 
 
 def _one(gram: torch.Tensor, q: int):
-    state = _load()
-    routine = state["routines"][gram.dtype]
-    if getattr(_LOCAL, "set", False) is False:
-        state["one_thread"](1)
-        _LOCAL.set = True
+    routine = _load()["routines"][gram.dtype]
     n = gram.shape[-1]
-    a = gram.contiguous().clone()  # overwritten; symmetric, so its row-major layout is its column-major one
+    # overwritten. LAPACK reads it column-major, as its transpose: its upper triangle ("U") is torch's lower
+    a = gram.clone(memory_format=torch.contiguous_format)
     values = torch.empty(n, dtype=gram.dtype)
     vectors = torch.empty(q, n, dtype=gram.dtype)  # column-major [n, q]: one eigenvector per row here
     support = torch.empty(2 * q, dtype=torch.int32)
@@ -104,7 +118,7 @@ def _one(gram: torch.Tensor, q: int):
     bound, tolerance = real(0), real(0)
 
     def call(work, lwork, iwork, liwork):
-        routine(b"V", b"I", b"L", ctypes.byref(size), a.data_ptr(), ctypes.byref(size), ctypes.byref(bound),
+        routine(b"V", b"I", b"U", ctypes.byref(size), a.data_ptr(), ctypes.byref(size), ctypes.byref(bound),
                 ctypes.byref(bound), ctypes.byref(low), ctypes.byref(high), ctypes.byref(tolerance), ctypes.byref(found),
                 values.data_ptr(), vectors.data_ptr(), ctypes.byref(size), support.data_ptr(), work,
                 ctypes.byref(lwork), iwork, ctypes.byref(liwork), ctypes.byref(info))

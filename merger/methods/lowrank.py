@@ -40,15 +40,17 @@ def _factors(us: torch.Tensor, vh: torch.Tensor, k: int, start: int = 0):
     return us[:, :, start:k].permute(1, 0, 2).reshape(m, T * w), vh[:, start:k, :].reshape(T * w, vh.shape[-1])
 
 
-def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in fp32 from stored factors. bf16 factors on a CPU with bf16 matmul units (linalg.BF16_MATMUL)
-    multiply as they are, fp32 accumulation, the product rounded once to bf16: 2× faster (CART's rank
-    0.32 move on ViT-B/32 × 8: 1.25 → 0.6 s on a 2-core Zen 4), and a rank-k sum 5–18 % further from
-    the exact one than the fp32 product's (3.5e-3 → 3.9e-3 of its norm at rank 0.32: the bf16 factors'
-    own rounding is most of it)."""
+def _product(a: torch.Tensor, b: torch.Tensor, base: torch.Tensor | None = None, alpha: float = 1.0) -> torch.Tensor:
+    """base + alpha · a @ b (or a @ b) in fp32 from stored factors. bf16 factors on a CPU with bf16 matmul
+    units (linalg.BF16_MATMUL) multiply as they are, fp32 accumulation, the product rounded once to bf16:
+    2× faster (CART's rank 0.32 move on ViT-B/32 × 8: 1.25 → 0.6 s on a 2-core Zen 4), and a rank-k sum
+    5–18 % further from the exact one than the fp32 product's (3.5e-3 → 3.9e-3 of its norm at rank 0.32:
+    the bf16 factors' own rounding is most of it). Elsewhere (fp32 pools, a GPU) the fp32 product as before."""
     if a.dtype == b.dtype == torch.bfloat16 and a.device.type == "cpu" and BF16_MATMUL:
-        return torch.mm(a, b).float()
-    return torch.mm(a.float(), b.float())  # one fp32 copy of each: the stored bf16 ones are sliced, not copied
+        product = torch.mm(a, b)
+        return product.float() if base is None else torch.add(base, product, alpha=alpha)
+    a, b = a.float(), b.float()  # one fp32 copy of each: the stored bf16 ones are sliced, not copied
+    return torch.mm(a, b) if base is None else torch.addmm(base, a, b, alpha=alpha)
 
 
 def low_rank_sum(us: torch.Tensor, vh: torch.Tensor, k: int) -> torch.Tensor:
@@ -84,8 +86,9 @@ def cart_sums(prepared: dict, rank_ratio: float, near=()) -> dict:
     preparation; one whose rank is closer than the cost of starting over is updated by the
     directions in between (a slider step of 0.01 is 8 directions per task, not k; a jump from 0.16
     to 0.32 is 123, not 246). Updates chain up to CHAIN deep per matrix (``chains``: 0 = computed
-    from scratch); each adds one fp32 rounding of the sum (about 1e-7 of it), so a long drag cannot
-    pile drift up."""
+    from scratch); each adds one rounding: of the sum in fp32 (about 1e-7 of it), or, with bf16 factors
+    multiplied in bf16 (``_product``), of the increment (about 2e-3 of it), so a long drag cannot pile
+    drift up."""
     out = {"mean": prepared["mean"], "ranks": {}, "sums": {}, "chains": {}}
     for key, (us, vh) in prepared["factors"].items():
         m, n = us.shape[1], vh.shape[2]
@@ -96,8 +99,8 @@ def cart_sums(prepared: dict, rank_ratio: float, near=()) -> dict:
         if base is not None and abs(base["ranks"][key] - k) < min(k, r - k):
             k0 = base["ranks"][key]
             lo, hi = sorted((k0, k))
-            out["sums"][key] = torch.add(base["sums"][key], _product(*_factors(us, vh, hi, start=lo)),
-                                         alpha=1.0 if k > k0 else -1.0)
+            out["sums"][key] = _product(*_factors(us, vh, hi, start=lo), base=base["sums"][key],
+                                        alpha=1.0 if k > k0 else -1.0)
             out["chains"][key] = base["chains"][key] + 1
         else:
             out["sums"][key] = rank_k_sum(us, vh, k)
