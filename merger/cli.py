@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=positive_int, default=8)
     p.add_argument("--tv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="merge/scale: task-vector storage (auto: bf16 above 1 GB in fp32)")
-    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help="merge: preparations timed per method, each in a fresh session; the median shown (1)")
     p.add_argument("--moves", type=positive_int, default=None,
                    help="live / api / scale: distinct λ values per method; load: moves per client (50)")
     p.add_argument("--images", type=positive_int, default=None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 
 import torch
@@ -51,21 +52,28 @@ def bench_merge(args) -> int:
           f"in {str(tv.dtype).replace('torch.', '')}; torch threads {torch.get_num_threads()}")
     print(f"\n{'method':<17}{'prepare s':>10}{'state GB':>10}{'peak RSS GB':>12}  {'move':<14}{'s':>7}  {'work':<7}"
           f"{'faulted GB':>11}  goal")
-    failed, before_warm, warm_notes = [], [], []
+    failed, before_warm, warm_notes, spreads = [], [], [], []
+    repeats = args.repeats or 1
     for name in names:
         m = methods.get(name)
-        session = PoolSession(pool)  # empty caches for each method
-        session.merges.warm_ahead = False  # cold moves first; the warm-up's are timed after them
-        # The previous method's session was the pool's shared one until this one replaced it; it
-        # is held in a cycle (its LinearEstimate), so collect it now, or the next preparation
-        # faults fresh pages in beside its GBs (TSV-M after CART: 18.5 s instead of 14).
-        gc.collect()
-        reset_peak_rss()
         experts = m.experts_for(pool.tasks)
         moves = slider_moves(m, len(experts))
-        t0 = time.perf_counter()
-        _, prepared = session.merges.prepared_for(session.spec(name, experts=experts, **moves[0][1]))
-        prepare_s = time.perf_counter() - t0
+        prepare_times = []
+        for _ in range(repeats):  # a fresh session each time: no cache, memory the process holds
+            session = prepared = None
+            # The previous session was the pool's shared one until the next replaced it; it is held in
+            # a cycle (its LinearEstimate), so collect it now, or the next preparation faults fresh
+            # pages in beside its GBs (TSV-M after CART: 18.5 s instead of 14).
+            gc.collect()
+            session = PoolSession(pool)  # empty caches for each method
+            session.merges.warm_ahead = False  # cold moves first; the warm-up's are timed after them
+            reset_peak_rss()
+            t0 = time.perf_counter()
+            _, prepared = session.merges.prepared_for(session.spec(name, experts=experts, **moves[0][1]))
+            prepare_times.append(time.perf_counter() - t0)
+        prepare_s = statistics.median(prepare_times)
+        if repeats > 1:
+            spreads.append(f"{name}: prepare {min(prepare_times):.2f}–{max(prepare_times):.2f} s over {repeats}")
         times = _moves(session, name, experts, moves)
         if m.warm is not None:  # what an idle moment after the preparation computes ahead (warm_up.py)
             t0 = time.perf_counter()
@@ -93,9 +101,11 @@ def bench_merge(args) -> int:
     print(f"\ngoals: prepare <= {GOAL_PREPARE_S:g} s, every move <= {GOAL_APPLY_S:g} s: "
           + ("met" if not failed else "missed by " + ", ".join(failed))
           + (f"; rank moves before the warm-up missed by {', '.join(before_warm)}" if before_warm else ""))
-    for line in warm_notes:
+    for line in spreads + warm_notes:
         print(line)
-    print("state GB = what the preparation holds beside the task vectors. Moves in order, as a person drags: "
+    print(("prepare s = the median of %d preparations, each in a fresh session (peak RSS counts the memory the "
+           "earlier ones left in the heap). " % repeats if repeats > 1 else "")
+          + "state GB = what the preparation holds beside the task vectors. Moves in order, as a person drags: "
           "work = derive (a rank or sparsity step, or the first move: TIES' and DARE's merge at λ = 1, CART's "
           "rank-k sum, TSV-M's direction; cached per setting) + apply, or apply alone (a λ move after it). "
           "faulted GB = memory the move touched for the first time (4 KB pages): here %.2f s per GB, against %.2f s "
