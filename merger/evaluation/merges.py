@@ -24,11 +24,14 @@ def code_of(fn) -> tuple:
     return (own, *sorted(used - {own, None}, key=lambda m: m.__name__))
 
 
-def lru_put(cache: OrderedDict, key, value, size: int):
+def lru_put(cache: OrderedDict, key, value, size: int, dropped=None):
+    """Put ``value`` as the most recent entry; the oldest go above ``size`` (``dropped(key)`` for each)."""
     cache[key] = value
     cache.move_to_end(key)
     while len(cache) > size:
-        cache.popitem(last=False)
+        old, _ = cache.popitem(last=False)
+        if dropped is not None:
+            dropped(old)
     return value
 
 
@@ -122,11 +125,13 @@ class Merges:
 
     def _store_prepared(self, key: tuple, state):
         self.counts["prepares"] += 1
-        for old in list(self._prepared)[: max(0, len(self._prepared) - 2)] if key not in self._prepared else ():
-            self.warm_up.stop(old)  # the one lru_put drops: its parts go with it
-            self.parts.drop(old)
         self.parts.allow(key)
-        return lru_put(self._prepared, key, state, 3)
+        return lru_put(self._prepared, key, state, 3, dropped=self._forget_prepared)
+
+    def _forget_prepared(self, key: tuple) -> None:
+        """A preparation out of the cache takes its warm-up and its parts with it."""
+        self.warm_up.stop(key)
+        self.parts.drop(key)
 
     def _warm_up(self, key: tuple, state) -> None:
         """Start computing a preparation's derive parts in idle time: after a Run's preparation (the
