@@ -6,7 +6,7 @@ import torch
 from helpers import base_and_experts, close, random_world
 
 import merger
-from merger.methods.lowrank import prepare_cart, rank_k_sum
+from merger.methods.cart import prepare_cart, rank_k_sum
 from merger.pool.task_vectors import TaskVectors, is_matrix
 
 ATOL = 1e-5
@@ -192,7 +192,7 @@ def test_cart_at_rank_zero_and_full_rank_is_weight_averaging(world, lam):
     full = merger.merge_state_dicts(base, experts, "cart", lam=lam, rank_ratio=1.0)
     close(full, merged_visual(wa, keys))
     tv = TaskVectors(base, {str(i): e for i, e in enumerate(experts)})
-    prepared = prepare_cart(tv)
+    prepared = prepare_cart(tv, share=1.0)  # every direction, for the arithmetic below
     for rank in (lambda r: 0, lambda r: r):  # the low-rank sum is exactly zero: Δ = τ̄, θ = θavg
         sums = [rank_k_sum(us, vh, rank(min(us.shape[1], vh.shape[2]))) for us, vh in prepared["factors"].values()]
         assert all(s is None for s in sums)
@@ -200,7 +200,7 @@ def test_cart_at_rank_zero_and_full_rank_is_weight_averaging(world, lam):
     # and the full-rank identity holds in the arithmetic too, not only by the shortcut
     k = tv.matrices[0]
     us, vh = prepared["factors"][k]
-    from merger.methods.lowrank import low_rank_sum
+    from merger.methods.cart import low_rank_sum
     assert torch.allclose(low_rank_sum(us, vh, min(us.shape[1], vh.shape[2])), torch.zeros(()), atol=1e-5)
 
 
@@ -380,8 +380,8 @@ def test_cart_rank_move_from_a_nearby_rank_equals_the_sum_from_scratch(world):
     """CART's derive may start from a rank derived before (a large pool's rank move costs the
     directions in between): up and down, across half the rank, and from a sum that was itself
     updated, it matches the sum from scratch; a chain of updates stops at CHAIN."""
-    from merger.methods import lowrank
-    from merger.methods.lowrank import apply_cart, cart_sums
+    from merger.methods import cart
+    from merger.methods.cart import apply_cart, cart_sums
 
     base, experts, keys, _ = world
     tv = TaskVectors(base, {str(i): e for i, e in enumerate(experts)})
@@ -400,7 +400,7 @@ def test_cart_rank_move_from_a_nearby_rank_equals_the_sum_from_scratch(world):
         previous = moved
     # a sum at the end of a chain is never a starting point (drift stays bounded)
     chained = cart_sums(prepared, 0.31, near=[start])
-    chained["chains"] = {k: lowrank.CHAIN for k in chained["chains"]}
+    chained["chains"] = {k: cart.CHAIN for k in chained["chains"]}
     assert cart_sums(prepared, 0.315, near=[chained])["chains"][matrix] == 0
 
 
@@ -410,19 +410,19 @@ def test_cart_rank_sums_multiplied_in_bf16_stay_within_30_percent_of_the_fp32_pr
     as they are (fp32 accumulation, the product rounded once). Against the exact Σt SVD_k(τt − τ̄) of the
     stored task vectors, that sum is at most 1.3× as far off as the fp32 product's (and without those
     units the fp32 product is taken, bit for bit)."""
-    from merger.methods import lowrank
-    from merger.methods.lowrank import _factors, cart_sums
+    from merger.methods import cart
+    from merger.methods.cart import _factors, cart_sums
 
     g = torch.Generator().manual_seed(3)
     w = "visual.transformer.resblocks.0.mlp.c_fc.weight"
     base = {w: torch.randn(192, 96, generator=g)}
     experts = {str(t): {w: base[w] + 1e-2 * torch.randn(192, 96, generator=g)} for t in range(6)}
     tv = TaskVectors(base, experts, dtype="bfloat16")
-    prepared = prepare_cart(tv)
+    prepared = prepare_cart(tv, share=1.0)
     us, vh = prepared["factors"][w]
     centred = tv.fp32(w).double() - tv.fp32(w).double().mean(0)
     u, s, v = torch.linalg.svd(centred, full_matrices=False)
-    monkeypatch.setattr(lowrank, "BF16_MATMUL", bf16_matmul)
+    monkeypatch.setattr(cart, "BF16_MATMUL", bf16_matmul)
     start = cart_sums(prepared, 0.1)
     for ratio in (0.1, 0.3, 0.7):  # from scratch, an update from 0.1, and the complement above half
         k = math.ceil(ratio * 96)

@@ -16,7 +16,7 @@ import torch
 from merger.errors import Cancelled
 from merger.methods.data import (DRAW_SEED, VISUAL, Context, Run, calibration_set, cross_entropy_objective,  # noqa: F401
                                  entropy_objective, static_unused, subset_of)
-from merger.methods.lowrank import cart_task_parts, prepare_cart
+from merger.methods.cart import cart_task_parts, prepare_cart
 from merger.methods.registry import (ADAMERGING_LOGS, CART_README, INIT, LAM, LR, RANK_RATIO, SAMPLES, STEP_SIZE, STEPS,
                                      TOP_K, Method, Paper, Published, get, register, with_default)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from merger.methods.linalg import divided, each_matrix, gram_rows, polar_extending, polar_rows, top_eigh
-from merger.methods.lowrank import ISO_C, MATRICES_NOTE
-from merger.methods.registry import (RECOLLECTION, Method, Param, Published, frange, lam_times, register,
+from merger.methods.lowrank import ISO_C
+from merger.methods.registry import (MATRICES_NOTE, RECOLLECTION, Method, Param, Published, frange, lam_times, register,
                                      with_default)
 COMMON = Param("common_fraction", 0.8, 0.0, 1.0, 0.05, label="common subspace fraction",
                help="share of the rank r given to the common subspace of Σ τ; the rest is split evenly between the "

@@ -1,4 +1,4 @@
-"""Low-rank and spectral merges: CART, TSV-M, Iso-C.
+"""Low-rank and spectral merges: TSV-M, Iso-C (CART: cart.py).
 
 Each SVD is taken once in prepare, so a rank change is a slice and a λ change is a scale.
 """
@@ -8,138 +8,12 @@ import math
 
 import torch
 
-from merger.methods.registry import (CART_README, LAM, RANK_RATIO, RECOLLECTION, Method, Paper, Published, each,
-                                     frange, kept_rank, lam_times, register, sum_weights, with_default)
-from merger.methods.linalg import (BF16_MATMUL, divided, each_matrix, gram_rows, inverse_sqrt, spectral, thin_svd,
+from merger.methods.registry import (LAM, MATRICES_NOTE, RANK_RATIO, RECOLLECTION, Method, Paper, Published, each,
+                                     frange, lam_times, register, sum_weights, with_default)
+from merger.methods.linalg import (divided, each_matrix, gram_rows, inverse_sqrt, spectral, thin_svd,
                                    unit_factors, workers)
 from merger.pool.task_vectors import TaskVectors
 
-MATRICES_NOTE = ("Matrices = the 2-D attention and MLP weights (in_proj, out_proj, c_fc, c_proj); "
-                 "every other tensor (biases, norms, embeddings, conv1, visual projection) is 'other'.")
-
-
-# ---- CART ---------------------------------------------------------------------------------
-
-def prepare_cart(tv: TaskVectors, progress=None, cancel=None) -> dict:
-    """Mean task vector τ̄, and per matrix every direction of each centred θt − θavg = τt − τ̄."""
-    mean = {k: v.mean(0) for k, v in tv.items32()}
-    factors = {}
-    # A matrix at a time (its T tasks side by side, each task's Gram, eigh and products on one
-    # worker): whole matrices side by side were slower here (16.7 s against 13.4 s for ViT-B/32 × 8),
-    # two working sets of T·m·n.
-    for k in each(tv.matrices, progress, cancel, "spectrum of matrix"):
-        factors[k] = spectral(tv.fp32(k) - mean[k], dtype=tv.dtype)[:2]  # [T,m,r], [T,r,n]
-    return {"mean": mean, "factors": factors, "T": tv.num_tasks}
-
-
-def _factors(us: torch.Tensor, vh: torch.Tensor, k: int, start: int = 0):
-    """Factors start..k of every task side by side, in their stored dtype, so Σt Σ_{start ≤ i < k} σi ui viᵀ
-    is one matmul (``_product``)."""
-    T, m, _ = us.shape
-    w = k - start
-    return us[:, :, start:k].permute(1, 0, 2).reshape(m, T * w), vh[:, start:k, :].reshape(T * w, vh.shape[-1])
-
-
-def _product(a: torch.Tensor, b: torch.Tensor, base: torch.Tensor | None = None, alpha: float = 1.0) -> torch.Tensor:
-    """base + alpha · a @ b (or a @ b) in fp32 from stored factors. bf16 factors on a CPU with bf16 matmul
-    units (linalg.BF16_MATMUL) multiply as they are, fp32 accumulation, the product rounded once to bf16:
-    2× faster (CART's rank 0.32 move on ViT-B/32 × 8: 1.25 → 0.6 s on a 2-core Zen 4), and a rank-k sum
-    5–18 % further from the exact one than the fp32 product's (3.5e-3 → 3.9e-3 of its norm at rank 0.32:
-    the bf16 factors' own rounding is most of it). Elsewhere (fp32 pools, a GPU) the fp32 product as before."""
-    if a.dtype == b.dtype == torch.bfloat16 and a.device.type == "cpu" and BF16_MATMUL:
-        product = torch.mm(a, b)
-        return product.float() if base is None else torch.add(base, product, alpha=alpha)
-    a, b = a.float(), b.float()  # one fp32 copy of each: the stored bf16 ones are sliced, not copied
-    return torch.mm(a, b) if base is None else torch.addmm(base, a, b, alpha=alpha)
-
-
-def low_rank_sum(us: torch.Tensor, vh: torch.Tensor, k: int) -> torch.Tensor:
-    """Σt SVD_k(Mt) from the stacked factors us [T,m,r] and vh [T,r,n] (see ``spectral``)."""
-    return _product(*_factors(us, vh, k))
-
-
-def rank_k_sum(us: torch.Tensor, vh: torch.Tensor, k: int) -> torch.Tensor | None:
-    """Σt SVD_k(τt − τ̄) of one matrix from scratch, or None where it is exactly zero (k = 0, or
-    full rank: the centred matrices sum to zero). Above half the rank the complement is cheaper
-    and exact: Σt SVD_k(Mt) = −Σt (Mt − SVD_k(Mt)), the directions k..r."""
-    r = min(us.shape[1], vh.shape[2])
-    if not 0 < k < r:
-        return None
-    return _product(*_factors(us, vh, k)) if 2 * k <= r else _product(*_factors(us, vh, r, start=k)).neg_()
-
-
-def cart_task_parts(prepared: dict, rank_ratio: float) -> dict:
-    """Per matrix, each task's SVD_k(τt − τ̄) stacked [T, m, n] (AdaMerging+CART's parts)."""
-    out = {}
-    for k, (us, vh) in prepared["factors"].items():
-        r = kept_rank(rank_ratio, us.shape[1], vh.shape[2])
-        out[k] = torch.bmm(us[:, :, :r].float(), vh[:, :r].float())
-    return out
-
-
-CHAIN = 16  # a rank-k sum is updated from one updated before at most this many times, then recomputed
-
-
-def cart_sums(prepared: dict, rank_ratio: float, near=()) -> dict:
-    """CART's derive step: Σt SVD_k(τt − τ̄) per matrix at one rank (None where it is zero: k = 0
-    or full rank), so that a λ move is one axpy. ``near``: sums derived before from the same
-    preparation; one whose rank is closer than the cost of starting over is updated by the
-    directions in between (a slider step of 0.01 is 8 directions per task, not k; a jump from 0.16
-    to 0.32 is 123, not 246). Updates chain up to CHAIN deep per matrix (``chains``: 0 = computed
-    from scratch); each adds one rounding: of the sum in fp32 (about 1e-7 of it), or, with bf16 factors
-    multiplied in bf16 (``_product``), of the increment (about 2e-3 of it), so a long drag cannot pile
-    drift up."""
-    out = {"mean": prepared["mean"], "ranks": {}, "sums": {}, "chains": {}}
-    for key, (us, vh) in prepared["factors"].items():
-        m, n = us.shape[1], vh.shape[2]
-        k, r = kept_rank(rank_ratio, m, n), min(m, n)
-        out["ranks"][key], out["chains"][key] = k, 0
-        usable = [d for d in near if d["sums"][key] is not None and d["chains"][key] < CHAIN] if 0 < k < r else []
-        base = min(usable, key=lambda d: (abs(d["ranks"][key] - k), d["chains"][key]), default=None)
-        if base is not None and abs(base["ranks"][key] - k) < min(k, r - k):
-            k0 = base["ranks"][key]
-            lo, hi = sorted((k0, k))
-            out["sums"][key] = _product(*_factors(us, vh, hi, start=lo), base=base["sums"][key],
-                                        alpha=1.0 if k > k0 else -1.0)
-            out["chains"][key] = base["chains"][key] + 1
-        else:
-            out["sums"][key] = rank_k_sum(us, vh, k)
-    return out
-
-
-def apply_cart(derived: dict, lam: float, rank_ratio: float) -> dict:
-    mean, sums = derived["mean"], derived["sums"]
-    return {k: (v if sums.get(k) is None else torch.add(v, sums[k], alpha=lam)) for k, v in mean.items()}
-
-
-def cart_note(params, prepared) -> str | None:
-    if params.get("rank_ratio", 0) >= 1.0:
-        return "λ has no effect: at full rank CART equals weight averaging."
-    if prepared is not None and prepared.get("T") == 1:
-        return "λ has no effect: with one expert θavg is that expert, and θt − θavg is zero."
-    return None
-
-
-CART = register(Method(
-    name="cart",
-    slow_prepare=True,
-    featured=True,
-    display_name="CART (centred low-rank)",
-    paper=Paper("Revisiting weight averaging for model merging", "2412.12153"),
-    description="θavg + λ Σt SVD_k(θt − θavg) on attention/MLP matrices, θavg elsewhere.",
-    params=(with_default(LAM, 1.5), RANK_RATIO),
-    prepare=prepare_cart,
-    derive=cart_sums,
-    derive_params=("rank_ratio",),
-    derive_near=True,
-    apply=apply_cart,
-    note=cart_note,
-    tune_grid={"lam": frange(0.5, 3.0, 0.25), "rank_ratio": (0.04, 0.08, 0.16, 0.32)},
-    weights=sum_weights("average"),
-    conventions=MATRICES_NOTE + " k = ⌈rank_ratio · r⌉ as the paper's Algorithm 1 (the authors' code rounds "
-                "down: max(1, ⌊γ · min(m, n)⌋), one rank fewer at most ratios).",
-    published=(Published("ViT-B-32", 84.7, CART_README), Published("ViT-L-14", 92.6, CART_README)),
-))
 
 
 # ---- TSV-M --------------------------------------------------------------------------------

@@ -92,8 +92,8 @@ class Method:
     prepare: Callable[..., Any]
     apply: Callable[..., Mapping[str, Any]]
     prepare_params: tuple[str, ...] = ()  # parameters that change prepare's result (e.g. seed)
-    # Optional middle step, derive(prepared, **derive_params) -> state for apply (TSV-M's direction per
-    # rank): prepared state stays immutable, the session caches what is derived from it.
+    # Optional middle step, derive(prepared, **derive_params) -> state for apply (TSV-M's direction per rank):
+    # prepared state stays immutable (CART's spectrum is completed once), the session caches what is derived.
     derive: Callable[..., Any] | None = None
     derive_params: tuple[str, ...] = ()
     # derive(prepared, near=[states derived before from the same preparation], ...) may start from
@@ -228,8 +228,7 @@ class Method:
 
 
 def inside(value: float, bounds: tuple[float, float]) -> bool:
-    """A value within a parameter's range (``Method.bounds``), the top taken as reached: 1/T (TSV-M's
-    rank cap) is not exactly a float."""
+    """A value within a parameter's range (``Method.bounds``), the top reached: 1/T (TSV-M's cap) is no float."""
     lo, hi = bounds
     return lo <= value <= hi + 1e-12
 
@@ -239,6 +238,8 @@ def inside(value: float, bounds: tuple[float, float]) -> bool:
 CART_README = "CART README, Table 1 (task_vectors checkpoints)"
 ADAMERGING_LOGS = "AdaMerging repository's committed logs"
 RECOLLECTION = "the paper as recalled; not found in its repository"
+MATRICES_NOTE = ("Matrices = the 2-D attention and MLP weights (in_proj, out_proj, c_fc, c_proj); "
+                 "every other tensor (biases, norms, embeddings, conv1, visual projection) is 'other'.")
 FUSIONBENCH = "FusionBench's CLIP table (its Hugging Face checkpoints, not the papers' open_clip ones)"
 
 _REGISTRY: dict[str, Method] = {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from merger.methods.linalg import gram_rows
-from merger.methods.lowrank import MATRICES_NOTE
+from merger.methods.registry import MATRICES_NOTE
 from merger.errors import Cancelled
 from merger.methods.registry import LAM, STEPS, Method, Paper, frange, lam_times, register, sum_weights, with_default
 from merger.pool.task_vectors import TaskVectors

@@ -8,7 +8,7 @@ from merger.analysis.lab import add_expert, finetune, settings_of
 from merger.evaluation.session import PoolSession
 from merger.methods.adaptive import FW_SOFT
 from merger.methods.basic import TASK_ARITHMETIC, WEIGHT_AVERAGING
-from merger.methods.lowrank import CART
+from merger.methods.cart import CART
 from merger.tools.reports import TA_GRID
 
 RANKS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.75, 1.0)
@@ -29,10 +29,10 @@ def bell_at_low_rank(curve: Mapping[float, float], low: float = 0.32, margin: fl
 def full_rank_through_the_arithmetic(ex, lam: float = 1.5, split: str = "test") -> dict:
     """CART at full rank computed through the SVD sum (no shortcut), against weight averaging:
     the largest weight difference and the accuracy difference."""
-    from merger.methods.lowrank import low_rank_sum, prepare_cart
+    from merger.methods.cart import low_rank_sum, prepare_cart
 
     tv = ex.pool.task_vectors
-    prep = prepare_cart(tv)
+    prep = prepare_cart(tv, share=1.0)  # every direction: the full-rank sum below
     delta = dict(prep["mean"])
     for key, (us, vh) in prep["factors"].items():
         delta[key] = prep["mean"][key] + lam * low_rank_sum(us, vh, min(us.shape[1], vh.shape[2]))
