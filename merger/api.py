@@ -105,7 +105,8 @@ def merge_state_dicts(
     aligned = {t: checkpoints.validate_expert(named[t][0], base, named[t][2], named[t][1]) for t in spec.experts}
     tv = TaskVectors(base, aligned, device=resolve_device(device))
     scale = () if m.task_weighted else spec.task_weights
-    prepared = m.prepare(tv.scaled(dict(scale)) if scale else tv, **{k: spec.kwargs[k] for k in m.prepare_params})
+    prepared = m.prepare(tv.scaled(dict(scale)) if scale else tv,
+                         **{k: spec.kwargs[k] for k in m.prepare_params + m.prepare_hints})
     return assemble(base, tv, with_block_weights(m.delta(prepared, **spec.kwargs, **m.weights_kwargs(spec)), spec))
 
 

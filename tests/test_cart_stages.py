@@ -127,3 +127,33 @@ def test_the_disk_cache_keeps_the_first_stage_and_a_reopened_preparation_complet
     assert back["tv"] is session.pool.task_vectors
     _close(cart_sums(back, 0.5)["sums"], cart_sums(prepare_cart(session.pool.task_vectors, share=1.0), 0.5)["sums"],
            rel=1e-4)
+
+
+def test_full_rank_and_rank_zero_take_no_direction_and_a_sum_never_reads_past_its_factors():
+    prepared = prepare_cart(_tv())
+    sums = cart_sums(prepared, 1.0)["sums"]  # CART at full rank is θavg: nothing to compute
+    assert all(v is None for v in sums.values()) and _columns(prepared) == {W: 12, V: 5}
+    us, vh = prepared["factors"][W]
+    with pytest.raises(ValueError, match="13 directions asked of factors holding 12"):
+        cart.low_rank_sum(us, vh, 13)
+    with pytest.raises(ValueError, match="a rank-60 sum of 96 takes 96 directions; the factors hold 12"):
+        cart.rank_k_sum(us, vh, 60)
+
+
+def test_a_merge_asked_at_a_rank_past_the_first_stage_prepares_every_direction_at_once(session, monkeypatch):
+    tv = _tv()
+    assert _columns(prepare_cart(tv, rank_ratio=0.1)) == {W: 12, V: 5}
+    assert _columns(prepare_cart(tv, rank_ratio=0.3)) == {W: 96, V: 40}
+    calls, real = [], cart.whole_spectrum
+    monkeypatch.setattr(cart, "whole_spectrum", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    _, state = session.merges.prepared_for(session.spec("cart", rank_ratio=0.3))  # the API's and the CLI's way
+    assert all(us.shape[2] == min(us.shape[1], vh.shape[2]) for us, vh in state["factors"].values())
+    session.merges.delta(session.spec("cart", rank_ratio=0.3))
+    assert calls == []  # no second stage: the preparation had every direction
+
+
+def test_the_preparations_key_on_disk_follows_the_eigh_code_it_runs():
+    from merger.evaluation.merges import code_of
+    from merger.methods import lapack, linalg
+
+    assert {cart, linalg, lapack} <= set(code_of(prepare_cart))  # lapack is imported as a module by linalg

@@ -183,3 +183,14 @@ def test_the_part_store_drops_the_least_recently_used_above_its_cap():
     store.allow("p")  # the preparation back in the session's cache
     store.put(("p", 5), torch.zeros(10))
     assert store.count("p") == 1
+
+
+def test_another_preparations_parts_do_not_stop_a_warm_up():
+    calls, counts = [], Counter()
+    store = PartStore(cap=400)
+    for i in range(8):
+        store.put(("other", i), torch.zeros(10))  # 320 bytes: past 3/4 of the cap, all another preparation's
+    warm_up = WarmUp(WorkQueue(), store, counts)
+    warm_up.start(_recording_method(calls), "p", None, [{"rank_ratio": i / 100} for i in range(1, 4)])
+    assert warm_up.wait(timeout=30)
+    assert len(calls) == 3 and counts["warm-ups full"] == 0 and store.count("p") == 3

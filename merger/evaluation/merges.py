@@ -16,12 +16,18 @@ from merger.spec import Spec, on_experts, with_block_weights
 
 
 def code_of(fn) -> tuple:
-    """The modules whose source a preparation depends on: its own, and every merger.methods module
-    whose functions it imports (Iso-CTS prepares through lowrank's spectra)."""
+    """The modules whose source a preparation depends on: its own, and every merger.methods module it
+    imports functions or modules from, and theirs in turn (Iso-CTS prepares through lowrank's spectra,
+    and those through linalg's and lapack's eighs)."""
     own = inspect.getmodule(fn)
-    used = {inspect.getmodule(v) for v in vars(own).values()
-            if callable(v) and getattr(v, "__module__", "").startswith("merger.methods.")}
-    return (own, *sorted(used - {own, None}, key=lambda m: m.__name__))
+    seen, todo = {own}, [own]
+    while todo:
+        for v in vars(todo.pop()).values():
+            m = v if inspect.ismodule(v) else inspect.getmodule(v) if callable(v) else None
+            if m is not None and m.__name__.startswith("merger.methods.") and m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return (own, *sorted(seen - {own}, key=lambda m: m.__name__))
 
 
 def lru_put(cache: OrderedDict, key, value, size: int, dropped=None):
@@ -72,17 +78,19 @@ class Merges:
     def _prepared_key(method, experts: tuple[str, ...], prepare_args: dict, scale: tuple = ()) -> tuple:
         return method.name, experts, tuple(sorted(prepare_args.items())), scale
 
-    def prepared(self, method, experts: tuple[str, ...], prepare_args: dict, scale: tuple = ()):
+    def prepared(self, method, experts: tuple[str, ...], prepare_args: dict, scale: tuple = (), hints=None):
         """A method's preparation for an expert subset (immutable; LRU of 3: they are large).
         ``scale``: task weights of a method that does not take them in apply, which then prepares
-        on the weighted task vectors wₜτₜ (see ``Method.task_weighted``)."""
+        on the weighted task vectors wₜτₜ (see ``Method.task_weighted``). ``hints``: its prepare_hints
+        of the spec that asks (not in the key)."""
         key = self._prepared_key(method, experts, prepare_args, scale)
         if key in self._prepared:
             self._prepared.move_to_end(key)
             return key, self._prepared[key]
-        return key, self._store_prepared(key, self._compute(method, experts, prepare_args, scale))
+        return key, self._store_prepared(key, self._compute(method, experts, prepare_args, scale, hints=hints))
 
-    def _compute(self, method, experts: tuple[str, ...], prepare_args: dict, scale: tuple, progress=None, cancel=None):
+    def _compute(self, method, experts: tuple[str, ...], prepare_args: dict, scale: tuple, progress=None, cancel=None,
+                 hints=None):
         """A preparation from the disk cache, else computed (and written there when worth it)."""
         tv = self._task_vectors(experts, scale)
         store = self._disk_key(method, experts, prepare_args, scale, tv)
@@ -91,7 +99,7 @@ class Merges:
             self.counts["disk hits"] += 1
             state = disk_cache.unflatten(hit[1], hit[0], tv, tv.device)
         else:
-            state = method.prepare_with(tv, progress, cancel, **prepare_args)
+            state = method.prepare_with(tv, progress, cancel, **prepare_args, **(hints or {}))
             if store is not None:
                 tensors, structure = disk_cache.flatten(state)
                 self.disk.put(store, f"{method.name} over {', '.join(experts)}", tensors, structure)
@@ -179,7 +187,11 @@ class Merges:
     def prepared_for(self, spec: Spec, rounded: bool = True):
         """(key, state): the preparation of a static spec (computed when not cached)."""
         m, args, scale = self._prepare_args(spec, rounded)
-        return self.prepared(m, spec.experts, args, scale)
+        return self.prepared(m, spec.experts, args, scale, self._hints(m, spec))
+
+    @staticmethod
+    def _hints(m, spec: Spec) -> dict:
+        return {k: spec.kwargs[k] for k in m.prepare_hints if k in spec.kwargs}
 
     def _spec_key(self, spec: Spec) -> tuple:
         """(method, the cache key of its preparation) of a spec, rounded as previews are."""
@@ -221,7 +233,7 @@ class Merges:
         def compute(progress, cancel):
             if key in self._prepared:  # stored by a preparation that ended since the check above
                 return
-            state = self._compute(m, spec.experts, args, scale, progress, cancel)
+            state = self._compute(m, spec.experts, args, scale, progress, cancel, self._hints(m, spec))
             with self.queue:
                 self._store_prepared(key, state)
             self._warm_up(key, state)

@@ -69,6 +69,10 @@ class PartStore:
         with self._lock:
             return sum(1 for k in self._parts if k[0] == prepared_key)
 
+    def bytes_of(self, prepared_key) -> int:
+        with self._lock:
+            return sum(nbytes(v) for k, v in self._parts.items() if k[0] == prepared_key)
+
 
 class PartView:
     """One preparation's parts (what a method's derive and warm see): get, put, in."""
@@ -93,8 +97,8 @@ class WarmUp:
     setting last moved to first, only while the session's queue is idle (nothing holds or waits for
     the model) and no slow preparation goes on; a share of matrices at a time (each about 0.1 s on
     two cores), so a move that arrives waits at most for that share. It stops when its preparation
-    is replaced or dropped, or when the parts held reach ``FILL`` of the store's cap (the moves'
-    own parts must still fit)."""
+    is replaced or dropped, or when that preparation's parts reach ``FILL`` of the store's cap (the
+    moves' own parts must still fit; another preparation's give way, least recently used first)."""
     POLL_S = 0.05
     FILL = 0.75
 
@@ -158,7 +162,7 @@ class WarmUp:
         view = self.parts.view(prepared_key)
         left = list(settings)
         while left and not stop.is_set():
-            if self.parts.bytes >= self.FILL * self.parts.cap:
+            if self.parts.bytes_of(prepared_key) >= self.FILL * self.parts.cap:  # others' parts make room (LRU)
                 self.counts["warm-ups full"] += 1
                 return
             setting = min(left, key=lambda s: _distance(s, self._last.get(prepared_key)))

@@ -23,9 +23,15 @@ EAGER_SHARE = 0.125  # of each matrix's rank r, per task, in the preparation; th
 _PUBLISHING = threading.Lock()  # a whole spectrum replaces the first stage's once (a move and the warm-up may race)
 
 
-def prepare_cart(tv: TaskVectors, progress=None, cancel=None, share: float = EAGER_SHARE) -> dict:
+def prepare_cart(tv: TaskVectors, progress=None, cancel=None, share: float = EAGER_SHARE,
+                 rank_ratio: float | None = None) -> dict:
     """Mean task vector τ̄, and per matrix the top ⌈share · r⌉ directions of each centred θt − θavg = τt − τ̄
-    ([T, m, q], [T, q, n]; every one at share 1)."""
+    ([T, m, q], [T, q, n]; every one at share 1). ``rank_ratio``: the rank of the merge that asks (a hint, not
+    part of what is prepared): one whose sums take more than that share prepares every direction at once
+    (a CLI merge at 0.3 would otherwise pay both stages)."""
+    if rank_ratio is not None and any(_needed(kept_rank(rank_ratio, *tv.base[k].shape), min(tv.base[k].shape))
+                                      > math.ceil(share * min(tv.base[k].shape) - 1e-9) for k in tv.matrices):
+        share = 1.0
     mean = {k: v.mean(0) for k, v in tv.items32()}
     factors = {}
     # A matrix at a time (its T tasks side by side, each task's Gram, eigh and products on one
@@ -45,7 +51,10 @@ def _whole(us: torch.Tensor, vh: torch.Tensor) -> bool:
 
 
 def _needed(k: int, r: int) -> int:
-    """Directions a rank-k sum takes from scratch: the top k, or, above half the rank, all (``rank_k_sum``)."""
+    """Directions a rank-k sum takes from scratch: the top k, or, above half the rank, all (``rank_k_sum``);
+    none at k = 0 or full rank (the sum is zero)."""
+    if not 0 < k < r:
+        return 0
     return k if 2 * k <= r else r
 
 
@@ -63,6 +72,8 @@ def whole_spectrum(prepared: dict, key: str, gate=lambda: True) -> bool:
     for i in range(0, x.shape[0], share):
         if not gate():
             return False
+        if _whole(*prepared["factors"][key]):  # made whole by a move while the gate waited
+            return True
         parts.append(spectral(x[i:i + share], dtype=us.dtype)[:2])
     whole = tuple(torch.cat(p) for p in zip(*parts))
     with _PUBLISHING:
@@ -113,6 +124,8 @@ def _product(a: torch.Tensor, b: torch.Tensor, base: torch.Tensor | None = None,
 
 def low_rank_sum(us: torch.Tensor, vh: torch.Tensor, k: int) -> torch.Tensor:
     """Σt SVD_k(Mt) from the stacked factors us [T,m,q] and vh [T,q,n], q ≥ k (see ``spectral``)."""
+    if us.shape[2] < k:
+        raise ValueError(f"{k} directions asked of factors holding {us.shape[2]}")
     return _product(*_factors(us, vh, k))
 
 
@@ -123,6 +136,8 @@ def rank_k_sum(us: torch.Tensor, vh: torch.Tensor, k: int) -> torch.Tensor | Non
     r = min(us.shape[1], vh.shape[2])
     if not 0 < k < r:
         return None
+    if us.shape[2] < _needed(k, r):
+        raise ValueError(f"a rank-{k} sum of {r} takes {_needed(k, r)} directions; the factors hold {us.shape[2]}")
     return _product(*_factors(us, vh, k)) if 2 * k <= r else _product(*_factors(us, vh, r, start=k)).neg_()
 
 
@@ -192,6 +207,7 @@ CART = register(Method(
     description="θavg + λ Σt SVD_k(θt − θavg) on attention/MLP matrices, θavg elsewhere.",
     params=(with_default(LAM, 1.5), RANK_RATIO),
     prepare=prepare_cart,
+    prepare_hints=("rank_ratio",),
     derive=cart_sums,
     derive_params=("rank_ratio",),
     derive_near=True,

@@ -92,12 +92,12 @@ class Method:
     prepare: Callable[..., Any]
     apply: Callable[..., Mapping[str, Any]]
     prepare_params: tuple[str, ...] = ()  # parameters that change prepare's result (e.g. seed)
+    prepare_hints: tuple[str, ...] = ()  # passed to prepare too, never in its key (CART: the rank that asks)
     # Optional middle step, derive(prepared, **derive_params) -> state for apply (TSV-M's direction per rank):
     # prepared state stays immutable (CART's spectrum is completed once), the session caches what is derived.
     derive: Callable[..., Any] | None = None
     derive_params: tuple[str, ...] = ()
-    # derive(prepared, near=[states derived before from the same preparation], ...) may start from
-    # one of them (CART: a rank move costs the directions between the two ranks).
+    # derive(prepared, near=[states derived before from this preparation]) may start from one (CART's ranks)
     derive_near: bool = False
     # Derive parts kept apart from the derived state (TSV-M: each matrix's eighs and core at one rank):
     # derive(..., parts=store) reads and fills the session's store; warm(prepared, parts, gate, **setting)

@@ -88,8 +88,8 @@ def bench_merge(args) -> int:
             times += [(f"{label} warm", *rest) for label, *rest in
                       _moves(session, name, experts, [mv for mv in moves if any(
                           mv[1][p] != moves[0][1][p] for p in m.derive_params)])]
-            warm_notes.append(f"{name}: warm-up {warm_s:.1f} s ({parts} parts, {session.merges.parts.bytes / 2**30:.2f} GB) "
-                              "in idle time after the preparation; 'warm' = the same moves after it")
+            warm_notes.append(f"{name}: warm-up left after the moves above {warm_s:.1f} s ({parts} parts, "
+                              f"{session.merges.parts.bytes / 2**30:.2f} GB); 'warm' = the same moves after it")
         _, peak = rss_gb()
         # a warmed method's rank moves count once warm; those before its warm-up are named apart
         cold = {label for label, *_ in times if m.warm is not None and label.startswith("rank") and "warm" not in label}
