@@ -9,14 +9,13 @@ once. The preparation holds its task vectors until its spectrum is whole.
 """
 from __future__ import annotations
 
-import math
 import threading
 
 import torch
 
 from merger.methods.linalg import BF16_MATMUL, spectral, workers
-from merger.methods.registry import (CART_README, LAM, MATRICES_NOTE, RANK_RATIO, Method, Paper, Published, each, frange, kept_rank,
-                                     register, sum_weights, with_default)
+from merger.methods.registry import (CART_README, LAM, MATRICES_NOTE, RANK_RATIO, Method, Paper, Published, each,
+                                     frange, kept_rank, register, sum_weights, with_default)
 from merger.pool.task_vectors import TaskVectors
 
 EAGER_SHARE = 0.125  # of each matrix's rank r, per task, in the preparation; the rest when a move needs it
@@ -25,12 +24,12 @@ _PUBLISHING = threading.Lock()  # a whole spectrum replaces the first stage's on
 
 def prepare_cart(tv: TaskVectors, progress=None, cancel=None, share: float = EAGER_SHARE,
                  rank_ratio: float | None = None) -> dict:
-    """Mean task vector τ̄, and per matrix the top ⌈share · r⌉ directions of each centred θt − θavg = τt − τ̄
-    ([T, m, q], [T, q, n]; every one at share 1). ``rank_ratio``: the rank of the merge that asks (a hint, not
-    part of what is prepared): one whose sums take more than that share prepares every direction at once
-    (a CLI merge at 0.3 would otherwise pay both stages)."""
-    if rank_ratio is not None and any(_needed(kept_rank(rank_ratio, *tv.base[k].shape), min(tv.base[k].shape))
-                                      > math.ceil(share * min(tv.base[k].shape) - 1e-9) for k in tv.matrices):
+    """Mean task vector τ̄, and per matrix the top ⌈share · r⌉ directions (kept_rank) of each centred
+    θt − θavg = τt − τ̄ ([T, m, q], [T, q, n]; every one at share 1). ``rank_ratio``: the rank of the merge
+    that asks (a hint, not part of what is prepared): one whose sums take more than that share prepares
+    every direction at once (a CLI merge at 0.3 would otherwise pay both stages)."""
+    shapes = [tv.base[k].shape for k in tv.matrices]
+    if rank_ratio is not None and any(_directions_at(rank_ratio, *s) > kept_rank(share, *s) for s in shapes):
         share = 1.0
     mean = {k: v.mean(0) for k, v in tv.items32()}
     factors = {}
@@ -38,8 +37,7 @@ def prepare_cart(tv: TaskVectors, progress=None, cancel=None, share: float = EAG
     # worker): whole matrices side by side were slower here (16.7 s against 13.4 s for ViT-B/32 × 8),
     # two working sets of T·m·n.
     for k in each(tv.matrices, progress, cancel, "spectrum of matrix"):
-        keep = math.ceil(share * min(tv.base[k].shape) - 1e-9)
-        factors[k] = spectral(tv.fp32(k) - mean[k], keep, dtype=tv.dtype)[:2]  # [T,m,q], [T,q,n]
+        factors[k] = spectral(tv.fp32(k) - mean[k], kept_rank(share, *tv.base[k].shape), dtype=tv.dtype)[:2]
     state = {"mean": mean, "factors": factors, "T": tv.num_tasks}
     if not all(_whole(*f) for f in factors.values()):
         state["tv"] = tv  # what the rest is computed from; let go once every spectrum is whole
@@ -56,6 +54,11 @@ def _needed(k: int, r: int) -> int:
     if not 0 < k < r:
         return 0
     return k if 2 * k <= r else r
+
+
+def _directions_at(rank_ratio: float, m: int, n: int) -> int:
+    """Directions CART's sum at this rank takes from an m × n matrix's spectrum."""
+    return _needed(kept_rank(rank_ratio, m, n), min(m, n))
 
 
 def whole_spectrum(prepared: dict, key: str, gate=lambda: True) -> bool:
@@ -95,8 +98,7 @@ def cart_warm(prepared: dict, parts, gate, rank_ratio) -> None:
     """The warm-up's step for one rank: every matrix whose first stage lacks the directions it takes, made
     whole in idle time (``parts`` unused: the spectrum lives in the preparation)."""
     for key, (us, vh) in list(prepared["factors"].items()):
-        r = min(us.shape[1], vh.shape[2])
-        if us.shape[2] < _needed(kept_rank(rank_ratio, us.shape[1], vh.shape[2]), r):
+        if us.shape[2] < _directions_at(rank_ratio, us.shape[1], vh.shape[2]):
             if not whole_spectrum(prepared, key, gate):
                 return
 
