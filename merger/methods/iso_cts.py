@@ -22,13 +22,13 @@ def split_rank(r: int, T: int, common_fraction: float) -> tuple[int, int]:
 
 def common_subspace(total: torch.Tensor, c: int):
     """Σ τ's full spectrum from the fp64 Gram of its smaller side: (singular values [r], U_c [m, c],
-    Vh_c [c, n], the Gram's eigenvectors [r, r]; on a wide matrix these are U, whose last r − c
-    columns span the complement of U_c)."""
+    Vh_c [c, n], the Gram's eigenvectors [r, r]; on a wide or square matrix these are U, whose last
+    r − c columns span the complement of U_c: the residuals are then a [r − c]² problem, not T of n²)."""
     t64 = total.double()
     m, n = t64.shape
-    s2, vecs = top_eigh(gram_rows(t64 if m < n else t64.mT)[None], min(m, n))
+    s2, vecs = top_eigh(gram_rows(t64 if m <= n else t64.mT)[None], min(m, n))
     s, vecs = s2[0].clamp(min=0).sqrt(), vecs[0]
-    if m < n:
+    if m <= n:
         u_c = vecs[:, :c]
         return s, u_c, divided(u_c.mT @ t64, s[:c, None]), vecs
     v_c = vecs[:, :c]
@@ -40,7 +40,7 @@ def task_directions(stack: torch.Tensor, u_c: torch.Tensor, vecs: torch.Tensor, 
     (I − U_c U_cᵀ) τt, from a Gram: (U_t [T, m, q], s_t [T, q], Vh_t [T, q, n])."""
     T, m, n = stack.shape
     c = u_c.shape[1]
-    if m < n:  # U is a basis of R^m: the residual lives on its last m − c columns, a [m − c]² problem
+    if m <= n:  # U is a basis of R^m: the residual lives on its last m − c columns, a [m − c]² problem
         rest = vecs[:, c:].float()
         b = rest.mT @ stack  # [T, m − c, n]
         s2, w = top_eigh(b @ b.mT, q)

@@ -212,8 +212,8 @@ def inverse_sqrt(gram: torch.Tensor, refined: bool = False) -> torch.Tensor:
     and 3e-5 at 1e8 (tests/test_linalg.py); a matrix with an eigenvalue under λmax / REFINED_COND is
     solved whole in fp64, as is the batch it is in."""
     if refined:
-        rows = list(side_by_side(_refined_inverse_sqrt, gram.unbind(0))) if gram.device.type == "cpu" \
-            else [_refined_inverse_sqrt(g) for g in gram]
+        rows = list(side_by_side(refined_inverse_sqrt, gram.unbind(0))) if gram.device.type == "cpu" \
+            else [refined_inverse_sqrt(g) for g in gram]
         if all(r is not None for r in rows):
             return torch.stack(rows)
     gram = gram.double()
@@ -228,7 +228,7 @@ REFINE_BELOW = 1e-2  # eigenpairs under this fraction of the largest are solved 
 REFINED_COND = 1e7  # a condition above this: the whole eigh in fp64 (the refinement held to 3e-5 at 1e8)
 
 
-def _refined_inverse_sqrt(gram: torch.Tensor) -> torch.Tensor | None:
+def refined_inverse_sqrt(gram: torch.Tensor) -> torch.Tensor | None:
     """G^(-1/2) of one Gram [q, q] in fp32, its small eigenpairs refined in fp64 (see inverse_sqrt), or
     None where an eigenvalue lies under λmax / REFINED_COND."""
     evals, evecs = torch.linalg.eigh(gram.float())  # ascending
@@ -260,6 +260,15 @@ def top_eigh(gram: torch.Tensor, q: int):
         return per_matrix(lambda g: lapack.top_eigh(g, q), gram)
     evals, evecs = per_matrix(torch.linalg.eigh, gram)  # ascending
     return evals[..., r - q:].flip(-1), evecs[..., r - q:].flip(-1)
+
+
+def polar_svd(x: torch.Tensor) -> torch.Tensor:
+    """The orthogonal factor U·Vh of x [p, q] from its fp32 SVD (the TSV authors' way). Where x is near
+    singular its Gram's condition is the square of x's, beyond fp32 (a Gram rounded to fp32 moved a
+    ViT-B/32 polar factor by 8 %); the SVD of x itself stays within about 5e-6 of fp64's (relative) there
+    at conditions up to 7e4 (Grams to 4e9), in 0.8 of the time of an fp64 eigh of the Gram and its products."""
+    u, _, vh = thin_svd(x.float())
+    return u @ vh
 
 
 def polar_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ import torch
 
 from merger.methods.registry import (LAM, MATRICES_NOTE, RANK_RATIO, RECOLLECTION, Method, Paper, Published, each,
                                      frange, lam_times, register, sum_weights, with_default)
-from merger.methods.linalg import (divided, each_matrix, gram_rows, inverse_sqrt, spectral, thin_svd,
-                                   unit_factors, workers)
+from merger.methods.linalg import (divided, each_matrix, gram_rows, polar_svd, refined_inverse_sqrt, spectral,
+                                   thin_svd, unit_factors, workers)
 from merger.pool.task_vectors import TaskVectors
 
 
@@ -19,11 +19,13 @@ from merger.pool.task_vectors import TaskVectors
 # ---- TSV-M --------------------------------------------------------------------------------
 
 def prepare_tsv(tv: TaskVectors, progress=None, cancel=None) -> dict:
-    """The mean τ, and per matrix each τt's top K = ⌊r/T⌋ singular triplets (the most any rank the
-    slider reaches keeps: T·k ≤ r) with the Grams of their concatenations at K, of which every
-    rank's Grams are submatrices; the default rank's direction is derived here too."""
-    mean = {k: v.mean(0) for k, v in tv.items32()}
-    prepared = {"mean": mean, "factors": {}, "grams": {}, "T": tv.num_tasks}
+    """The mean τ off the matrices, and per matrix each τt's top K = ⌊r/T⌋ singular triplets (the most
+    any rank the slider reaches keeps: T·k ≤ r) with the Grams of their concatenations at K, of which
+    every rank's Grams are submatrices; the default rank's direction is derived here too."""
+    matrices = set(tv.matrices)
+    mean = {k: v.mean(0) for k, v in tv.items32() if k not in matrices}  # a matrix gets its direction
+    prepared = {"mean": mean, "shapes": {k: tuple(tv.base[k].shape) for k in tv.matrices},
+                "factors": {}, "grams": {}, "T": tv.num_tasks}
     for k in each(tv.matrices, progress, cancel, "spectrum of matrix"):  # a matrix at a time, as CART
         left, right, s = spectral(tv.stacked[k], min(tv.base[k].shape) // tv.num_tasks, dtype=tv.dtype)
         prepared["factors"][k], prepared["grams"][k] = (left, right, s), _concatenated_grams(left, right, s)
@@ -31,21 +33,17 @@ def prepare_tsv(tv: TaskVectors, progress=None, cancel=None) -> dict:
 
 
 def _concatenated_grams(left, right, s) -> torch.Tensor:
-    """[G_U, G_V] of one matrix's unit factors concatenated task by task ([2, T·K, T·K], fp32):
-    summed in fp64 on a side where the concatenation is square (T·K = its dimension: near singular,
-    see _tsv_matrix), in fp32 on a longer one (well conditioned; 0.4 s less for ViT-B/32 × 8)."""
+    """[G_U, G_V] of one matrix's unit factors concatenated task by task ([2, T·K, T·K], fp32). A side
+    where T·k fills its dimension is never solved from them (``_tsv_sides``: its polar factor by SVD)."""
     T, m, K = left.shape
     u, vh = unit_factors(left, right, s)
-
-    def gram(rows):  # rows [T·K, side]
-        return gram_rows(rows.double() if _square(T * K, rows.shape[1]) else rows).float()
-
-    return torch.stack([gram(u.permute(0, 2, 1).reshape(T * K, m)), gram(vh.reshape(T * K, -1))])
+    return torch.stack([gram_rows(u.permute(0, 2, 1).reshape(T * K, m)), gram_rows(vh.reshape(T * K, -1))])
 
 
 def _square(width: int, side: int) -> bool:
     """Whether T·k concatenated singular vectors fill a side of this dimension (T·k ≤ r, so only
-    equal): the concatenation is then square and its Gram near singular, solved in fp64 at once."""
+    equal): the concatenation is then square and its Gram near singular (conditions to 4e9 on a
+    random ViT-B/32 × 8 pool, the square of the concatenation's)."""
     return width >= side
 
 
@@ -64,7 +62,8 @@ def tsv_direction(prepared: dict, rank_ratio, parts=None) -> dict:
     The orthogonal factors P = U (UᵀU)^(-1/2), Q = V (VᵀV)^(-1/2) of the concatenated singular
     vectors (what an SVD X = P S Qᵀ → P Qᵀ gives) meet in a [T·k, T·k] core, so the direction
     P S Qᵀ = U (G_U^(-1/2) S G_V^(-1/2)) Vᵀ costs two small eighs and two products; the Grams at
-    rank k are read off those prepared at K (the first k of each task's K directions).
+    rank k are read off those prepared at K (the first k of each task's K directions). A side whose
+    Gram is near singular takes its polar factor from an SVD instead (``_tsv_sides``).
 
     ``parts``: the session's store (get, put) of each matrix's work at each k but its last product
     (``_tsv_half``): one found there leaves that product alone (the eighs were 60 % of a move at rank
@@ -100,7 +99,7 @@ def _tsv_matrix(prepared: dict, key: str, rank_ratio, parts=None) -> torch.Tenso
     T, m, _ = left.shape
     k = tsv_rank(rank_ratio, m, right.shape[2], T)
     if k == 0:  # fewer dimensions than tasks: no task keeps a singular vector here
-        return torch.zeros_like(prepared["mean"][key])
+        return torch.zeros(prepared["shapes"][key])
     half = None if parts is None else parts.get((key, k))
     if half is None:
         half = _tsv_half(prepared, key, k)
@@ -109,54 +108,74 @@ def _tsv_matrix(prepared: dict, key: str, rank_ratio, parts=None) -> torch.Tenso
     return _tsv_product(prepared, key, k, *half)
 
 
-def _tsv_half(prepared: dict, key: str, k: int) -> tuple[torch.Tensor, str]:
-    """All of one matrix's direction at rank k but its last product: its two eighs, the [T·k, T·k]
-    core between them, and the core times the factor of the shorter side. (that product, which side
-    it holds: "right" = core · Vᵀ [T·k, n], to take U · it; "left" = U · core [m, T·k], to take it · Vᵀ;
-    "unit left" = the same with the singular vectors, S divided out: the fp64 route's order)."""
+def _tsv_sides(prepared: dict, key: str, k: int):
+    """Each side's way to its orthogonal factor at rank k: ("isqrt", G^(-1/2)) from the Gram prepared
+    at K, in fp32 refined (linalg.refined_inverse_sqrt), or ("polar", P) where T·k fills the side or the
+    Gram is too near singular for that: P = U·Vh of an fp32 SVD of the concatenation itself ([side, T·k];
+    linalg.polar_svd, the TSV authors' way). (U side, V side)."""
     left, right, s = prepared["factors"][key]
     T, m, K = left.shape
     n = right.shape[2]
     # the first k of each task's K directions, task-major as the concatenation (a copy of [2, T·k, T·k])
     grams = prepared["grams"][key].view(2, T, K, T, K)[:, :, :k, :, :k].reshape(2, T * k, T * k)
-    left_isqrt, right_isqrt = (inverse_sqrt(g[None], refined=not _square(T * k, side))[0]
-                               for g, side in zip(grams, (m, n)))
+    sides = []
+    for i, (gram, dim) in enumerate(zip(grams, (m, n))):
+        isqrt = None if _square(T * k, dim) else refined_inverse_sqrt(gram)
+        if isqrt is not None:
+            sides.append(("isqrt", isqrt))
+            continue
+        u, vh = unit_factors(left[:, :, :k], right[:, :k], s[:, :k])
+        unit = u.permute(1, 0, 2).reshape(m, T * k) if i == 0 else vh.reshape(T * k, n).mT
+        sides.append(("polar", polar_svd(unit)))
+    return sides
+
+
+def _tsv_half(prepared: dict, key: str, k: int) -> tuple[torch.Tensor, str]:
+    """All of one matrix's direction at rank k but its last product (the part a warm-up keeps), and
+    which product is left: "right" = a [T·k, n] half to take the stored left factor times it; "left" =
+    a [m, T·k] half to take it times the stored right factor; "whole" = the direction itself (both
+    polar factors explicit). S, which ``spectral`` left in one stored factor (left where m ≥ n, see
+    unit_factors), is divided out in the half instead of across a factor."""
+    left, right, s = prepared["factors"][key]
+    T, m, K = left.shape
+    n = right.shape[2]
     sk = s[:, :k].reshape(-1)
-    if left_isqrt.dtype == right_isqrt.dtype == torch.float32:
-        # the stored factors taken as they are: S, which ``spectral`` left on one side, is divided out
-        # in the core (its rows where m ≥ n, see unit_factors) instead of across a [m, T·k] factor
-        core = (left_isqrt * sk) @ right_isqrt
-        core = divided(core, sk[:, None]) if m >= n else divided(core, sk)
-        if m > n:
-            return core @ right[:, :k].reshape(T * k, n).float(), "right"
-        return left[:, :, :k].permute(1, 0, 2).reshape(m, T * k).float() @ core, "left"
-    # T·k = r, or a Gram near singular (linalg.REFINED_COND): fp64, and the one order this always had:
-    # its rounding shows there (the order moved the default merge of ViT-B/32's in_proj by 5e-4 and
-    # out_proj by 9%, random experts).
-    core = ((left_isqrt.double() * sk.double()) @ right_isqrt.double()).float()
-    u, _ = unit_factors(left[:, :, :k], right[:, :k], s[:, :k])
-    return u.permute(1, 0, 2).reshape(m, T * k) @ core, "unit left"
+    (u_way, u_side), (v_way, v_side) = _tsv_sides(prepared, key, k)
+    if u_way == v_way == "polar":
+        return (u_side * sk) @ v_side.mT, "whole"
+    if v_way == "polar":  # U G_U^(-1/2) S Qᵀ = stored left · (S⁻¹ where m ≥ n) G_U^(-1/2) S Qᵀ
+        half = u_side @ (sk[:, None] * v_side.mT)
+        return (divided(half, sk[:, None]) if m >= n else half), "right"
+    if u_way == "polar":  # P S G_V^(-1/2) Vᵀ = P S G_V^(-1/2) (S⁻¹ where m < n) · stored right
+        half = (u_side * sk) @ v_side
+        return (divided(half, sk) if m < n else half), "left"
+    core = (u_side * sk) @ v_side
+    core = divided(core, sk[:, None]) if m >= n else divided(core, sk)
+    if m > n:
+        return core @ right[:, :k].reshape(T * k, n).float(), "right"
+    return left[:, :, :k].permute(1, 0, 2).reshape(m, T * k).float() @ core, "left"
 
 
 def _tsv_product(prepared: dict, key: str, k: int, half: torch.Tensor, side: str) -> torch.Tensor:
     """The direction of one matrix at rank k from its ``_tsv_half``: the one product left."""
-    left, right, s = prepared["factors"][key]
+    if side == "whole":
+        return half
+    left, right, _ = prepared["factors"][key]
     T, m, _ = left.shape
-    n = right.shape[2]
     if side == "right":
         return left[:, :, :k].permute(1, 0, 2).reshape(m, T * k).float() @ half
-    vh = unit_factors(left[:, :, :k], right[:, :k], s[:, :k])[1] if side == "unit left" else right[:, :k].float()
-    return half @ vh.reshape(T * k, n)
+    return half @ right[:, :k].reshape(T * k, right.shape[2]).float()
 
 
-# The Gram of one side's concatenated singular vectors is solved in fp32 with its small eigenpairs
-# refined in fp64 (linalg.inverse_sqrt, refined): the direction within about 2e-5 of fp64's, relative,
+# A Gram of one side's concatenated singular vectors is solved in fp32 with its small eigenpairs
+# refined in fp64 (linalg.refined_inverse_sqrt): the direction within about 2e-5 of fp64's, relative,
 # below the 2e-3 that bf16 storage of the singular vectors already carries. Before, an fp32 eigh was
 # kept only up to a condition of 1e3 and fp64 taken above it: on a ViT-B/32 × 8 pool at rank 0.12
 # (T·k = 736 of 768) 60 of the 96 Grams were above it (up to 9.4e3), and the move took 7.6 s on this
 # 2-core CPU against 2.6 s at 0.1. Where T·k equals that side's dimension (the default rank's r side)
-# the concatenation is square and its Gram near singular: fp64 at once (an fp32 eigh there was 0.05
-# off the authors' SVDs on a test pool).
+# the concatenation is square and near singular: its Gram, rounded to fp32, moved the default merge of
+# a random ViT-B/32 pool by up to 8 % (an fp64 eigh of it did not help: the rounding was in the Gram),
+# and an SVD of the concatenation (the authors') is within 5e-6 of fp64 in less time than an fp64 eigh.
 
 
 TSV_M = register(Method(
