@@ -377,6 +377,27 @@ def test_tsv_m_default_direction_is_the_exact_merge_of_its_factors_where_they_fi
     assert worst <= 1e-5, worst
 
 
+def test_tsv_m_with_more_experts_than_a_rank_keeps_no_direction_there():
+    """T > r: ⌊r/T⌋ = 0 singular vectors per task, so the matrices stay at θ0 (the preparation used to
+    fail reshaping its empty factors); the other tensors get λ · mean τ, and the state survives the disk."""
+    from merger.io.disk_cache import flatten, unflatten
+    from merger.methods.lowrank import prepare_tsv, tsv_direction
+
+    narrow = {"embed_dim": 8, "vision_cfg": {"image_size": 16, "patch_size": 8, "width": 16, "layers": 1,
+                                             "head_width": 8, "mlp_ratio": 2},
+              "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1}}
+    base, experts = base_and_experts(n_experts=20, scale=0.05, config=narrow)
+    out = merger.merge_state_dicts(base, experts, "tsv_m", lam=0.5)
+    matrices = [k for k in out if k.startswith("visual.") and is_matrix(k, base[k].shape)]
+    assert len(matrices) == 4 and all(torch.equal(out[k], base[k]) for k in matrices)
+    bias = next(k for k in out if k.startswith("visual.") and k.endswith("ln_1.bias"))
+    expected = base[bias] + 0.5 * sum(e[bias] - base[bias] for e in experts) / 20
+    assert torch.allclose(out[bias], expected, atol=1e-6)
+    state = prepare_tsv(TaskVectors(base, {str(i): e for i, e in enumerate(experts)}))
+    again = unflatten(*reversed(flatten({k: v for k, v in state.items() if k != "auto"})))
+    assert all(not tsv_direction(again, "auto")[k].any() for k in state["factors"])
+
+
 def test_iso_c_against_the_authors_formula_on_a_wide_tower(wide):
     base, experts, keys, taus = wide
     for T in (3, 8):

@@ -37,7 +37,7 @@ def _concatenated_grams(left, right, s) -> torch.Tensor:
     where T·k fills its dimension is never solved from them (``_tsv_sides``: its polar factor by SVD)."""
     T, m, K = left.shape
     u, vh = unit_factors(left, right, s)
-    return torch.stack([gram_rows(u.permute(0, 2, 1).reshape(T * K, m)), gram_rows(vh.reshape(T * K, -1))])
+    return torch.stack([gram_rows(u.permute(0, 2, 1).reshape(T * K, m)), gram_rows(vh.reshape(T * K, vh.shape[2]))])
 
 
 def _square(width: int, side: int) -> bool:
@@ -99,7 +99,7 @@ def _tsv_matrix(prepared: dict, key: str, rank_ratio, parts=None) -> torch.Tenso
     T, m, _ = left.shape
     k = tsv_rank(rank_ratio, m, right.shape[2], T)
     if k == 0:  # fewer dimensions than tasks: no task keeps a singular vector here
-        return torch.zeros(prepared["shapes"][key])
+        return left.new_zeros(prepared["shapes"][key], dtype=torch.float32)
     half = None if parts is None else parts.get((key, k))
     if half is None:
         half = _tsv_half(prepared, key, k)
