@@ -356,8 +356,8 @@ def test_tsv_m_from_bf16_factors_is_their_exact_merge_to_1e_5(wide):
 def test_tsv_m_default_direction_is_the_exact_merge_of_its_factors_where_they_fill_a_side(wide):
     """At the default rank T·k = r: the concatenated singular vectors on the r side are square and near
     singular, the more so as tasks share directions (here each τ is half a common one). The direction
-    is the fp64 merge of the stored (bf16) factors within 1e-5 per matrix (4e-6 here; a Gram rounded to
-    fp32 was 7e-4 off here, and 8 % on a random ViT-B/32 pool); tall, wide and square matrices."""
+    is the fp64 merge of the stored (bf16) factors within 1e-5 per matrix (5e-6 here; a Gram rounded to
+    fp32 was 5e-4 off here, and 8 % on a random ViT-B/32 pool); tall, wide and square matrices."""
     from merger.methods.lowrank import prepare_tsv
 
     base, experts, keys, _ = wide
@@ -375,6 +375,28 @@ def test_tsv_m_default_direction_is_the_exact_merge_of_its_factors_where_they_fi
         exact = orth(u) @ (s64.reshape(-1, 1) * orth(vh.mT).mT)
         worst = max(worst, float((prepared["auto"][key].double() - exact).norm() / exact.norm()))
     assert worst <= 1e-5, worst
+
+
+@pytest.mark.parametrize("refused", [(0,), (1,), (0, 1)])
+def test_tsv_m_side_whose_gram_is_refused_takes_an_svd_and_the_same_merge(wide, monkeypatch, refused):
+    """Below the default rank a Gram too near singular for refined fp32 (linalg.REFINED_COND) is refused:
+    that side's polar factor then comes from an SVD of its concatenation; U side, V side, or both (the
+    direction then whole), on tall, wide and square matrices: the same merge to 1e-5 (relative)."""
+    from merger.methods import lowrank
+
+    base, experts, _, _ = wide
+    prepared = lowrank.prepare_tsv(TaskVectors(base, {str(i): e for i, e in enumerate(experts[:3])}, dtype="bfloat16"))
+    expected = lowrank.tsv_direction(prepared, 0.2)  # both Grams solved in fp32 (T·k = 99 < r = 168)
+    real = lowrank.refined_inverse_sqrt
+    for key, (left, right, _) in prepared["factors"].items():
+        calls = []  # _tsv_sides asks for the U side's Gram, then the V side's
+        monkeypatch.setattr(lowrank, "refined_inverse_sqrt",
+                            lambda g: None if calls.append(1) or len(calls) - 1 in refused else real(g))
+        k = lowrank.tsv_rank(0.2, left.shape[1], right.shape[2], left.shape[0])
+        half, side = lowrank._tsv_half(prepared, key, k)
+        assert side == {(0,): "left", (1,): "right", (0, 1): "whole"}[refused]
+        got = lowrank._tsv_product(prepared, key, k, half, side)
+        assert len(calls) == 2 and (got - expected[key]).norm() <= 1e-5 * expected[key].norm(), (key, refused)
 
 
 def test_tsv_m_with_more_experts_than_a_rank_keeps_no_direction_there():

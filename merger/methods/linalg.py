@@ -225,7 +225,8 @@ def inverse_sqrt(gram: torch.Tensor, refined: bool = False) -> torch.Tensor:
 
 
 REFINE_BELOW = 1e-2  # eigenpairs under this fraction of the largest are solved again in fp64
-REFINED_COND = 1e7  # a condition above this: the whole eigh in fp64 (the refinement held to 3e-5 at 1e8)
+REFINED_COND = 1e7  # a condition above this: refused (refined_inverse_sqrt: None; inverse_sqrt then takes the
+# whole eigh in fp64, TSV-M an SVD of the concatenation); the refinement held to 3e-5 at 1e8
 
 
 def refined_inverse_sqrt(gram: torch.Tensor) -> torch.Tensor | None:

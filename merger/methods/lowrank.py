@@ -118,14 +118,14 @@ def _tsv_sides(prepared: dict, key: str, k: int):
     n = right.shape[2]
     # the first k of each task's K directions, task-major as the concatenation (a copy of [2, T·k, T·k])
     grams = prepared["grams"][key].view(2, T, K, T, K)[:, :, :k, :, :k].reshape(2, T * k, T * k)
-    sides = []
+    sides, units = [], None
     for i, (gram, dim) in enumerate(zip(grams, (m, n))):
         isqrt = None if _square(T * k, dim) else refined_inverse_sqrt(gram)
         if isqrt is not None:
             sides.append(("isqrt", isqrt))
             continue
-        u, vh = unit_factors(left[:, :, :k], right[:, :k], s[:, :k])
-        unit = u.permute(1, 0, 2).reshape(m, T * k) if i == 0 else vh.reshape(T * k, n).mT
+        units = units or unit_factors(left[:, :, :k], right[:, :k], s[:, :k])
+        unit = units[0].permute(1, 0, 2).reshape(m, T * k) if i == 0 else units[1].reshape(T * k, n).mT
         sides.append(("polar", polar_svd(unit)))
     return sides
 
