@@ -9,8 +9,8 @@ import torch
 
 from merger.errors import Cancelled
 from merger.methods import lapack, linalg
-from merger.methods.linalg import (each_matrix, gram_rows, inverse_sqrt, polar_extending, polar_rows, side_by_side,
-                                   spectral, thin_svd)
+from merger.methods.linalg import (each_matrix, gram_rows, inverse_sqrt, polar_extending, polar_rows, refined_inverse_sqrt,
+                                   side_by_side, spectral, thin_svd)
 
 
 def _svd_polar(rows):
@@ -104,7 +104,7 @@ def _gram_with_condition(n, cond, seed):
 def test_refined_inverse_sqrt_is_fp32_within_1e_5_of_fp64_up_to_a_condition_of_1e6(cond):
     gram = _gram_with_condition(60, cond, 3)
     exact = inverse_sqrt(gram[None])[0]  # fp64
-    fast = inverse_sqrt(gram.float()[None], refined=True)[0]
+    fast = refined_inverse_sqrt(gram.float())
     assert exact.dtype == torch.float64 and fast.dtype == torch.float32
     assert (fast.double() - inverse_sqrt(gram.float()[None])[0]).abs().max() <= 1e-5 * exact.abs().max()
     # the fp32 eigh alone, unrefined, is far off there: the refinement is what holds it
@@ -114,10 +114,10 @@ def test_refined_inverse_sqrt_is_fp32_within_1e_5_of_fp64_up_to_a_condition_of_1
         assert (plain.double() - exact).abs().max() > 1e-4 * exact.abs().max()
 
 
-def test_a_near_singular_gram_is_solved_whole_in_fp64():
-    ill = _gram_with_condition(60, 1e9, 4)[None]
-    again = inverse_sqrt(ill, refined=True)
-    assert again.dtype == torch.float64 and torch.equal(again, inverse_sqrt(ill))
+def test_a_near_singular_gram_is_refused_by_the_fp32_route():
+    """Past REFINED_COND the refinement is refused (None): its caller (TSV-M) takes an SVD instead."""
+    ill = _gram_with_condition(60, 1e9, 4)
+    assert refined_inverse_sqrt(ill) is None and refined_inverse_sqrt(ill.float()) is None
 
 
 def test_a_bf16_gram_is_within_1e_5_of_the_exact_product():

@@ -198,24 +198,8 @@ def unit_factors(left: torch.Tensor, right: torch.Tensor, s: torch.Tensor):
     return left.float(), divided(right.float(), s[:, :, None])
 
 
-def inverse_sqrt(gram: torch.Tensor, refined: bool = False) -> torch.Tensor:
-    """G^(-1/2) of each PSD Gram matrix of a batch [B, q, q] (a pseudo-inverse on a null space), in
-    fp64, or, with ``refined``, in fp32 wherever that stays within about 1e-5 of fp64's (largest
-    entry): the Gram of the concatenated singular vectors can be ill-conditioned (tasks sharing
-    directions), and an fp32 eigh alone was 5e-4 off at a condition of 1e5, 0.1 at 1e7.
-
-    ``refined``: one fp32 eigh (half the time of fp64's), whose eigenpairs below REFINE_BELOW of the
-    largest are solved again in fp64 on the subspace they span (Rayleigh–Ritz: its q × s projection
-    and an s × s eigh). That subspace is accurate to about eps32 · λmax / gap, which the large
-    eigenvalues' share of G^(-1/2) keeps small, while the fp32 eigenvalues there are what was off
-    (an absolute error of about eps32 · λmax). Within 5e-6 of fp64 from a condition of 1e2 to 1e6
-    and 3e-5 at 1e8 (tests/test_linalg.py); a matrix with an eigenvalue under λmax / REFINED_COND is
-    solved whole in fp64, as is the batch it is in."""
-    if refined:
-        rows = list(side_by_side(refined_inverse_sqrt, gram.unbind(0))) if gram.device.type == "cpu" \
-            else [refined_inverse_sqrt(g) for g in gram]
-        if all(r is not None for r in rows):
-            return torch.stack(rows)
+def inverse_sqrt(gram: torch.Tensor) -> torch.Tensor:
+    """G^(-1/2) of each PSD Gram matrix of a batch [B, q, q] (a pseudo-inverse on a null space), in fp64."""
     gram = gram.double()
     evals, evecs = per_matrix(torch.linalg.eigh, gram)
     top = evals.max(-1, keepdim=True).values.clamp(min=1e-30)
@@ -225,13 +209,21 @@ def inverse_sqrt(gram: torch.Tensor, refined: bool = False) -> torch.Tensor:
 
 
 REFINE_BELOW = 1e-2  # eigenpairs under this fraction of the largest are solved again in fp64
-REFINED_COND = 1e7  # a condition above this: refused (refined_inverse_sqrt: None; inverse_sqrt then takes the
-# whole eigh in fp64, TSV-M an SVD of the concatenation); the refinement held to 3e-5 at 1e8
+REFINED_COND = 1e7  # a condition above this: refused (TSV-M then takes an SVD of the concatenation);
+# the refinement held to 3e-5 at 1e8
 
 
 def refined_inverse_sqrt(gram: torch.Tensor) -> torch.Tensor | None:
-    """G^(-1/2) of one Gram [q, q] in fp32, its small eigenpairs refined in fp64 (see inverse_sqrt), or
-    None where an eigenvalue lies under λmax / REFINED_COND."""
+    """G^(-1/2) of one PSD Gram [q, q] in fp32, within about 1e-5 of fp64's (largest entry), or None where
+    an eigenvalue lies under λmax / REFINED_COND. The Gram of concatenated singular vectors can be
+    ill-conditioned (tasks sharing directions), and an fp32 eigh alone was 5e-4 off at a condition of
+    1e5, 0.1 at 1e7.
+
+    One fp32 eigh (half the time of fp64's), whose eigenpairs below REFINE_BELOW of the largest are
+    solved again in fp64 on the subspace they span (Rayleigh–Ritz: its q × s projection and an s × s
+    eigh). That subspace is accurate to about eps32 · λmax / gap, which the large eigenvalues' share of
+    G^(-1/2) keeps small, while the fp32 eigenvalues there are what was off (an absolute error of about
+    eps32 · λmax). Within 5e-6 of fp64 from a condition of 1e2 to 1e6 and 3e-5 at 1e8 (tests/test_linalg.py)."""
     evals, evecs = torch.linalg.eigh(gram.float())  # ascending
     top = float(evals[-1])
     if not top > 0:

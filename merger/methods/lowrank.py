@@ -24,8 +24,7 @@ def prepare_tsv(tv: TaskVectors, progress=None, cancel=None) -> dict:
     every rank's Grams are submatrices; the default rank's direction is derived here too."""
     matrices = set(tv.matrices)
     mean = {k: v.mean(0) for k, v in tv.items32() if k not in matrices}  # a matrix gets its direction
-    prepared = {"mean": mean, "shapes": {k: tuple(tv.base[k].shape) for k in tv.matrices},
-                "factors": {}, "grams": {}, "T": tv.num_tasks}
+    prepared = {"mean": mean, "factors": {}, "grams": {}, "T": tv.num_tasks}
     for k in each(tv.matrices, progress, cancel, "spectrum of matrix"):  # a matrix at a time, as CART
         left, right, s = spectral(tv.stacked[k], min(tv.base[k].shape) // tv.num_tasks, dtype=tv.dtype)
         prepared["factors"][k], prepared["grams"][k] = (left, right, s), _concatenated_grams(left, right, s)
@@ -99,7 +98,7 @@ def _tsv_matrix(prepared: dict, key: str, rank_ratio, parts=None) -> torch.Tenso
     T, m, _ = left.shape
     k = tsv_rank(rank_ratio, m, right.shape[2], T)
     if k == 0:  # fewer dimensions than tasks: no task keeps a singular vector here
-        return left.new_zeros(prepared["shapes"][key], dtype=torch.float32)
+        return left.new_zeros(m, right.shape[2], dtype=torch.float32)
     half = None if parts is None else parts.get((key, k))
     if half is None:
         half = _tsv_half(prepared, key, k)
