@@ -239,3 +239,68 @@ def test_without_the_subset_solver_top_eigh_takes_the_whole_eigh(monkeypatch):
     slow = linalg.top_eigh(gram, 5)
     assert torch.allclose(fast[0], slow[0], rtol=1e-12)
     assert torch.allclose((fast[1] * slow[1]).sum(-2).abs(), torch.ones(2, 5, dtype=torch.float64), atol=1e-10)
+
+
+def _on_a_worker(fn):
+    """fn() on a LAPACK worker thread, where linalg hands work to SciPy's OpenBLAS."""
+    return next(side_by_side(lambda _: fn(), [0]))
+
+
+@needs_subset_solver
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float64, 1e-13)])
+def test_syrk_gram_is_the_whole_product_from_either_layout_and_its_lower_triangle_alone(dtype, tol):
+    """?syrk reads a row-major matrix, a transposed view (a tall matrix's columns, no copy) and a strided
+    slice of either; ``lower`` leaves zeros above the diagonal (what an eigh does not read)."""
+    a = torch.randn(70, 130, generator=torch.Generator().manual_seed(8), dtype=dtype)
+    for rows in (a, a.mT, a[:, :50], a.mT[:, :40], a.mT.contiguous().mT[:30]):
+        exact = rows.double() @ rows.double().mT
+        whole, lower = lapack.gram_rows(rows), lapack.gram_rows(rows, lower=True)
+        assert whole.dtype == dtype and whole.shape == exact.shape
+        assert (whole.double() - exact).abs().max() <= tol * exact.abs().max()
+        assert torch.equal(whole, whole.mT)
+        assert torch.equal(lower, torch.tril(whole)) and not lower.triu(1).any()
+    assert lapack.gram_rows(a[:, :0]).shape == (70, 70) and not lapack.gram_rows(a[:, :0]).any()
+
+
+@needs_subset_solver
+def test_gram_rows_on_a_worker_takes_syrk_and_elsewhere_torchs_product(monkeypatch):
+    calls = []
+    real = lapack.gram_rows
+    monkeypatch.setattr(lapack, "gram_rows", lambda a, lower=False: calls.append((a.dtype, lower)) or real(a, lower))
+    a = (torch.randn(300, 500, generator=torch.Generator().manual_seed(9)) * 1e-3).bfloat16()
+    on_worker = _on_a_worker(lambda: gram_rows(a))
+    assert calls == [(torch.float32, False)]  # bf16 storage: its exact fp32 copy
+    here = gram_rows(a)  # the caller's thread: torch's product on every core
+    assert len(calls) == 1
+    assert torch.allclose(on_worker, here, rtol=0, atol=1e-6 * float(here.abs().max()))
+
+
+@needs_subset_solver
+@pytest.mark.parametrize("shape", [(60, 60), (80, 50), (50, 80)])
+def test_openblas_svd_is_an_svd(shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(10))
+    u, s, vh = lapack.svd(x)
+    k = min(shape)
+    assert u.shape == (shape[0], k) and s.shape == (k,) and vh.shape == (k, shape[1])
+    assert torch.allclose((u * s) @ vh, x, atol=1e-5)
+    assert torch.allclose(u.mT @ u, torch.eye(k), atol=1e-5) and torch.allclose(vh @ vh.mT, torch.eye(k), atol=1e-5)
+    assert torch.allclose(s, torch.linalg.svdvals(x.double()).float(), rtol=1e-5)
+    assert (s[:-1] >= s[1:]).all()
+
+
+@needs_subset_solver
+def test_a_square_svd_on_a_worker_takes_openblas_and_its_failure_torchs(monkeypatch):
+    """What TSV-M's polar factors take (``polar_svd``): OpenBLAS's gesdd on a worker for a square fp32
+    matrix; a matrix it fails on (None), a tall one, or the caller's thread get torch's, as before."""
+    calls = []
+    real = lapack.svd
+    monkeypatch.setattr(lapack, "svd", lambda x: calls.append(tuple(x.shape)) or real(x))
+    x = torch.randn(40, 40, generator=torch.Generator().manual_seed(11))
+    u, s, vh = _on_a_worker(lambda: thin_svd(x))
+    assert calls == [(40, 40)] and torch.allclose((u * s) @ vh, x, atol=1e-5)
+    _on_a_worker(lambda: thin_svd(x[:, :30]))
+    thin_svd(x)
+    assert calls == [(40, 40)]
+    monkeypatch.setattr(lapack, "svd", lambda x: calls.append("failed") and None)
+    u, s, vh = _on_a_worker(lambda: thin_svd(x))
+    assert calls[-1] == "failed" and torch.allclose((u * s) @ vh, x, atol=1e-5)

@@ -26,7 +26,7 @@ def common_subspace(total: torch.Tensor, c: int):
     r − c columns span the complement of U_c: the residuals are then a [r − c]² problem, not T of n²)."""
     t64 = total.double()
     m, n = t64.shape
-    s2, vecs = top_eigh(gram_rows(t64 if m <= n else t64.mT)[None], min(m, n))
+    s2, vecs = top_eigh(gram_rows(t64 if m <= n else t64.mT, lower=True)[None], min(m, n))
     s, vecs = s2[0].clamp(min=0).sqrt(), vecs[0]
     if m <= n:
         u_c = vecs[:, :c]
@@ -47,7 +47,8 @@ def task_directions(stack: torch.Tensor, u_c: torch.Tensor, vecs: torch.Tensor, 
         s_t = s2.clamp(min=0).sqrt().float()
         return rest @ w.float(), s_t, divided(w.float().mT @ b, s_t[..., None])
     b = u_c.mT @ stack  # [T, c, n]
-    residual_grams = torch.stack([gram_rows(x.mT) - gram_rows(y.mT) for x, y in zip(stack, b)])  # [T, n, n]
+    residual_grams = torch.stack([gram_rows(x.mT, lower=True) - gram_rows(y.mT, lower=True)  # [T, n, n], read by
+                                  for x, y in zip(stack, b)])  # an eigh: the lower triangles
     s2, v = top_eigh(residual_grams, q)
     s_t = s2.clamp(min=0).sqrt().float()
     return divided(stack @ v - u_c @ (b @ v), s_t[:, None, :]), s_t, v.mT

@@ -93,11 +93,22 @@ def _on_worker() -> bool:
 
 def thin_svd(x: torch.Tensor):
     """(U, S, Vh) with x = U diag(S) Vh; a wide matrix through its transpose (gesdd on 768 × 3072
-    takes 0.59 s single-threaded, on 3072 × 768 0.17 s)."""
+    takes 0.59 s single-threaded, on 3072 × 768 0.17 s). A square fp32 matrix on a LAPACK worker takes
+    OpenBLAS's gesdd (``lapack.svd``: 0.8 of MKL's time at 768²)."""
+    if x.shape[-2] == x.shape[-1] > 0 and x.dim() == 2 and x.dtype == torch.float32 and _single_cpu(x):
+        factors = lapack.svd(x)
+        if factors is not None:  # else (no convergence) torch's answers, as it would have
+            return factors
     if x.shape[-2] >= x.shape[-1]:
         return torch.linalg.svd(x, full_matrices=False)
     v, s, uh = torch.linalg.svd(x.mT, full_matrices=False)
     return uh.mT, s, v.mT
+
+
+def _single_cpu(x: torch.Tensor) -> bool:
+    """Whether SciPy's OpenBLAS takes x's routine: on a CPU, on a LAPACK worker (its routines run on one
+    thread, which a worker is; elsewhere torch's use every core)."""
+    return x.device.type == "cpu" and _on_worker() and lapack.ready()
 
 
 def spectral(x: torch.Tensor, keep: int | None = None, dtype: torch.dtype = torch.float32):
@@ -116,7 +127,7 @@ def spectral(x: torch.Tensor, keep: int | None = None, dtype: torch.dtype = torc
     tall = m >= n
 
     def one(xt):
-        evals, top = top_eigh(gram_rows(xt.mT if tall else xt)[None], q)  # [1, q], [1, r, q]
+        evals, top = top_eigh(gram_rows(xt.mT if tall else xt, lower=True)[None], q)  # [1, q], [1, r, q]
         top, s, xt = top[0].float(), evals[0].clamp(min=0).sqrt().float(), xt.float()
         left, right = (xt @ top, top.mT) if tall else (top, top.mT @ xt)  # x ≈ (x V)(Vᵀ), or (U)(Uᵀ x)
         return left.to(dtype), right.to(dtype), s
@@ -126,14 +137,16 @@ def spectral(x: torch.Tensor, keep: int | None = None, dtype: torch.dtype = torc
     return left, right, s
 
 
-def gram_rows(a: torch.Tensor) -> torch.Tensor:
+def gram_rows(a: torch.Tensor, lower: bool = False) -> torch.Tensor:
     """a · aᵀ of a matrix [m, n] in fp32 (fp64 for an fp64 ``a``). A bf16 ``a`` on a CPU with AMX
     takes two bf16 products with fp32 accumulation: the product rounded to bf16, then its rounding
     error (a · aᵀ − that, rounded again); their sum is within about 2^-17 (8e-6) of the exact
     product, relative to its largest entry, and 2.4× faster single-threaded (5.5 against 13 ms for
     768 × 3072, both from blocks). That holds for entries between about 1e-18 and 1e18 (task vectors
     are near 1e-3): AMX flushes subnormal products to zero. Elsewhere: the fp32 product. On a CPU,
-    from 256 rows, only the blocks on and above the diagonal are multiplied (``_upper_blocks``)."""
+    from 256 rows, only the blocks on and above the diagonal are multiplied (``_upper_blocks``); on a
+    LAPACK worker, OpenBLAS's ?syrk multiplies the triangle alone (``lapack.gram_rows``: 0.8 of that time).
+    ``lower``: only the lower triangle is read (by an eigh), so that one need not be mirrored."""
     if a.dtype == torch.bfloat16 and a.device.type == "cpu" and _AMX:
         def product(x, y):
             hi = x @ y
@@ -142,6 +155,8 @@ def gram_rows(a: torch.Tensor) -> torch.Tensor:
         product = torch.mm
         if a.dtype == torch.bfloat16:
             a = a.float()
+        if _single_cpu(a) and a.dtype in (torch.float32, torch.float64):
+            return lapack.gram_rows(a, lower)
     return _upper_blocks(a, product) if a.device.type == "cpu" else product(a, a.mT)
 
 
