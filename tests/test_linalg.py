@@ -286,6 +286,8 @@ def test_openblas_svd_is_an_svd(shape):
     assert torch.allclose(u.mT @ u, torch.eye(k), atol=1e-5) and torch.allclose(vh @ vh.mT, torch.eye(k), atol=1e-5)
     assert torch.allclose(s, torch.linalg.svdvals(x.double()).float(), rtol=1e-5)
     assert (s[:-1] >= s[1:]).all()
+    x[3, 4] = float("nan")
+    assert lapack.svd(x) is None  # LAPACK refuses it (info < 0): the caller takes torch's, which raises
 
 
 @needs_subset_solver
