@@ -31,11 +31,11 @@ _STATE: dict = {}
 _LOADING = threading.Lock()
 # each routine's arguments as its capsule names them: LP64 ints (an ILP64 SciPy would read 8-byte ints where 4
 # are passed), "R" the real type (SciPy's typedef ..._s for float, ..._d for double)
-_SIGNATURES = {
-    "syevr": "char,char,char,int,R,int,R,R,int,int,R,int,R,R,int,int,R,int,int,int,int",
-    "syrk": "char,char,int,int,R,R,int,R,R,int",
-    "gesdd": "char,int,int,R,int,R,R,int,R,int,R,int,int,int",
-}
+_SIGNATURES = {routine: kinds.split(",") for routine, kinds in (
+    ("syevr", "char,char,char,int,R,int,R,R,int,int,R,int,R,R,int,int,R,int,int,int,int"),
+    ("syrk", "char,char,int,int,R,R,int,R,R,int"),
+    ("gesdd", "char,int,int,R,int,R,R,int,R,int,R,int,int,int"),
+)}
 _ROUTINES = (("syevr", "s"), ("syevr", "d"), ("syrk", "s"), ("syrk", "d"), ("gesdd", "s"))
 _DTYPES = {"s": torch.float32, "d": torch.float64}
 _CAPSULE_NAME = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(("PyCapsule_GetName", ctypes.pythonapi))
@@ -56,7 +56,7 @@ def _pointer(routine: str, prefix: str) -> int | None:
     signature = _CAPSULE_NAME(capsule)
     text = signature.decode()
     args = [a.strip() for a in text[text.find("(") + 1:text.rfind(")")].split(",")]
-    kinds = _SIGNATURES[routine].split(",")
+    kinds = _SIGNATURES[routine]
     real = f"_{prefix} *"  # ssyevr: ..._s *, dsyevr: ..._d *
     if not text.startswith("void (") or len(args) != len(kinds) or not all(
             a.endswith(real) if kind == "R" else a == f"{kind} *" for a, kind in zip(args, kinds)):
@@ -95,7 +95,7 @@ def _load() -> dict:
                     # runs one thread per call in this process from here on; merger makes no other SciPy BLAS call
                     setter(1)
                     for (routine, dtype), address in addresses.items():
-                        fn = ctypes.CFUNCTYPE(None, *[_P] * len(_SIGNATURES[routine].split(",")))(address)
+                        fn = ctypes.CFUNCTYPE(None, *[_P] * len(_SIGNATURES[routine]))(address)
                         routines.setdefault(routine, {})[dtype] = fn
             except (ImportError, KeyError, AttributeError, OSError, TypeError, ValueError):
                 routines = {}
@@ -150,7 +150,6 @@ def _one(gram: torch.Tensor, q: int):
         evals, evecs = torch.linalg.eigh(gram)
         return evals[n - q:].flip(0), evecs[:, n - q:].flip(1)
     return values[:q].flip(0), vectors.flip(0).mT
-
 
 
 def gram_rows(a: torch.Tensor, lower: bool = False) -> torch.Tensor:

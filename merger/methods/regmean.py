@@ -15,8 +15,8 @@ from torch.func import functional_call
 
 from merger.errors import Cancelled, MethodError
 from merger.methods.data import DRAW_SEED, VISUAL, Run, calibration_set, static_unused
-from merger.methods.registry import MATRICES_NOTE
-from merger.methods.registry import FUSIONBENCH, SAMPLES, Method, Paper, Param, Published, register, with_default
+from merger.methods.registry import (FUSIONBENCH, MATRICES_NOTE, SAMPLES, Method, Paper, Param, Published, register,
+                                     with_default)
 
 ALPHA = Param("alpha", 0.9, 0.0, 1.0, 0.05, label="α (Gram off-diagonal scale)",
               help="RegMean: the off-diagonal entries of each Gram matrix are scaled by α (1: the exact least-squares "

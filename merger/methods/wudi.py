@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from merger.methods.linalg import gram_rows
-from merger.methods.registry import MATRICES_NOTE
 from merger.errors import Cancelled
-from merger.methods.registry import LAM, STEPS, Method, Paper, frange, lam_times, register, sum_weights, with_default
+from merger.methods.linalg import gram_rows
+from merger.methods.registry import (LAM, MATRICES_NOTE, STEPS, Method, Paper, frange, lam_times, register, sum_weights,
+                                     with_default)
 from merger.pool.task_vectors import TaskVectors
 
 LR = 1e-5  # the paper's Adam learning rate (fixed: the task vectors' scale of fine-tuned CLIP)
