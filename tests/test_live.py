@@ -543,3 +543,19 @@ def test_a_split_is_read_before_its_first_evaluation_takes_the_model(tmp_path):
         assert read.wait(10)  # read while the model was held
     worker.join(60)
     assert result["r"].split == "val"
+
+
+@pytest.mark.parametrize("name", [m.name for m in merger.methods.all_methods() if not m.data_driven])
+def test_bench_scale_moves_every_static_method_through_distinct_settings(ctl, name):
+    """``bench scale`` moves each method's first slider (or an expert's weight where it has none):
+    distinct, valid settings (weight averaging and SLERP once broke a GPU run)."""
+    from merger.tools.bench_scale import move_specs
+
+    specs = move_specs(ctl.session, name, 12)
+    assert len({s.rounded() for s in specs}) == 12
+    m = merger.methods.get(name)
+    assert all(len(s.experts) == len(m.experts_for(ctl.session.tasks)) for s in specs)
+    if m.params:
+        assert len({s.rounded().kwargs[m.params[0].name] for s in specs}) == 12
+    else:
+        assert len({s.task_weights for s in specs}) == 12

@@ -12,33 +12,17 @@ from merger.tools.measure import LIVE_METHODS, percentile, random_pool, rss_gb
 
 
 def bench_scale(args) -> int:
-    from merger.evaluation.session import PoolSession
-    from merger.pool.pool import pool_from_state_dicts
+    from merger import methods
+    from merger.pool.devices import resolve_device
 
     device = args.device
+    resolve_device(device)  # before minutes of building a pool for a device that is not there
     cuda = device.startswith("cuda")
     moves = args.moves if args.moves_given else (30 if cuda else 3)
     images = args.images or 128
     names = args.methods.split(",") if args.methods else list(LIVE_METHODS)
     t0 = time.perf_counter()
-    base, experts = random_pool(args.arch, args.experts)
-    g = torch.Generator().manual_seed(0)
-    from merger._compat import open_clip
-
-    size = (open_clip().get_model_config(args.arch) or {}).get("vision_cfg", {}).get("image_size", 224)
-    tasks = {}
-    for i, t in enumerate(experts):
-        n_cls = 10
-        imgs = torch.randint(0, 256, (images, 3, size, size), generator=g, dtype=torch.uint8)
-        labels = torch.arange(images) % n_cls
-        tasks[t] = {"classes": [f"{t} class {c}" for c in range(n_cls)], "templates": ["a photo of a {}."],
-                    "data": {"memory": {"train": (imgs, labels), "test": (imgs, labels)}}}
-    pool = pool_from_state_dicts("scale", args.arch, base, experts, tasks, device=device)
-    del experts
-    gc.collect()
-    ex = PoolSession(pool)
-    ex.evaluator.inputs("live")
-    ex.expert_accuracy("live")
+    ex = scale_session(args.arch, args.experts, images, device)
     setup = time.perf_counter() - t0
     rss, _ = rss_gb()
     print(f"{args.arch} (pretrained=None), {args.experts} random experts, {args.experts} tasks × "
@@ -46,13 +30,12 @@ def bench_scale(args) -> int:
     print(f"\n{'method':<18}{'prepare s':>10}{'apply median s':>16}{'slider→result p50 s':>21}{'p95 s':>8}")
     ok_apply = True
     for m in names:
-        spec0 = ex.spec(m)
+        spec0 = ex.spec(m, experts=methods.get(m).experts_for(ex.tasks))  # SLERP: two
         t1 = time.perf_counter()
         ex.delta(spec0)  # prepare (cached per method and expert subset) + one apply
         prep = time.perf_counter() - t1
         applies, lat = [], []
-        for i in range(moves):
-            spec = ex.spec(m, lam=round(0.05 * (i + 2), 2))
+        for spec in move_specs(ex, m, moves):
             if cuda:
                 torch.cuda.synchronize()
             t2 = time.perf_counter()
@@ -75,8 +58,81 @@ def bench_scale(args) -> int:
           f"every task's live images (cache misses).")
     print(f"goals: apply <= {'30 ms' if cuda else '1.5 s'}" + (", slider→result p50 <= 150 ms, resident <= 4 GB" if cuda else "")
           + ": apply " + ("met" if ok_apply else "MISSED"))
+    if cuda:
+        forward_precision(ex)
     ok_partial = progressive_moves(ex)
     return 0 if ok_apply and ok_partial else 1
+
+
+def scale_session(arch: str, n_experts: int, images: int, device: str):
+    """A session over a random ``arch`` pool of ``n_experts`` experts, each task with ``images``
+    synthetic images (10 classes), its live inputs read and the experts' accuracies computed."""
+    from merger._compat import open_clip
+    from merger.evaluation.session import PoolSession
+    from merger.pool.pool import pool_from_state_dicts
+
+    base, experts = random_pool(arch, n_experts)
+    g = torch.Generator().manual_seed(0)
+    size = (open_clip().get_model_config(arch) or {}).get("vision_cfg", {}).get("image_size", 224)
+    tasks = {}
+    for t in experts:
+        n_cls = 10
+        imgs = torch.randint(0, 256, (images, 3, size, size), generator=g, dtype=torch.uint8)
+        labels = torch.arange(images) % n_cls
+        tasks[t] = {"classes": [f"{t} class {c}" for c in range(n_cls)], "templates": ["a photo of a {}."],
+                    "data": {"memory": {"train": (imgs, labels), "test": (imgs, labels)}}}
+    pool = pool_from_state_dicts("scale", arch, base, experts, tasks, device=device)
+    del experts
+    gc.collect()
+    session = PoolSession(pool)
+    session.evaluator.inputs("live")
+    session.expert_accuracy("live")
+    return session
+
+
+def move_specs(session, name: str, n: int) -> list:
+    """n slider moves of a method: its first slider across its range (λ, SLERP's t, ...), or for a
+    method without sliders (weight averaging, Model Stock) the first expert's task weight."""
+    from merger import methods
+
+    m = methods.get(name)
+    experts = m.experts_for(session.tasks)
+    if not m.params:
+        return [session.spec(name, experts=experts, task_weights={experts[0]: round(0.5 + i / n, 2)})
+                for i in range(n)]
+    p = m.params[0]
+    if p.name == "lam":  # the range people use (0.1 to 1.55), as earlier tables
+        return [session.spec(name, experts=experts, lam=round(0.05 * (i + 2), 2)) for i in range(n)]
+    lo, hi = p.min + (p.step if p.min_open else 0), p.max - (p.step if p.max_open else 0)
+    values = [lo + (hi - lo) * (i + 1) / (n + 1) for i in range(n)]
+    return [session.spec(name, experts=experts, **{p.name: round(round(v / p.step) * p.step, 6)}) for v in values]
+
+
+def forward_precision(session, lams=(0.3, 0.4, 0.5, 0.6, 0.7)) -> None:
+    """GPU: the live forward under bf16 autocast (the default) against fp32 forwards: exact
+    evaluations of the same Δs (no result cache), time per move and accuracy difference."""
+    ev = session.evaluator
+    deltas = [session.delta(session.spec(LIVE_METHODS[0], lam=lam)) for lam in lams]
+    times, accs = {}, {}
+    for autocast in (True, False):
+        ev.autocast = autocast
+        with session.queue:
+            ev.evaluate(delta=deltas[0], split="live")  # warm-up: kernels chosen for this precision
+            times[autocast], accs[autocast] = [], []
+            for d in deltas:
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                r = ev.evaluate(delta=d, split="live")
+                torch.cuda.synchronize()
+                times[autocast].append(time.perf_counter() - t)
+                accs[autocast].append(r.accuracy)
+    ev.autocast = True
+    diffs = [100 * abs(a[t] - b[t]) for a, b in zip(accs[True], accs[False]) for t in a]
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    print(f"\nforward precision ({LIVE_METHODS[0]}, {len(lams)} λ values, load + forward of the live images):")
+    print(f"  bf16 autocast p50 {statistics.median(times[True]) * 1e3:.1f} ms, fp32 (TF32 {'on' if tf32 else 'off'}) "
+          f"p50 {statistics.median(times[False]) * 1e3:.1f} ms; accuracy bf16 − fp32: mean "
+          f"{statistics.mean(diffs):.2f}, max {max(diffs):.2f} points per task", flush=True)
 
 
 def progressive_moves(session, lams=(0.35, 0.45), estimate_lams=(0.25, 0.55)) -> bool:
