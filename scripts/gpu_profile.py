@@ -34,22 +34,25 @@ def main(arch: str, n: int = 10, images: int = 128, device: str = "cuda") -> Non
     lams = iter([round(0.05 * i, 2) for i in range(-59, 60) if i != 0])  # λ snaps to 0.05: each one new
     ex.preview(ex.spec("task_arithmetic", lam=next(lams)))
     delta = ex.delta(ex.spec("task_arithmetic", lam=0.3))
-    x = ev._whole["live"][1] if "live" in ev._whole else torch.cat([g[0] for g in ev.inputs("live")])
+    x = torch.cat([g[0] for g in ev.inputs("live")])  # every task's live images, for the tower's variants
     rows = {
         "preview (a new λ each)": lambda: ex.preview(ex.spec("task_arithmetic", lam=next(lams))),
         "evaluate(Δ) (load + forward + scores)": lambda: ev.evaluate(delta=delta, split="live"),
         "apply (Δ of a new λ)": lambda: ex.delta(ex.spec("task_arithmetic", lam=next(lams))),
         "load_delta": lambda: ev.load_delta(delta),
         "forward (features + scores)": lambda: ev.forward("live"),
-        "encode_image, autocast bf16": lambda: ev._encode(x),
+        "image features, autocast bf16": lambda: ev.image_features("live"),
     }
     for name, fn in rows.items():
         print(f"  {name:<44}{timed(fn, n) * 1e3:9.1f} ms", flush=True)
     visual = ev.model.visual
     with torch.inference_mode():
         ev.autocast = False
-        print(f"  {'encode_image, fp32':<44}{timed(lambda: ev._encode(x), max(3, n // 3)) * 1e3:9.1f} ms", flush=True)
-        ev.autocast = True
+        try:
+            fp32 = timed(lambda: ev.image_features("live"), max(3, n // 3))
+        finally:
+            ev.autocast = True
+        print(f"  {'image features, fp32':<44}{fp32 * 1e3:9.1f} ms", flush=True)
         vb = copy.deepcopy(visual).to(torch.bfloat16)
         xb = x.to(torch.bfloat16)
         print(f"  {'visual in bf16 weights (no autocast)':<44}{timed(lambda: vb(xb), n) * 1e3:9.1f} ms", flush=True)

@@ -8,11 +8,11 @@ import time
 
 import torch
 
+from merger import methods
 from merger.tools.measure import LIVE_METHODS, percentile, random_pool, rss_gb
 
 
 def bench_scale(args) -> int:
-    from merger import methods
     from merger.pool.devices import resolve_device
 
     device = args.device
@@ -93,8 +93,6 @@ def scale_session(arch: str, n_experts: int, images: int, device: str):
 def move_specs(session, name: str, n: int) -> list:
     """n slider moves of a method: its first slider across its range (λ, SLERP's t, ...), or for a
     method without sliders (weight averaging, Model Stock) the first expert's task weight."""
-    from merger import methods
-
     m = methods.get(name)
     experts = m.experts_for(session.tasks)
     if not m.params:
@@ -114,19 +112,22 @@ def forward_precision(session, lams=(0.3, 0.4, 0.5, 0.6, 0.7)) -> None:
     ev = session.evaluator
     deltas = [session.delta(session.spec(LIVE_METHODS[0], lam=lam)) for lam in lams]
     times, accs = {}, {}
-    for autocast in (True, False):
-        ev.autocast = autocast
-        with session.queue:
-            ev.evaluate(delta=deltas[0], split="live")  # warm-up: kernels chosen for this precision
-            times[autocast], accs[autocast] = [], []
-            for d in deltas:
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                r = ev.evaluate(delta=d, split="live")
-                torch.cuda.synchronize()
-                times[autocast].append(time.perf_counter() - t)
-                accs[autocast].append(r.accuracy)
-    ev.autocast = True
+    before = ev.autocast
+    try:
+        for autocast in (True, False):
+            ev.autocast = autocast
+            with session.queue:
+                ev.evaluate(delta=deltas[0], split="live")  # warm-up: kernels chosen for this precision
+                times[autocast], accs[autocast] = [], []
+                for d in deltas:
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    r = ev.evaluate(delta=d, split="live")
+                    torch.cuda.synchronize()
+                    times[autocast].append(time.perf_counter() - t)
+                    accs[autocast].append(r.accuracy)
+    finally:
+        ev.autocast = before  # the session's later moves in its own precision
     diffs = [100 * abs(a[t] - b[t]) for a, b in zip(accs[True], accs[False]) for t in a]
     tf32 = torch.backends.cuda.matmul.allow_tf32
     print(f"\nforward precision ({LIVE_METHODS[0]}, {len(lams)} λ values, load + forward of the live images):")
