@@ -324,6 +324,32 @@ def test_tsv_m_rank_is_not_one_short_where_rounding_1_over_T_was(wide):
     assert spec.kwargs["rank_ratio"] == "auto" and spec.rounded().kwargs["rank_ratio"] == "auto"
 
 
+def test_tsv_m_prepares_each_matrix_whole_on_a_worker_largest_first(wide, monkeypatch):
+    """Each matrix's spectra, Grams and default direction on one LAPACK worker (no worker waits for the
+    other after each matrix), the largest matrices first; the state is the one a matrix at a time gave:
+    its factors and Grams in the task vectors' order, its default direction the derive at "auto"."""
+    import threading
+
+    from merger.methods import linalg, lowrank
+
+    base, experts, _, _ = wide
+    tv = TaskVectors(base, {str(i): e for i, e in enumerate(experts[:3])}, dtype="bfloat16")
+    order = linalg.largest_first(tv)
+    sizes = [tv.base[k].numel() for k in order]
+    assert sorted(order) == sorted(tv.matrices) and sizes == sorted(sizes, reverse=True) and len(set(sizes)) > 1
+    for size in set(sizes):  # equal sizes keep their order
+        assert [k for k in order if tv.base[k].numel() == size] == [k for k in tv.matrices if tv.base[k].numel() == size]
+    threads, real = [], lowrank.spectral
+    monkeypatch.setattr(lowrank, "spectral", lambda x, *a, **kw: threads.append(threading.current_thread().name)
+                        or real(x, *a, **kw))
+    prepared = lowrank.prepare_tsv(tv)
+    assert len(threads) == len(tv.matrices) and all(t.startswith("merger-lapack") for t in threads)
+    assert list(prepared["factors"]) == list(prepared["grams"]) == list(tv.matrices)
+    again = lowrank.tsv_direction({k: v for k, v in prepared.items() if k != "auto"}, "auto")
+    assert list(again) == list(prepared["auto"]) and set(again) == set(tv.keys)
+    assert all(torch.equal(again[k], prepared["auto"][k]) for k in again)
+
+
 def test_tsv_m_from_bf16_factors_is_their_exact_merge_to_1e_5(wide):
     """With bf16 task vectors the two large products take the stored factors with S divided out in
     the core: the direction is the fp64 merge of those same factors within 1e-5 (relative, per

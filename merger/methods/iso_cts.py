@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from merger.methods.linalg import divided, each_matrix, gram_rows, polar_extending, polar_rows, top_eigh
+from merger.methods.linalg import (divided, each_matrix, gram_rows, largest_first, polar_extending, polar_rows,
+                                   top_eigh)
 from merger.methods.lowrank import ISO_C
 from merger.methods.registry import (MATRICES_NOTE, RECOLLECTION, Method, Param, Published, frange, lam_times, register,
                                      with_default)
@@ -76,7 +77,7 @@ def iso_cts_matrix(stack: torch.Tensor, common_fraction: float) -> torch.Tensor:
 
 def prepare_iso_cts(tv, common_fraction: float, progress=None, cancel=None) -> dict:
     direction = {k: v.mean(0) for k, v in tv.items32()}  # off the matrices: the mean task vector, as Iso-C
-    direction.update(each_matrix(lambda k: iso_cts_matrix(tv.fp32(k), common_fraction), tv.matrices,
+    direction.update(each_matrix(lambda k: iso_cts_matrix(tv.fp32(k), common_fraction), largest_first(tv),
                                  progress, cancel, "subspaces of matrix"))
     return {"direction": direction}
 

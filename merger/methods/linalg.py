@@ -87,6 +87,12 @@ def each_matrix(fn, keys, progress=None, cancel=None, what: str = "matrix") -> I
             yield key, next(results)
 
 
+def largest_first(tv) -> list[str]:
+    """The task vectors' matrices, the largest first (else in order): side by side, the last to finish
+    are then the smallest, and no worker waits long for the other at the end."""
+    return sorted(tv.matrices, key=lambda k: -tv.base[k].numel())
+
+
 def _on_worker() -> bool:
     return threading.current_thread().name.startswith(_WORKER)
 
