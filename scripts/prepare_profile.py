@@ -1,7 +1,8 @@
-"""Where TSV-M's and Iso-CTS's CPU preparations spend their time (issue 6/8, part 1): each phase's wall
-time and each LAPACK/BLAS routine's core time (summed over the LAPACK workers), on the random ViT-B/32 × 8
-pool of ``bench merge``; then the floor those core times put on the wall time (their sum / the workers),
-and the routines' cost at 768², two at once, as in a preparation.
+"""Where TSV-M's and Iso-CTS's CPU preparations spend their time (issue 6/8, part 1): each preparation's
+wall time, the process's CPU time and the core time left idle (workers × wall − CPU), and each LAPACK/BLAS
+routine's core time (summed over the LAPACK workers), on the random ViT-B/32 × 8 pool of ``bench merge``;
+then the floor those core times put on the wall time (their sum / the workers), and the routines' cost
+at 768², two at once, as in a preparation.
 Usage: PYTHONPATH=. python3 scripts/prepare_profile.py [ViT-B-32 [8]]"""
 from __future__ import annotations
 
@@ -56,27 +57,15 @@ def count_routines() -> None:
     linalg.side_by_side = lambda fn, items: side_by_side(timing(fn, ALL), items)
 
 
-def walled(fn):
-    t = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t
-
-
-def profile_tsv(tv) -> None:
+def profile(name: str, prepare) -> None:
     CORE.clear()
-    _, wall = walled(lambda: lowrank.prepare_tsv(tv))
-    report("TSV-M", wall)
-
-
-def profile_iso_cts(tv) -> None:
-    CORE.clear()
-    _, wall = walled(lambda: iso_cts.prepare_iso_cts(tv, 0.8))
-    report("Iso-CTS", wall)
-
-
-def report(name: str, wall: float) -> None:
+    gc.collect()
+    wall, cpu = time.perf_counter(), time.process_time()
+    prepare()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     core = CORE.pop(ALL, 0.0)
-    print(f"\n{name}: preparation {wall:.2f} s of wall time")
+    print(f"\n{name}: preparation {wall:.2f} s of wall time, {cpu:.2f} s of CPU time, "
+          f"{linalg.workers() * wall - cpu:.2f} s of core time idle")
     for label, seconds in sorted(CORE.items()):
         print(f"  core {seconds:6.2f} s  {label}")
     print(f"  core {core:6.2f} s  all the workers' work (the routines above, their products and conversions)")
@@ -110,8 +99,8 @@ def main(arch: str = "ViT-B-32", n_experts: int = 8) -> None:
     tv = pool.task_vectors
     print(f"{arch} x {n_experts}, task vectors in {tv.dtype}, {linalg.workers()} LAPACK workers")
     count_routines()
-    profile_tsv(tv)
-    profile_iso_cts(tv)
+    profile("TSV-M", lambda: lowrank.prepare_tsv(tv))
+    profile("Iso-CTS", lambda: iso_cts.prepare_iso_cts(tv, 0.8))
     routine_costs()
 
 
