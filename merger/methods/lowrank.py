@@ -31,8 +31,8 @@ def prepare_tsv(tv: TaskVectors, progress=None, cancel=None) -> dict:
 
     def one(key):
         factors = spectral(tv.stacked[key], min(tv.base[key].shape) // T, dtype=tv.dtype)
-        alone = {"factors": {key: factors}, "grams": {key: _concatenated_grams(*factors)}}
-        return factors, alone["grams"][key], _tsv_matrix(alone, key, "auto")
+        grams = _concatenated_grams(*factors)
+        return factors, grams, _tsv_matrix({"factors": {key: factors}, "grams": {key: grams}}, key, "auto")
 
     done = dict(each_matrix(one, largest_first(tv), progress, cancel, "spectrum of matrix"))
     matrices = set(tv.matrices)
