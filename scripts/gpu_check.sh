@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 6/8 in one run, for a lent GPU machine (CI has none): the CUDA tests
-# (every method on a CUDA pool against the CPU), then `bench scale --device cuda` for ViT-B-32 × 8
+# (every method on a CUDA pool against the CPU) first, then `bench scale --device cuda` for ViT-B-32 × 8
 # (every static method) and ViT-L-14 × 8 (the featured ones). Logs go to $OUT (or ./out).
 #
 # Packages the GPU image lacks (gradio, open_clip, plotly and their needs) travel as one zip of
@@ -30,8 +30,11 @@ python3 -c "import merger.ui, torch, gradio, plotly, scipy; from merger._compat 
 print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU', \
 'gradio', gradio.__version__, 'open_clip', open_clip().__version__, 'scipy', scipy.__version__)" 2>&1 | tee -a "$OUT/env.txt"
 STATIC=weight_averaging,task_arithmetic,ties,dare_linear,dare_ties,cart,tsv_m,iso_c,breadcrumbs,consensus_ta,iso_cts,magmax,model_stock,slerp,fisher,regmean,wudi
-step "${B32_S:-240}" scale_b32.log python3 -m merger bench scale --arch ViT-B-32 --device cuda --methods "${METHODS:-$STATIC}" --debug
-step "${L14_S:-200}" scale_l14.log python3 -m merger bench scale --arch ViT-L-14 --device cuda --moves 10 --debug
+# METHODS / L14_METHODS / MOVES narrow a run to what is still unmeasured (the device time is short)
 TAIL=25 step "${TEST_S:-150}" test_cuda.log python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+step "${B32_S:-240}" scale_b32.log python3 -m merger bench scale --arch ViT-B-32 --device cuda --methods "${METHODS:-$STATIC}" \
+    ${MOVES:+--moves $MOVES} --debug
+step "${L14_S:-200}" scale_l14.log python3 -m merger bench scale --arch ViT-L-14 --device cuda --moves "${MOVES:-10}" \
+    ${L14_METHODS:+--methods $L14_METHODS} --debug
 TAIL=80 step "${PROFILE_S:-120}" profile_b32.log python3 scripts/gpu_profile.py ViT-B-32
 TAIL=80 step "${PROFILE_S:-120}" profile_l14.log python3 scripts/gpu_profile.py ViT-L-14 5

@@ -94,6 +94,29 @@ def test_a_cancel_stops_the_matrices_not_yet_started():
     assert len(started) < 10
 
 
+@pytest.mark.parametrize("device", [None, "cpu", "cuda"])
+def test_each_matrix_goes_to_the_workers_except_on_a_gpu(device):
+    """On a GPU one matrix after another in the calling thread: workers making torch's first call to
+    its lazily loaded GPU solvers at once broke a ViT-L/14 TSV-M preparation on an H200."""
+    import threading
+
+    threads = []
+
+    def work(key):
+        threads.append(threading.current_thread().name)
+        return key * 2
+
+    keys = list(range(6))
+    assert list(each_matrix(work, keys, device=device)) == [(k, 2 * k) for k in keys]
+    if device == "cuda":
+        assert threads == [threading.current_thread().name] * 6
+    else:
+        assert all(t.startswith("merger-lapack") for t in threads)
+    with pytest.raises(Cancelled):  # a cancel stops it there too
+        for _ in each_matrix(work, keys, cancel=lambda: len(threads) >= 8, device=device):
+            pass
+
+
 def _gram_with_condition(n, cond, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))[0]

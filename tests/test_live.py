@@ -152,16 +152,29 @@ def test_progressive_answer_partial_then_complete(tmp_path):
     c = ui_controller(tmp_path)
     session = c.session
     session.measure_live(budget_s=0.0)  # as if a full live forward were slow
-    assert session.partial_images is not None and session.partial_images < 96
+    n = session.partial_images
+    assert n is not None and n < 96
     from merger.ui.merge_events import MergeTabEvents
 
-    frames = list(MergeTabEvents(c, "task_arithmetic").move(person(), None, *controls(c, lam=0.35)))
+    ev = session.evaluator
+    batches = []
+    encode = ev._encode
+    ev._encode = lambda x: batches.append(x.shape[0]) or encode(x)
+    try:
+        frames = list(MergeTabEvents(c, "task_arithmetic").move(person(), None, *controls(c, lam=0.35)))
+    finally:
+        del ev._encode
     assert len(frames) == 3  # partial, then the complete numbers, then their figures
-    assert "partial" in frames[0][3] and f"{session.partial_images} images per task" in frames[0][3]
+    assert "partial" in frames[0][3] and f"{n} images per task" in frames[0][3]
     assert "partial" not in frames[1][3] and "96 images per task" in frames[1][3]
+    # every input group's first images in one batch, then only the images after them: none forwarded twice
+    groups, tasks = len(ev.inputs("live")), len(c.pool.tasks)
+    assert batches == [groups * n, groups * (96 - n)]
     ref = merger.evaluate(c.pool, merger.merge(c.pool, "task_arithmetic", lam=0.35))
     res = session.cached(session.spec("task_arithmetic", lam=0.35))
-    assert res.accuracy == ref.accuracy and not res.partial
+    assert res.accuracy == ref.accuracy and not res.partial and res.counts == ref.counts
+    assert res.loss == pytest.approx(ref.loss, rel=1e-5)
+    assert [int(res.per_image[t][0].numel()) for t in res.tasks] == [96] * tasks
     rows = c.history.rows(pool=c.pool_ref)
     assert len(rows) == 1  # the complete result only
     session.measure_live(budget_s=1e9)
@@ -559,3 +572,49 @@ def test_bench_scale_moves_every_static_method_through_distinct_settings(ctl, na
         assert len({s.rounded().kwargs[m.params[0].name] for s in specs}) == 12
     else:
         assert len({s.task_weights for s in specs}) == 12
+
+
+def test_a_progressive_answer_on_tasks_with_their_own_images_forwards_each_image_once(tmp_path):
+    """Three image sets: the partial answer forwards every set's first images in one batch (per
+    set, a GPU waited on kernel launches), the complete one only the images after them, and the
+    complete answer equals a non-progressive session's."""
+    from helpers import write_pool
+
+    path = write_pool(tmp_path, n_experts=3, scale=0.2, demo_data=True, own_images=True)
+    plain, progressive = (merger.PoolSession(merger.open_pool(path)) for _ in range(2))
+    progressive.measure_live(budget_s=0.0)
+    n = progressive.partial_images
+    sets = progressive.evaluator.inputs("live")
+    assert len(sets) == 3 and n is not None
+    per_set = [x.shape[0] for x, _ in sets]
+    spec = progressive.spec("task_arithmetic", lam=0.4)
+    progressive.expert_accuracy("live")
+    batches = []
+    hook = progressive.evaluator.model.visual.register_forward_hook(lambda m, args, out: batches.append(args[0].shape[0]))
+    try:
+        first = progressive.partial(spec.rounded(), n)
+        done = progressive.preview(spec)
+        again = progressive.preview(progressive.spec("task_arithmetic", lam=0.5))  # no partial before it
+    finally:
+        hook.remove()
+    assert batches == [3 * n, sum(per_set) - 3 * n, sum(per_set)]
+    assert first.partial and set(first.counts.values()) == {n}
+    ref = plain.preview(plain.spec("task_arithmetic", lam=0.4))
+    assert done.accuracy == ref.accuracy and done.counts == ref.counts and not done.partial
+    assert done.loss == pytest.approx(ref.loss, rel=1e-5) and again.counts == ref.counts
+
+
+def test_joined_results_are_the_per_image_values_side_by_side():
+    """A task that the partial answer covered whole (fewer images than its limit) has no images after
+    it: its complete values are the partial's."""
+    from merger.evaluation.evaluator import Result, joined
+
+    first = Result("live", {"a": 0.5, "b": 1.0}, {"a": 1.5, "b": 0.5}, {"a": 0.9}, {"a": 2, "b": 1}, 0.25, partial=True,
+                   per_image={"a": (torch.tensor([True, False]), torch.tensor([1.0, 2.0])),
+                              "b": (torch.tensor([True]), torch.tensor([0.5]))})
+    rest = Result("live", {"a": 1.0}, {"a": 3.0}, {}, {"a": 2}, 0.5, partial=True,
+                  per_image={"a": (torch.tensor([True, True]), torch.tensor([3.0, 3.0]))})
+    done = joined(first, rest)
+    assert not done.partial and done.tasks == ["a", "b"] and done.seconds == 0.75
+    assert done.accuracy == {"a": 0.75, "b": 1.0} and done.loss == {"a": 2.25, "b": 0.5} and done.counts == {"a": 4, "b": 1}
+    assert done.per_image["a"][1].tolist() == [1.0, 2.0, 3.0, 3.0] and done.expert_accuracy == {"a": 0.9}

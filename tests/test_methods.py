@@ -343,11 +343,12 @@ def test_tsv_m_prepares_each_matrix_whole_on_a_worker_largest_first(wide, monkey
     monkeypatch.setattr(lowrank, "spectral", lambda x, *a, **kw: threads.append(threading.current_thread().name)
                         or real(x, *a, **kw))
     dispatched, each_matrix = [], lowrank.each_matrix
-    monkeypatch.setattr(lowrank, "each_matrix", lambda fn, keys, *a: dispatched.append(list(keys))
-                        or each_matrix(fn, dispatched[-1], *a))
+    monkeypatch.setattr(lowrank, "each_matrix", lambda fn, keys, *a, **kw: dispatched.append((list(keys), kw))
+                        or each_matrix(fn, dispatched[-1][0], *a, **kw))
     prepared = lowrank.prepare_tsv(tv)
     assert len(threads) == len(tv.matrices) and all(t.startswith("merger-lapack") for t in threads)
-    assert dispatched == [order]  # one pass over the matrices, the largest first
+    # one pass over the matrices, the largest first, told the device (a GPU's go one at a time)
+    assert dispatched == [(order, {"device": tv.device})]
     assert list(prepared["factors"]) == list(prepared["grams"]) == list(tv.matrices)
     again = lowrank.tsv_direction({k: v for k, v in prepared.items() if k != "auto"}, "auto")
     assert list(again) == list(prepared["auto"]) and set(again) == set(tv.keys)

@@ -26,7 +26,7 @@ import torch
 
 from merger import methods
 from merger.errors import MergerError
-from merger.evaluation.evaluator import Evaluator, Result, result_subset
+from merger.evaluation.evaluator import Evaluator, Result, joined, result_subset
 from merger.evaluation.linear_estimate import LinearEstimate
 from merger.evaluation.merges import Merges, lru_put
 from merger.evaluation.shared_work import SharedWork
@@ -70,6 +70,8 @@ class PoolSession:
         self.counts: Counter = Counter()  # method applies and prepares (forwards: evaluator.forwards)
         self.merges = Merges(pool, self.queue, self.counts, deltas)
         self.partial_images: int | None = None  # set by measure_live(): images per task of a partial answer
+        # (spec, split) -> (images per task, its partial result): the complete answer forwards only the rest
+        self._partials: OrderedDict[tuple, tuple[int, Result]] = OrderedDict()
         self.linear = LinearEstimate(self)  # the base's and experts' features: estimates with no forward
         _SESSIONS[pool] = self
 
@@ -249,15 +251,22 @@ class PoolSession:
             hit = self.cached(spec, split)  # computed by someone else while this one waited
             if hit is not None:
                 return hit
-            result = self._with_references(self.evaluator.evaluate(delta=self.delta(rounded), split=split))
+            first = self._partials.pop((rounded, split), None)
+            if first is None:
+                result = self.evaluator.evaluate(delta=self.delta(rounded), split=split)
+            else:  # its partial answer's images are not forwarded again
+                result = joined(first[1], self.evaluator.evaluate(delta=self.delta(rounded), split=split, start=first[0]))
+            result = self._with_references(result)
             lru_put(self._results, (rounded, split), result, self.cache_size)
         return result
 
     def partial(self, spec: Spec, images: int, split: str = "live") -> Result:
         """The spec's result on the first ``images`` images per task (a progressive answer's first
-        part; never cached as a result, never recorded)."""
+        part; never cached as a result, never recorded; kept until its complete answer)."""
         with self.queue:
-            return self._with_references(self.evaluator.evaluate(delta=self.delta(spec), split=split, limit=images))
+            result = self._with_references(self.evaluator.evaluate(delta=self.delta(spec), split=split, limit=images))
+            lru_put(self._partials, (spec, split), (images, result), 4)
+        return result
 
     def _with_references(self, result: Result) -> Result:
         result.expert_accuracy = self.expert_accuracy(result.split)

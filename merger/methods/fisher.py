@@ -15,12 +15,23 @@ from merger.methods.data import DRAW_SEED, VISUAL, Run, calibration_set, normali
 from merger.methods.registry import FUSIONBENCH, SAMPLES, Method, Paper, Published, register, with_default
 
 FLOOR = 1e-6  # every Fisher at least this (the authors' fisher_floor and FusionBench's minimal weight)
+MAX_CHUNK = 64
+CPU_GRAD_BYTES = 1 << 30  # a chunk's per-example gradients on the CPU: about 1 GB
+
+
+def chunk_size(numel: int, device) -> int:
+    """Images per vmap call: as many as fit their fp32 gradients (numel each) in the gradient budget,
+    1 to 64. On a GPU the budget is a quarter of its free memory: a chunk of 3 ViT-B/32 images kept
+    an H100 waiting on kernel launches for minutes."""
+    device = torch.device(device)
+    budget = torch.cuda.mem_get_info(device)[0] // 4 if device.type == "cuda" else CPU_GRAD_BYTES
+    return max(1, min(MAX_CHUNK, budget // (4 * max(1, numel))))
 
 
 def empirical_fisher(ctx, i: int, batches, progress=None, cancel=None) -> dict[str, torch.Tensor]:
     """Mean over expert i's validation images of the squared per-example gradient of −log p(y | x),
     y the true label, at θi: the diagonal of the empirical Fisher. Per-example gradients come from
-    vmap over a chunk of images (as many as fit in about 1 GB of gradients)."""
+    vmap over a chunk of images (``chunk_size``)."""
     params = ctx.expert_params(i)
     head = ctx.heads[ctx.pool.task_of(ctx.tasks[i])].float()
 
@@ -28,7 +39,7 @@ def empirical_fisher(ctx, i: int, batches, progress=None, cancel=None) -> dict[s
         return F.cross_entropy(ctx.scale * normalized_features(ctx.model, p, x[None]) @ head.T, y[None])
 
     per_example = vmap(grad(nll), in_dims=(None, 0, 0))
-    chunk = max(1, min(64, (1 << 28) // max(1, sum(p.numel() for p in params.values()))))
+    chunk = chunk_size(sum(p.numel() for p in params.values()), next(iter(params.values())).device)
     fisher = {n: torch.zeros_like(p) for n, p in params.items()}
     data = ctx.expert_batches(batches, i)
     total, seen = sum(x.shape[0] for x, _ in data), 0

@@ -78,7 +78,7 @@ def iso_cts_matrix(stack: torch.Tensor, common_fraction: float) -> torch.Tensor:
 def prepare_iso_cts(tv, common_fraction: float, progress=None, cancel=None) -> dict:
     direction = {k: v.mean(0) for k, v in tv.items32()}  # off the matrices: the mean task vector, as Iso-C
     direction.update(each_matrix(lambda k: iso_cts_matrix(tv.fp32(k), common_fraction), largest_first(tv),
-                                 progress, cancel, "subspaces of matrix"))
+                                 progress, cancel, "subspaces of matrix", device=tv.device))
     return {"direction": direction}
 
 

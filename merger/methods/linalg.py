@@ -76,13 +76,19 @@ def workers() -> int:
     return _POOL_SIZE
 
 
-def each_matrix(fn, keys, progress=None, cancel=None, what: str = "matrix") -> Iterator[tuple]:
+def each_matrix(fn, keys, progress=None, cancel=None, what: str = "matrix", device=None) -> Iterator[tuple]:
     """(key, fn(key)) for each key, in order, computed side by side: a preparation's work on whole
     matrices (its matmuls and its LAPACK calls together) keeps every core busy, where a matrix at a
     time leaves one idle during each routine that cannot split. Progress and cancel as
-    ``registry.each``: a cancel stops the matrices not yet started."""
+    ``registry.each``: a cancel stops the matrices not yet started.
+
+    On a GPU (``device``) one matrix after another in the calling thread: the GPU runs them in turn
+    anyway, and torch loads its GPU solvers lazily at their first call, which workers making it at
+    once broke ("lazy wrapper should be called at most once": TSV-M, the first method prepared on a
+    ViT-L/14 pool on an H200)."""
     keys = list(keys)
-    with contextlib.closing(side_by_side(fn, keys)) as results:
+    on_gpu = device is not None and torch.device(device).type != "cpu"
+    with contextlib.closing((fn(k) for k in keys) if on_gpu else side_by_side(fn, keys)) as results:
         for key in each(keys, progress, cancel, what):
             yield key, next(results)
 

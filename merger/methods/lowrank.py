@@ -34,7 +34,7 @@ def prepare_tsv(tv: TaskVectors, progress=None, cancel=None) -> dict:
         grams = _concatenated_grams(*factors)
         return factors, grams, _tsv_matrix({"factors": {key: factors}, "grams": {key: grams}}, key, "auto")
 
-    done = dict(each_matrix(one, largest_first(tv), progress, cancel, "spectrum of matrix"))
+    done = dict(each_matrix(one, largest_first(tv), progress, cancel, "spectrum of matrix", device=tv.device))
     matrices = set(tv.matrices)
     mean = {k: v.mean(0) for k, v in tv.items32() if k not in matrices}  # a matrix gets its direction
     return {"mean": mean, "factors": {k: done[k][0] for k in tv.matrices},
@@ -81,7 +81,8 @@ def tsv_direction(prepared: dict, rank_ratio, parts=None) -> dict:
     if rank_ratio == "auto" and "auto" in prepared:
         return prepared["auto"]
     out = dict(prepared["mean"])
-    out.update(each_matrix(lambda key: _tsv_matrix(prepared, key, rank_ratio, parts), prepared["factors"]))
+    out.update(each_matrix(lambda key: _tsv_matrix(prepared, key, rank_ratio, parts), prepared["factors"],
+                           device=_device(prepared)))
     return out
 
 
@@ -100,8 +101,13 @@ def tsv_warm(prepared: dict, parts, gate, rank_ratio) -> None:
     for i in range(0, len(missing), share):
         if not gate():
             return
-        for item, half in each_matrix(lambda item: _tsv_half(prepared, *item), missing[i:i + share]):
+        for item, half in each_matrix(lambda item: _tsv_half(prepared, *item), missing[i:i + share],
+                                      device=_device(prepared)):
             parts.put(item, half)
+
+
+def _device(prepared: dict) -> torch.device | None:
+    return next((left.device for left, _, _ in prepared["factors"].values()), None)
 
 
 def _tsv_matrix(prepared: dict, key: str, rank_ratio, parts=None) -> torch.Tensor:
@@ -225,7 +231,7 @@ def prepare_iso(tv: TaskVectors, progress=None, cancel=None) -> dict:
         u, s, vh = thin_svd(tv.fp32(key).sum(0))
         return (u @ vh) * s.mean()  # flatten the spectrum of Σ τt: Σ → σ̄ I
 
-    direction.update(each_matrix(flat_spectrum, largest_first(tv), progress, cancel, "SVD of matrix"))
+    direction.update(each_matrix(flat_spectrum, largest_first(tv), progress, cancel, "SVD of matrix", device=tv.device))
     return {"direction": direction}
 
 

@@ -28,14 +28,19 @@ def bench_scale(args) -> int:
     print(f"{args.arch} (pretrained=None), {args.experts} random experts, {args.experts} tasks × "
           f"{min(images, 128)} synthetic images, device {device}; set-up {setup:.0f} s")
     print(f"\n{'method':<18}{'prepare s':>10}{'apply median s':>16}{'slider→result p50 s':>21}{'p95 s':>8}")
-    ok_apply = True
+    ok_apply = ok_move = True
     for m in names:
-        spec0 = ex.spec(m, experts=methods.get(m).experts_for(ex.tasks))  # SLERP: two
+        method = methods.get(m)
+        spec0 = ex.spec(m, experts=method.experts_for(ex.tasks))  # SLERP: two
         t1 = time.perf_counter()
         ex.delta(spec0)  # prepare (cached per method and expert subset) + one apply
+        if cuda:
+            torch.cuda.synchronize()
         prep = time.perf_counter() - t1
         applies, lat = [], []
-        for spec in move_specs(ex, m, moves):
+        # Fisher's only sliders (samples, seed) re-run it: two moves show what one costs
+        reruns = method.data_driven and method.params[0].name in ("samples", "seed")
+        for spec in move_specs(ex, m, min(moves, 2) if reruns else moves):
             if cuda:
                 torch.cuda.synchronize()
             t2 = time.perf_counter()
@@ -43,11 +48,12 @@ def bench_scale(args) -> int:
             if cuda:
                 torch.cuda.synchronize()
             applies.append(time.perf_counter() - t2)
-            t3 = time.perf_counter()
-            ex.preview(spec)
-            lat.append(time.perf_counter() - t3)
+            ex.preview(spec)  # the Δ just made (cached): what the app does after the apply
+            lat.append(time.perf_counter() - t2)
         med = statistics.median(applies)
-        ok_apply &= med <= (0.030 if cuda else 1.5)
+        if not method.data_driven:  # the goals are the static methods'; a run's move re-solves
+            ok_apply &= med <= (0.030 if cuda else 1.5)
+            ok_move &= statistics.median(lat) <= 0.150
         print(f"{m:<18}{prep:10.2f}{med:16.3f}{statistics.median(lat):21.3f}{percentile(lat, 0.95):8.3f}", flush=True)
     rss, peak = rss_gb()
     line = f"\nresident memory: {rss:.2f} GB (peak {peak:.2f} GB)"
@@ -56,12 +62,12 @@ def bench_scale(args) -> int:
     print(line)
     print(f"apply = one parameter change ({moves} λ values); slider→result = apply + in-place load + forward of "
           f"every task's live images (cache misses).")
-    print(f"goals: apply <= {'30 ms' if cuda else '1.5 s'}" + (", slider→result p50 <= 150 ms, resident <= 4 GB" if cuda else "")
-          + ": apply " + ("met" if ok_apply else "MISSED"))
+    print(f"goals (static methods): apply <= {'30 ms' if cuda else '1.5 s'}: " + ("met" if ok_apply else "MISSED")
+          + ("; slider→result p50 <= 150 ms: " + ("met" if ok_move else "MISSED") if cuda else ""))
     if cuda:
         forward_precision(ex)
     ok_partial = progressive_moves(ex)
-    return 0 if ok_apply and ok_partial else 1
+    return 0 if ok_apply and ok_partial and (ok_move or not cuda) else 1
 
 
 def scale_session(arch: str, n_experts: int, images: int, device: str):
@@ -136,7 +142,7 @@ def forward_precision(session, lams=(0.3, 0.4, 0.5, 0.6, 0.7)) -> None:
           f"{statistics.mean(diffs):.2f}, max {max(diffs):.2f} points per task", flush=True)
 
 
-def progressive_moves(session, lams=(0.35, 0.45), estimate_lams=(0.25, 0.55)) -> bool:
+def progressive_moves(session) -> bool:
     """Moves through the Merge tab's listener on a pool whose live forward is slow: time to the
     first (partial) answer and to the complete one; then, once the base's and experts' forwards
     are made, moves whose first answer is the linear estimate, and its error against the exact."""
@@ -149,7 +155,11 @@ def progressive_moves(session, lams=(0.35, 0.45), estimate_lams=(0.25, 0.55)) ->
     forward_s = session.measure_live()
     events = MergeTabEvents(Controller(session), LIVE_METHODS[0])
     person = SimpleNamespace(session_hash="bench")
-    print(f"\nprogressive answers: one full live forward {forward_s:.1f} s; partial answers on "
+    # λ values near 0.4 that the table above did not evaluate (a cached one answers at once)
+    near = sorted((round(0.05 * i, 2) for i in range(1, 61)), key=lambda lam: (abs(lam - 0.4), lam))
+    fresh = [lam for lam in near if session.cached(session.spec(LIVE_METHODS[0], lam=lam)) is None]
+    lams, estimate_lams = fresh[:2], fresh[2:4]
+    print(f"\nprogressive answers: one full live forward {forward_s * 1e3:.0f} ms; partial answers on "
           f"{session.partial_images or 'no'} images per task")
     print(f"{'move (task arithmetic)':<24}{'first answer s':>15}{'kind':>10}{'complete s':>12}")
     ok = True
