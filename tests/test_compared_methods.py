@@ -380,7 +380,8 @@ def test_per_example_fisher_equals_one_backward_per_image(data_pool):
 
 def test_fisher_chunks_fill_the_gradient_budget_and_leave_the_fisher_unchanged(data_pool, monkeypatch):
     """ViT-B/32's 87.8M parameters: 3 images per vmap call in the CPU's 1 GB, up to 64 on a GPU with
-    a quarter of its free memory; chunks of 4 + 2 images give the Fisher of one chunk of 6."""
+    a quarter of its free memory; chunks of 4 + 2 images give the Fisher of one chunk of 6, and so
+    do chunks halved after running out of memory."""
     from merger.methods.data import calibration_set
 
     vit_b32 = 87_849_216
@@ -402,6 +403,21 @@ def test_fisher_chunks_fill_the_gradient_budget_and_leave_the_fisher_unchanged(d
     assert seen == [4, 2]
     for k in whole:
         assert torch.allclose(chunked[k], whole[k], rtol=1e-4, atol=1e-9), k
+
+    def out_of_memory_above_two(f, **kw):  # a GPU whose activations leave room for 2 images
+        def call(p, x, y):
+            seen.append(len(x))
+            if len(x) > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return vmap(f, **kw)(p, x, y)
+        return call
+
+    seen.clear()
+    monkeypatch.setattr(fisher_method, "vmap", out_of_memory_above_two)
+    halved = fisher_method.empirical_fisher(ctx, 0, batches)
+    assert seen == [4, 2, 2, 2]  # halved once, then every image once
+    for k in whole:
+        assert torch.allclose(halved[k], whole[k], rtol=1e-4, atol=1e-9), k
 
 
 def test_regmean_run_reuses_its_grams_when_alpha_moves(data_pool, monkeypatch):

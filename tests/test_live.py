@@ -602,6 +602,12 @@ def test_a_progressive_answer_on_tasks_with_their_own_images_forwards_each_image
     ref = plain.preview(plain.spec("task_arithmetic", lam=0.4))
     assert done.accuracy == ref.accuracy and done.counts == ref.counts and not done.partial
     assert done.loss == pytest.approx(ref.loss, rel=1e-5) and again.counts == ref.counts
+    for m in (3, 4):  # partial answers of other sizes: one pair of windows kept beside the whole
+        progressive.partial(progressive.spec("task_arithmetic", lam=0.6), m)
+    assert {w for s, w in progressive.evaluator._whole if s == "live"} == {(0, None), (0, 4)}
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(merger.MergerError, match=f"partial: images must be .* got {bad!r}"):
+            progressive.partial(spec, bad)
 
 
 def test_joined_results_are_the_per_image_values_side_by_side():

@@ -274,11 +274,11 @@ class Evaluator:
         limit = self._CONCAT_MAX_ELEMENTS if self.device.type == "cpu" else self._CONCAT_MAX_ELEMENTS_GPU
         if sum(x.numel() for x, _ in groups) > limit:
             return None
-        source = self.inputs(split)
-        cached = self._whole.get((split, window))
+        source, cached = self.inputs(split), self._whole.get((split, window))
         if cached is None or cached[0] is not source:  # inputs rebuilt or moved since
-            cached = (source, torch.cat([x for x, _ in groups]))
-            self._whole[(split, window)] = cached
+            cut = window[1] if window[0] == 0 else window[0]  # kept: the whole, and one partial answer's two windows
+            self._whole = {k: v for k, v in self._whole.items() if k[0] != split or k[1] == (0, None) or cut in k[1]}
+            cached = self._whole[(split, window)] = (source, torch.cat([x for x, _ in groups]))
         return list(self._encode(cached[1]).split([x.shape[0] for x, _ in groups]))
 
     @on_model_thread

@@ -263,6 +263,9 @@ class PoolSession:
     def partial(self, spec: Spec, images: int, split: str = "live") -> Result:
         """The spec's result on the first ``images`` images per task (a progressive answer's first
         part; never cached as a result, never recorded; kept until its complete answer)."""
+        if isinstance(images, bool) or not isinstance(images, int) or images < 1:
+            raise MergerError(f"partial: images must be a whole number of at least 1 per task, got {images!r}")
+        spec = spec.rounded()
         with self.queue:
             result = self._with_references(self.evaluator.evaluate(delta=self.delta(spec), split=split, limit=images))
             lru_put(self._partials, (spec, split), (images, result), 4)

@@ -46,13 +46,21 @@ def empirical_fisher(ctx, i: int, batches, progress=None, cancel=None) -> dict[s
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*performance drop.*")  # SDPA has no batching rule yet
         for x, y in data:
-            for j in range(0, x.shape[0], chunk):
+            j = 0
+            while j < x.shape[0]:
                 if cancel is not None and cancel():
                     raise Cancelled("run cancelled; nothing was cached")
-                grads = per_example(params, x[j:j + chunk], y[j:j + chunk])
+                try:
+                    grads = per_example(params, x[j:j + chunk], y[j:j + chunk])
+                except torch.OutOfMemoryError:  # the budget counts gradients alone: half as many again
+                    if chunk == 1:
+                        raise
+                    chunk = chunk // 2
+                    continue
                 for n, g in grads.items():
                     fisher[n] += g.square().sum(0)
                 seen += min(chunk, x.shape[0] - j)
+                j += chunk
                 if progress:
                     progress(seen / total, f"image {seen}/{total}")
     return {VISUAL + n: f / max(seen, 1) for n, f in fisher.items()}

@@ -31,6 +31,7 @@ def per_matrix(fn, x: torch.Tensor):
     eigh of 8 Grams of 768² then took 0.80 s instead of 0.17 s on this 2-core machine. One matrix
     per worker, single-threaded, takes 0.13 s in either state."""
     if x.device.type != "cpu" or _on_worker():  # a worker is single-threaded already
+        _load_gpu_solvers(x.device)
         return tuple(fn(x))
     return tuple(torch.stack(p) for p in zip(*side_by_side(fn, x.unbind(0))))
 
@@ -88,9 +89,26 @@ def each_matrix(fn, keys, progress=None, cancel=None, what: str = "matrix", devi
     ViT-L/14 pool on an H200)."""
     keys = list(keys)
     on_gpu = device is not None and torch.device(device).type != "cpu"
+    if on_gpu:
+        _load_gpu_solvers(device)
     with contextlib.closing((fn(k) for k in keys) if on_gpu else side_by_side(fn, keys)) as results:
         for key in each(keys, progress, cancel, what):
             yield key, next(results)
+
+
+_GPU_SOLVERS_LOADED: set = set()
+
+
+def _load_gpu_solvers(device) -> None:
+    """One solver call under the lock before any other on a CUDA device: torch loads its GPU solvers
+    at their first call, and two threads making it at once fail (a preparation beside a move)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available() or device in _GPU_SOLVERS_LOADED:
+        return
+    with _LAPACK_LOCK:
+        if device not in _GPU_SOLVERS_LOADED:
+            torch.linalg.eigh(torch.eye(2, device=device))
+            _GPU_SOLVERS_LOADED.add(device)
 
 
 def largest_first(tv) -> list[str]:

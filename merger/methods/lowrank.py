@@ -97,7 +97,7 @@ def tsv_warm(prepared: dict, parts, gate, rank_ratio) -> None:
         k = tsv_rank(rank_ratio, left.shape[1], right.shape[2], left.shape[0])
         if k and (key, k) not in parts:
             missing.append((key, k))
-    share = workers()
+    share = workers() if _device(prepared).type == "cpu" else max(1, len(missing))  # a GPU's are quick
     for i in range(0, len(missing), share):
         if not gate():
             return
@@ -106,8 +106,8 @@ def tsv_warm(prepared: dict, parts, gate, rank_ratio) -> None:
             parts.put(item, half)
 
 
-def _device(prepared: dict) -> torch.device | None:
-    return next((left.device for left, _, _ in prepared["factors"].values()), None)
+def _device(prepared: dict) -> torch.device:
+    return next((left.device for left, _, _ in prepared["factors"].values()), torch.device("cpu"))
 
 
 def _tsv_matrix(prepared: dict, key: str, rank_ratio, parts=None) -> torch.Tensor:

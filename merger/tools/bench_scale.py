@@ -66,7 +66,9 @@ def bench_scale(args) -> int:
           + ("; slider→result p50 <= 150 ms: " + ("met" if ok_move else "MISSED") if cuda else ""))
     if cuda:
         forward_precision(ex)
-    ok_partial = progressive_moves(ex)
+    from merger.evaluation.session import PoolSession
+
+    ok_partial = progressive_moves(PoolSession(ex.pool))  # a fresh one: the table cached λ 0.1 to 1.55
     return 0 if ok_apply and ok_partial and (ok_move or not cuda) else 1
 
 
@@ -142,7 +144,7 @@ def forward_precision(session, lams=(0.3, 0.4, 0.5, 0.6, 0.7)) -> None:
           f"{statistics.mean(diffs):.2f}, max {max(diffs):.2f} points per task", flush=True)
 
 
-def progressive_moves(session) -> bool:
+def progressive_moves(session, lams=(0.35, 0.45), estimate_lams=(0.25, 0.55)) -> bool:
     """Moves through the Merge tab's listener on a pool whose live forward is slow: time to the
     first (partial) answer and to the complete one; then, once the base's and experts' forwards
     are made, moves whose first answer is the linear estimate, and its error against the exact."""
@@ -155,10 +157,6 @@ def progressive_moves(session) -> bool:
     forward_s = session.measure_live()
     events = MergeTabEvents(Controller(session), LIVE_METHODS[0])
     person = SimpleNamespace(session_hash="bench")
-    # λ values near 0.4 that the table above did not evaluate (a cached one answers at once)
-    near = sorted((round(0.05 * i, 2) for i in range(1, 61)), key=lambda lam: (abs(lam - 0.4), lam))
-    fresh = [lam for lam in near if session.cached(session.spec(LIVE_METHODS[0], lam=lam)) is None]
-    lams, estimate_lams = fresh[:2], fresh[2:4]
     print(f"\nprogressive answers: one full live forward {forward_s * 1e3:.0f} ms; partial answers on "
           f"{session.partial_images or 'no'} images per task")
     print(f"{'move (task arithmetic)':<24}{'first answer s':>15}{'kind':>10}{'complete s':>12}")
