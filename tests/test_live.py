@@ -605,8 +605,9 @@ def test_a_progressive_answer_on_tasks_with_their_own_images_forwards_each_image
     for m in (3, 4):  # partial answers of other sizes: one pair of windows kept beside the whole
         progressive.partial(progressive.spec("task_arithmetic", lam=0.6), m)
     assert {w for s, w in progressive.evaluator._whole if s == "live"} == {(0, None), (0, 4)}
-    for bad in (0, -1, 2.5, True):
-        with pytest.raises(merger.MergerError, match=f"partial: images must be .* got {bad!r}"):
+    for bad, why in ((0, "0 is out of range"), (-1, "-1 is out of range"), (2.5, "expected a whole number .* got 2.5"),
+                     (True, "expected a whole number .* got True")):
+        with pytest.raises(merger.MergerError, match=f"partial: images per task: {why}"):
             progressive.partial(spec, bad)
 
 

@@ -31,6 +31,7 @@ from merger.evaluation.linear_estimate import LinearEstimate
 from merger.evaluation.merges import Merges, lru_put
 from merger.evaluation.shared_work import SharedWork
 from merger.evaluation.work_queue import WorkQueue
+from merger.io.inputs import integer
 from merger.spec import Spec, on_experts
 
 PARTIAL_BUDGET_S = 0.3  # a full live forward slower than this makes previews progressive
@@ -251,20 +252,16 @@ class PoolSession:
             hit = self.cached(spec, split)  # computed by someone else while this one waited
             if hit is not None:
                 return hit
-            first = self._partials.pop((rounded, split), None)
-            if first is None:
-                result = self.evaluator.evaluate(delta=self.delta(rounded), split=split)
-            else:  # its partial answer's images are not forwarded again
-                result = joined(first[1], self.evaluator.evaluate(delta=self.delta(rounded), split=split, start=first[0]))
-            result = self._with_references(result)
+            images, first = self._partials.pop((rounded, split), (0, None))  # its images are not forwarded again
+            result = self.evaluator.evaluate(delta=self.delta(rounded), split=split, start=images)
+            result = self._with_references(result if first is None else joined(first, result))
             lru_put(self._results, (rounded, split), result, self.cache_size)
         return result
 
     def partial(self, spec: Spec, images: int, split: str = "live") -> Result:
         """The spec's result on the first ``images`` images per task (a progressive answer's first
         part; never cached as a result, never recorded; kept until its complete answer)."""
-        if isinstance(images, bool) or not isinstance(images, int) or images < 1:
-            raise MergerError(f"partial: images must be a whole number of at least 1 per task, got {images!r}")
+        images = integer(images, "partial: images per task", MergerError, 1, 2**31 - 1)
         spec = spec.rounded()
         with self.queue:
             result = self._with_references(self.evaluator.evaluate(delta=self.delta(spec), split=split, limit=images))

@@ -97,12 +97,12 @@ def tsv_warm(prepared: dict, parts, gate, rank_ratio) -> None:
         k = tsv_rank(rank_ratio, left.shape[1], right.shape[2], left.shape[0])
         if k and (key, k) not in parts:
             missing.append((key, k))
-    share = workers() if _device(prepared).type == "cpu" else max(1, len(missing))  # a GPU's are quick
+    device = _device(prepared)
+    share = workers() if device.type == "cpu" else max(1, len(missing))  # a GPU's are quick
     for i in range(0, len(missing), share):
         if not gate():
             return
-        for item, half in each_matrix(lambda item: _tsv_half(prepared, *item), missing[i:i + share],
-                                      device=_device(prepared)):
+        for item, half in each_matrix(lambda item: _tsv_half(prepared, *item), missing[i:i + share], device=device):
             parts.put(item, half)
 
 
