@@ -36,9 +36,10 @@ def common_subspace(total: torch.Tensor, c: int):
     return s, divided(t64 @ v_c, s[:c]), v_c.mT, vecs
 
 
-def task_directions(stack: torch.Tensor, u_c: torch.Tensor, vecs: torch.Tensor, q: int):
+def task_directions(stack: torch.Tensor, u_c: torch.Tensor, vecs: torch.Tensor, q: int, stored=None):
     """Each τt's top q singular triplets once the common subspace is projected out of its columns,
-    (I − U_c U_cᵀ) τt, from a Gram: (U_t [T, m, q], s_t [T, q], Vh_t [T, q, n])."""
+    (I − U_c U_cᵀ) τt, from a Gram: (U_t [T, m, q], s_t [T, q], Vh_t [T, q, n]). ``stored``: the same stack
+    as stored (bf16), whose Grams ``gram_rows`` takes at the bf16 rate."""
     T, m, n = stack.shape
     c = u_c.shape[1]
     if m <= n:  # U is a basis of R^m: the residual lives on its last m − c columns, a [m − c]² problem
@@ -48,27 +49,28 @@ def task_directions(stack: torch.Tensor, u_c: torch.Tensor, vecs: torch.Tensor, 
         s_t = s2.clamp(min=0).sqrt().float()
         return rest @ w.float(), s_t, divided(w.float().mT @ b, s_t[..., None])
     b = u_c.mT @ stack  # [T, c, n]
-    residual_grams = torch.stack([gram_rows(x.mT, lower=True) - gram_rows(y.mT, lower=True)  # [T, n, n], read by
-                                  for x, y in zip(stack, b)])  # an eigh: the lower triangles
+    residual_grams = torch.stack([gram_rows(x.mT, lower=True, exact=True) - gram_rows(y.mT, lower=True)  # [T, n, n],
+                                  for x, y in zip(stack if stored is None else stored, b)])  # read by an eigh: lower triangles
     s2, v = top_eigh(residual_grams, q)
     s_t = s2.clamp(min=0).sqrt().float()
     return divided(stack @ v - u_c @ (b @ v), s_t[:, None, :]), s_t, v.mT
 
 
 def iso_cts_matrix(stack: torch.Tensor, common_fraction: float) -> torch.Tensor:
-    """One matrix's merged direction from its task vectors [T, m, n] (fp32).
+    """One matrix's merged direction from its task vectors [T, m, n] (fp32, or as stored: bf16).
 
     The authors take an SVD of each residual and two more to orthogonalise [U_c, U_1..U_T] and
     [Vh_c; Vh_1..Vh_T]. Here the residuals are orthogonal to U_c by construction, so the U side is
     [U_c, polar(U_1..U_T)] (a [T·q]² problem), and the V side extends Vh_c's orthonormal rows
     (``polar_extending``): the same factors up to rounding, with eighs of at most r² and most of q²."""
+    stored, stack = stack, stack.float()
     T, m, n = stack.shape
     c, q = split_rank(min(m, n), T, common_fraction)
     s, u_c, vh_c, vecs = common_subspace(stack.sum(0), c)
     if q == 0:  # Iso-C
         return (s[:c].mean() * (u_c @ polar_rows(vh_c))).float()
     u_c = u_c.float()
-    u_t, s_t, vh_t = task_directions(stack, u_c, vecs, q)
+    u_t, s_t, vh_t = task_directions(stack, u_c, vecs, q, stored)
     u_t = polar_rows(u_t.permute(0, 2, 1).reshape(T * q, m)).mT.float()  # [m, T·q]
     v_c, v_t = polar_extending(vh_c, vh_t.reshape(T * q, n))
     flat = torch.cat([s[:c].float(), s_t.reshape(-1)]).mean()
@@ -77,7 +79,7 @@ def iso_cts_matrix(stack: torch.Tensor, common_fraction: float) -> torch.Tensor:
 
 def prepare_iso_cts(tv, common_fraction: float, progress=None, cancel=None) -> dict:
     direction = {k: v.mean(0) for k, v in tv.items32()}  # off the matrices: the mean task vector, as Iso-C
-    direction.update(each_matrix(lambda k: iso_cts_matrix(tv.fp32(k), common_fraction), largest_first(tv),
+    direction.update(each_matrix(lambda k: iso_cts_matrix(tv.stacked[k], common_fraction), largest_first(tv),
                                  progress, cancel, "subspaces of matrix", device=tv.device))
     return {"direction": direction}
 

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from merger.methods import lapack
+from merger.methods import lapack, native
 from merger.methods.registry import each
 _LAPACK_LOCK = threading.RLock()  # re-entered by a caller that runs more work inside an each_matrix loop
 _LAPACK_POOL: ThreadPoolExecutor | None = None
@@ -167,17 +167,22 @@ def spectral(x: torch.Tensor, keep: int | None = None, dtype: torch.dtype = torc
     return left, right, s
 
 
-def gram_rows(a: torch.Tensor, lower: bool = False) -> torch.Tensor:
+def gram_rows(a: torch.Tensor, lower: bool = False, exact: bool = False) -> torch.Tensor:
     """a · aᵀ of a matrix [m, n] in fp32 (fp64 for an fp64 ``a``). A bf16 ``a`` on a CPU with AMX
     takes two bf16 products with fp32 accumulation: the product rounded to bf16, then its rounding
     error (a · aᵀ − that, rounded again); their sum is within about 2^-17 (8e-6) of the exact
     product, relative to its largest entry, and 2.4× faster single-threaded (5.5 against 13 ms for
     768 × 3072, both from blocks). That holds for entries between about 1e-18 and 1e18 (task vectors
-    are near 1e-3): AMX flushes subnormal products to zero. Elsewhere: the fp32 product. On a CPU,
+    are near 1e-3): AMX flushes subnormal products to zero. A bf16 ``a`` on a LAPACK worker of a CPU with
+    AVX512-BF16 but no AMX takes ``native.gram_bf16`` (fp32 accumulation, half ?syrk's time). Elsewhere: the fp32 product. On a CPU,
     from 256 rows, only the blocks on and above the diagonal are multiplied (``_upper_blocks``); on a
     LAPACK worker, OpenBLAS's ?syrk multiplies the triangle alone (``lapack.gram_rows``: 0.8 of that time).
-    ``lower``: only the lower triangle is read (by an eigh), so that one need not be mirrored."""
-    if a.dtype == torch.bfloat16 and a.device.type == "cpu" and _AMX:
+    ``lower``: only the lower triangle is read (by an eigh), so that one need not be mirrored. ``exact``: a
+    bf16 ``a`` never takes AMX's two rounded products (a Gram whose small eigenvalues are inverted)."""
+    amx = _AMX and not exact
+    if a.dtype == torch.bfloat16 and a.device.type == "cpu" and not amx and _on_worker() and native.ready():
+        return native.gram_bf16(a, lower)
+    if a.dtype == torch.bfloat16 and a.device.type == "cpu" and amx:
         def product(x, y):
             hi = x @ y
             return hi.float().add_(torch.addmm(hi, x, y, beta=-1))

@@ -44,10 +44,18 @@ def prepare_tsv(tv: TaskVectors, progress=None, cancel=None) -> dict:
 
 def _concatenated_grams(left, right, s) -> torch.Tensor:
     """[G_U, G_V] of one matrix's unit factors concatenated task by task ([2, T·K, T·K], fp32). A side
-    where T·k fills its dimension is never solved from them (``_tsv_sides``: its polar factor by SVD)."""
+    where T·k fills its dimension is never solved from them (``_tsv_sides``: its polar factor by SVD).
+
+    From the stored factors as they are (bf16: ``gram_rows`` then multiplies them at the bf16 rate, exact
+    products in fp32), the side that holds S scaled by S⁻¹ on both sides of its Gram afterwards."""
     T, m, K = left.shape
-    u, vh = unit_factors(left, right, s)
-    return torch.stack([gram_rows(u.permute(0, 2, 1).reshape(T * K, m)), gram_rows(vh.reshape(T * K, vh.shape[2]))])
+    n = right.shape[2]
+    inverse = divided(torch.ones_like(s), s).reshape(T * K)
+    grams = [gram_rows(left.permute(0, 2, 1).reshape(T * K, m), exact=True),
+             gram_rows(right.reshape(T * K, n), exact=True)]
+    held = 0 if m >= n else 1  # the side spectral left S in (unit_factors)
+    grams[held] = grams[held].mul_(inverse[:, None]).mul_(inverse[None, :])
+    return torch.stack(grams)
 
 
 def _square(width: int, side: int) -> bool:
