@@ -47,7 +47,7 @@ def count_routines() -> None:
     """Time the leaf routines where the preparations look them up (none calls another of them), and every
     call a LAPACK worker runs (linalg.side_by_side: a matrix's or a task's whole work)."""
     for module in (linalg, lowrank, iso_cts):
-        for name, label in (("gram_rows", "Grams (?syrk)"), ("top_eigh", "top / full eigenpairs (?syevr, eigh)"),
+        for name, label in (("gram_rows", "Grams (?syrk; bf16: native.gram_bf16)"), ("top_eigh", "top / full eigenpairs (?syevr, eigh)"),
                             ("polar_svd", "square polar SVDs (sgesdd)"), ("refined_inverse_sqrt", "refined G^-1/2"),
                             ("inverse_sqrt", "fp64 G^-1/2 (Iso-CTS' polar factors)"),
                             ("_tsv_product", "TSV-M's last direction products")):
