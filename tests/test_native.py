@@ -116,3 +116,32 @@ def test_iso_cts_of_the_stored_bf16_stack_is_that_of_its_fp32_copy():
         got = _on_a_worker(lambda: iso_cts_matrix(stack, 0.5))
         want = _on_a_worker(lambda: iso_cts_matrix(stack.float(), 0.5))
         assert torch.allclose(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
+
+
+@needs_kernel
+def test_an_empty_matrix_of_any_strides_has_a_zero_gram():
+    a = torch.zeros(5, 10, dtype=torch.bfloat16)
+    for view in (a[:, 0:0:2], a[:0], a[:, :0].mT.mT):
+        assert torch.equal(native.gram_bf16(view), torch.zeros(view.shape[0], view.shape[0]))
+
+
+@needs_kernel
+def test_a_corrupt_library_in_the_cache_is_built_again_and_cc_may_carry_flags(monkeypatch, tmp_path):
+    import shutil
+
+    monkeypatch.setenv("MERGER_CACHE_DIR", str(tmp_path / "first"))
+    monkeypatch.setenv("CC", f"{shutil.which('cc') or shutil.which('gcc')} -std=gnu11")
+    monkeypatch.delitem(native._STATE, "lib")
+    assert native.ready()
+    (built,) = (tmp_path / "first").glob("kernels/gram_bf16-*.so")
+    # the same name in another cache, not a library (a library loaded here is never written over: SIGBUS)
+    corrupt = tmp_path / "second" / "kernels" / built.name
+    corrupt.parent.mkdir(parents=True)
+    corrupt.write_bytes(b"not a shared library")
+    monkeypatch.setenv("MERGER_CACHE_DIR", str(tmp_path / "second"))
+    monkeypatch.delitem(native._STATE, "lib")
+    assert native.ready()
+    assert corrupt.read_bytes()[:4] == b"\x7fELF"
+    a = _ragged(50, 70, 4)
+    exact = a.double() @ a.double().mT
+    assert float((native.gram_bf16(a).double() - exact).abs().max()) <= 1e-6 * float(exact.abs().max())

@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -47,43 +48,64 @@ def ready() -> bool:
 def gram_bf16(a: torch.Tensor, lower: bool = False) -> torch.Tensor:
     """a · aᵀ in fp32 of one bf16 CPU matrix [m, n], single-threaded (``lower``: its lower triangle alone,
     zeros above, what an eigh reads). Row- or column-major views are read as they are. Needs ``ready()``."""
+    return _gram(_STATE["lib"], a, lower)
+
+
+def _gram(lib, a: torch.Tensor, lower: bool) -> torch.Tensor:
     m, n = a.shape
+    out = torch.zeros(m, m, dtype=torch.float32)
+    if not m * n:
+        return out
     if not (a.stride(1) == 1 or a.stride(0) == 1):
         a = a.contiguous()
-    out = torch.zeros(m, m, dtype=torch.float32)
-    code = _STATE["lib"].gram_bf16(a.data_ptr(), m, n, a.stride(0), a.stride(1), out.data_ptr(), m)
-    if code:
+    code = lib.gram_bf16(a.data_ptr(), m, n, a.stride(0), a.stride(1), out.data_ptr(), m)
+    if code == 1:
         raise MemoryError(f"gram_bf16: no memory for the packed copy of a [{m}, {n}] matrix")
+    if code:
+        raise ValueError(f"gram_bf16: strides {a.stride()} of a [{m}, {n}] matrix: neither rows nor columns contiguous")
     return out if lower else out.add_(out.tril(-1).mT)
 
 
 def _load():
+    """The library, built, loaded and checked, or None; published by ``ready`` only once checked (a second
+    thread never calls a library still under its check)."""
     if os.environ.get("MERGER_NO_COMPILE") or not _cpu_has_bf16_dot():
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not compiler[0]:
         return None
     try:
-        lib = ctypes.CDLL(str(_built(compiler)))
-        lib.gram_bf16.restype = ctypes.c_int
-        lib.gram_bf16.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_void_p, ctypes.c_long]
-    except (OSError, subprocess.SubprocessError) as exc:
+        lib = _opened(compiler)
+        ok = _checks(lib)
+    except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as exc:
         _log.warning("bf16 Gram kernel unavailable (%s); Grams in fp32", str(exc)[:300])
         return None
-    _STATE["lib"] = lib
-    if not _checks():
+    if not ok:
         _log.warning("bf16 Gram kernel disagrees with torch's fp64 product; Grams in fp32")
         return None
     return lib
 
 
-def _built(compiler: str) -> Path:
+def _opened(compiler: list[str]):
+    """The built library loaded; one in the cache that does not load is built again, once."""
+    target = _built(compiler)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError:
+        target.unlink(missing_ok=True)
+        lib = ctypes.CDLL(str(_built(compiler)))
+    lib.gram_bf16.restype = ctypes.c_int
+    lib.gram_bf16.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_void_p, ctypes.c_long]
+    return lib
+
+
+def _built(compiler: list[str]) -> Path:
     """The shared library of this source and these flags, compiled once into the cache folder (written to a
     temporary name and renamed: two processes building at once each leave a whole file)."""
     from merger.io.disk_cache import cache_dir
 
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler,) + FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join(compiler + list(FLAGS)).encode()).hexdigest()[:16]
     folder = cache_dir() / "kernels"
     target = folder / f"gram_bf16-{digest}.so"
     if target.exists():
@@ -92,7 +114,7 @@ def _built(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        subprocess.run([*compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -100,13 +122,13 @@ def _built(compiler: str) -> Path:
     return target
 
 
-def _checks() -> bool:
+def _checks(lib) -> bool:
     """The kernel against the fp64 product on row- and column-major matrices with ragged edges (an odd
     depth, rows not a multiple of its 48-row panels)."""
     g = torch.Generator().manual_seed(0)
     for a in (torch.randn(53, 67, generator=g).bfloat16(), torch.randn(131, 53, generator=g).bfloat16().mT):
         exact = a.double() @ a.double().mT
-        if float((gram_bf16(a).double() - exact).abs().max()) > 1e-5 * float(exact.abs().max()):
+        if float((_gram(lib, a, False).double() - exact).abs().max()) > 1e-5 * float(exact.abs().max()):
             return False
     return True
 
