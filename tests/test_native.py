@@ -145,3 +145,19 @@ def test_a_corrupt_library_in_the_cache_is_built_again_and_cc_may_carry_flags(mo
     a = _ragged(50, 70, 4)
     exact = a.double() @ a.double().mT
     assert float((native.gram_bf16(a).double() - exact).abs().max()) <= 1e-6 * float(exact.abs().max())
+
+
+def test_an_edit_of_the_kernels_source_misses_the_disk_cache(monkeypatch, tmp_path):
+    """The preparations' cache key hashes their modules' sources; TSV-M's reach native.py, whose C source
+    counts too: a changed kernel never reads Grams an older one left on disk."""
+    from merger.evaluation.merges import code_of
+    from merger.io.disk_cache import source_hash
+
+    modules = code_of(lowrank.prepare_tsv)
+    assert native in modules
+    source = tmp_path / "gram_bf16.c"
+    source.write_text("/* one */")
+    monkeypatch.setattr(native, "NATIVE_SOURCES", (source,))
+    before = source_hash.__wrapped__(*modules)  # (cached per process: sources do not change under it)
+    source.write_text("/* two */")
+    assert source_hash.__wrapped__(*modules) != before

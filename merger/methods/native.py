@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("native") / "gram_bf16.c"
+NATIVE_SOURCES = (SOURCE,)  # in the disk cache's code hash of every preparation that imports this module
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-shared", "-fPIC")
 _STATE: dict = {}
 _LOADING = threading.Lock()
