@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from merger.methods import iso_cts, lapack, linalg, lowrank
+from merger.methods import iso_cts, lapack, linalg, lowrank, native
 from merger.pool.pool import pool_from_state_dicts
 from merger.tools.measure import random_pool
 
@@ -81,7 +81,11 @@ def routine_costs() -> None:
             ("?syevr top 96 (top_eigh)", lambda x: linalg.top_eigh(x[None], 96), g),
             ("square SVD (thin_svd)", linalg.thin_svd, a), ("torch inverse", torch.linalg.inv, a),
             ("torch QR", torch.linalg.qr, a), ("product", lambda x: x @ x, a)]
-    print(f"\nroutines on 768², fp32, {linalg.workers()} at once (ms per call; SciPy LAPACK ready: {lapack.ready()}):")
+    wide = [torch.randn(768, 3072).bfloat16() for _ in range(4 * linalg.workers())]  # a c_fc τt's Gram
+    rows.append(("Gram 768 × 3072 of bf16, fp32 copy + ?syrk", lambda x: lapack.gram_rows(x.float(), True), wide))
+    if native.ready():
+        rows.append(("Gram 768 × 3072 of bf16, native.gram_bf16", lambda x: native.gram_bf16(x, True), wide))
+    print(f"\nroutines on 768², fp32 (a Gram's rows: 768 × 3072), {linalg.workers()} at once (ms per call; SciPy LAPACK ready: {lapack.ready()}):")
     for label, fn, items in rows:
         times = []
         for _ in range(3):
