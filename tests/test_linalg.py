@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from helpers import on_a_worker
 
 from merger.errors import Cancelled
 from merger.methods import lapack, linalg, native
@@ -264,11 +265,6 @@ def test_without_the_subset_solver_top_eigh_takes_the_whole_eigh(monkeypatch):
     assert torch.allclose((fast[1] * slow[1]).sum(-2).abs(), torch.ones(2, 5, dtype=torch.float64), atol=1e-10)
 
 
-def _on_a_worker(fn):
-    """fn() on a LAPACK worker thread, where linalg hands work to SciPy's OpenBLAS."""
-    return next(side_by_side(lambda _: fn(), [0]))
-
-
 @needs_subset_solver
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float64, 1e-13)])
 def test_syrk_gram_is_the_whole_product_from_either_layout_and_its_lower_triangle_alone(dtype, tol):
@@ -294,7 +290,7 @@ def test_gram_rows_on_a_worker_takes_syrk_and_elsewhere_torchs_product(monkeypat
     real = lapack.gram_rows
     monkeypatch.setattr(lapack, "gram_rows", lambda a, lower=False: calls.append((a.dtype, lower)) or real(a, lower))
     a = (torch.randn(300, 500, generator=torch.Generator().manual_seed(9)) * 1e-3).to(dtype)
-    on_worker = _on_a_worker(lambda: gram_rows(a))
+    on_worker = on_a_worker(lambda: gram_rows(a))
     assert calls == [(torch.float32, False)]  # bf16 storage: its exact fp32 copy
     here = gram_rows(a)  # the caller's thread: torch's product on every core
     assert len(calls) == 1
@@ -326,11 +322,11 @@ def test_a_square_svd_on_a_worker_takes_openblas_and_its_failure_torchs(monkeypa
     real = lapack.svd
     monkeypatch.setattr(lapack, "svd", lambda x: calls.append(tuple(x.shape)) or real(x))
     x = torch.randn(40, 40, generator=torch.Generator().manual_seed(11))
-    u, s, vh = _on_a_worker(lambda: thin_svd(x))
+    u, s, vh = on_a_worker(lambda: thin_svd(x))
     assert calls == [(40, 40)] and torch.allclose((u * s) @ vh, x, atol=1e-5)
-    _on_a_worker(lambda: thin_svd(x[:, :30]))
+    on_a_worker(lambda: thin_svd(x[:, :30]))
     thin_svd(x)
     assert calls == [(40, 40)]
     monkeypatch.setattr(lapack, "svd", lambda x: calls.append("failed") and None)
-    u, s, vh = _on_a_worker(lambda: thin_svd(x))
+    u, s, vh = on_a_worker(lambda: thin_svd(x))
     assert calls[-1] == "failed" and torch.allclose((u * s) @ vh, x, atol=1e-5)

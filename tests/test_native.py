@@ -3,19 +3,25 @@ sizes, taken by linalg.gram_rows on a LAPACK worker, built once into the cache f
 fp32 route, with the same answers, where it cannot be built."""
 import logging
 import os
+import shutil
 
 import pytest
 import torch
+from helpers import on_a_worker
 
-from merger.methods import lapack, linalg, lowrank, native
+from merger.methods import lowrank, native
 from merger.methods.iso_cts import iso_cts_matrix
-from merger.methods.linalg import gram_rows, side_by_side, spectral, unit_factors
+from merger.methods.linalg import gram_rows, spectral, unit_factors
 
 needs_kernel = pytest.mark.skipif(not native.ready(), reason="no AVX512-BF16 CPU or no C compiler here")
 
 
-def _on_a_worker(fn):
-    return next(side_by_side(lambda _: fn(), [0]))
+@pytest.mark.skipif(not native._cpu_has_bf16_dot() or bool(os.environ.get("MERGER_NO_COMPILE"))
+                    or not (shutil.which("cc") or shutil.which("gcc")), reason="no AVX512-BF16 CPU or no C compiler here")
+def test_where_the_cpu_and_a_compiler_allow_it_the_kernel_is_built_and_passes_its_check():
+    """The kernel's other tests skip where it is not ready: here a kernel that fails to build or its own
+    check against fp64 is a failure, not a skip."""
+    assert native.ready()
 
 
 def _ragged(rows: int, depth: int, seed: int) -> torch.Tensor:
@@ -53,9 +59,9 @@ def test_gram_rows_takes_the_kernel_for_bf16_on_a_worker_only(monkeypatch):
     real = native.gram_bf16
     monkeypatch.setattr(native, "gram_bf16", lambda a, lower=False: calls.append((tuple(a.shape), lower)) or real(a, lower))
     a = _ragged(300, 500, 2)
-    on_worker = _on_a_worker(lambda: gram_rows(a.mT, lower=True))
+    on_worker = on_a_worker(lambda: gram_rows(a.mT, lower=True))
     assert calls == [((500, 300), True)]  # the transposed view as it is
-    _on_a_worker(lambda: gram_rows(a.float()))  # fp32: never the kernel
+    on_a_worker(lambda: gram_rows(a.float()))  # fp32: never the kernel
     here = gram_rows(a.mT)  # the caller's thread: torch's product on every core
     assert len(calls) == 1
     assert torch.allclose(on_worker, torch.tril(here), rtol=0, atol=1e-6 * float(here.abs().max()))
@@ -73,7 +79,7 @@ def test_without_a_compiler_or_with_compiling_off_grams_take_the_fp32_route(monk
     assert ready is False and not list(tmp_path.glob("kernels/*.so"))
     a = _ragged(90, 200, 3)
     exact = a.double() @ a.double().mT
-    assert float((_on_a_worker(lambda: gram_rows(a)).double() - exact).abs().max()) <= 1e-6 * float(exact.abs().max())
+    assert float((on_a_worker(lambda: gram_rows(a)).double() - exact).abs().max()) <= 1e-6 * float(exact.abs().max())
     monkeypatch.delenv("CC")
     monkeypatch.setenv("MERGER_NO_COMPILE", "1")
     monkeypatch.delitem(native._STATE, "lib")
@@ -103,7 +109,7 @@ def test_tsvm_grams_from_the_stored_factors_are_the_unit_factors_grams(shape):
     K = left.shape[2]
     exact = [u.permute(0, 2, 1).reshape(T * K, m), vh.reshape(T * K, n)]
     exact = torch.stack([e @ e.mT for e in exact])
-    for got in (lowrank._concatenated_grams(left, right, s), _on_a_worker(lambda: lowrank._concatenated_grams(left, right, s))):
+    for got in (lowrank._concatenated_grams(left, right, s), on_a_worker(lambda: lowrank._concatenated_grams(left, right, s))):
         assert got.shape == (2, T * K, T * K)
         assert float((got.double() - exact).abs().max()) <= 2e-6 * float(exact.abs().max())
 
@@ -113,8 +119,8 @@ def test_iso_cts_of_the_stored_bf16_stack_is_that_of_its_fp32_copy():
     a wide one and a square one: the same direction as from the fp32 copy."""
     for m, n in ((72, 40), (40, 72), (48, 48)):
         stack = (torch.randn(4, m, n, generator=torch.Generator().manual_seed(m * n)) * 1e-2).bfloat16()
-        got = _on_a_worker(lambda: iso_cts_matrix(stack, 0.5))
-        want = _on_a_worker(lambda: iso_cts_matrix(stack.float(), 0.5))
+        got = on_a_worker(lambda: iso_cts_matrix(stack, 0.5))
+        want = on_a_worker(lambda: iso_cts_matrix(stack.float(), 0.5))
         assert torch.allclose(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
 
 
@@ -127,8 +133,6 @@ def test_an_empty_matrix_of_any_strides_has_a_zero_gram():
 
 @needs_kernel
 def test_a_corrupt_library_in_the_cache_is_built_again_and_cc_may_carry_flags(monkeypatch, tmp_path):
-    import shutil
-
     monkeypatch.setenv("MERGER_CACHE_DIR", str(tmp_path / "first"))
     monkeypatch.setenv("CC", f"{shutil.which('cc') or shutil.which('gcc')} -std=gnu11")
     monkeypatch.delitem(native._STATE, "lib")

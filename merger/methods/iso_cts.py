@@ -36,10 +36,10 @@ def common_subspace(total: torch.Tensor, c: int):
     return s, divided(t64 @ v_c, s[:c]), v_c.mT, vecs
 
 
-def task_directions(stack: torch.Tensor, u_c: torch.Tensor, vecs: torch.Tensor, q: int, stored=None):
+def task_directions(stack: torch.Tensor, u_c: torch.Tensor, vecs: torch.Tensor, q: int, stored: torch.Tensor):
     """Each τt's top q singular triplets once the common subspace is projected out of its columns,
     (I − U_c U_cᵀ) τt, from a Gram: (U_t [T, m, q], s_t [T, q], Vh_t [T, q, n]). ``stored``: the same stack
-    as stored (bf16), whose Grams ``gram_rows`` takes at the bf16 rate."""
+    as stored (bf16, or ``stack`` itself), whose Grams ``gram_rows`` takes at the bf16 rate."""
     T, m, n = stack.shape
     c = u_c.shape[1]
     if m <= n:  # U is a basis of R^m: the residual lives on its last m − c columns, a [m − c]² problem
@@ -50,7 +50,7 @@ def task_directions(stack: torch.Tensor, u_c: torch.Tensor, vecs: torch.Tensor, 
         return rest @ w.float(), s_t, divided(w.float().mT @ b, s_t[..., None])
     b = u_c.mT @ stack  # [T, c, n]
     residual_grams = torch.stack([gram_rows(x.mT, lower=True, exact=True) - gram_rows(y.mT, lower=True)  # [T, n, n],
-                                  for x, y in zip(stack if stored is None else stored, b)])  # read by an eigh: lower triangles
+                                  for x, y in zip(stored, b)])  # read by an eigh: lower triangles
     s2, v = top_eigh(residual_grams, q)
     s_t = s2.clamp(min=0).sqrt().float()
     return divided(stack @ v - u_c @ (b @ v), s_t[:, None, :]), s_t, v.mT

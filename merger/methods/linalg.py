@@ -179,10 +179,11 @@ def gram_rows(a: torch.Tensor, lower: bool = False, exact: bool = False) -> torc
     LAPACK worker, OpenBLAS's ?syrk multiplies the triangle alone (``lapack.gram_rows``: 0.8 of that time).
     ``lower``: only the lower triangle is read (by an eigh), so that one need not be mirrored. ``exact``: a
     bf16 ``a`` never takes AMX's two rounded products (a Gram whose small eigenvalues are inverted)."""
-    amx = _AMX and not exact
-    if a.dtype == torch.bfloat16 and a.device.type == "cpu" and not amx and _on_worker() and native.ready():
+    cpu_bf16 = a.dtype == torch.bfloat16 and a.device.type == "cpu"
+    amx = cpu_bf16 and _AMX and not exact
+    if cpu_bf16 and not amx and _on_worker() and native.ready():
         return native.gram_bf16(a, lower)
-    if a.dtype == torch.bfloat16 and a.device.type == "cpu" and amx:
+    if amx:
         def product(x, y):
             hi = x @ y
             return hi.float().add_(torch.addmm(hi, x, y, beta=-1))

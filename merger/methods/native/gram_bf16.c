@@ -50,14 +50,14 @@ static void pack_rows(const uint16_t *a, long n, long k, long s_row, long s_col,
             }
 }
 
-/* The lower triangle (j ≤ i) of c [n, n] (fp32, row stride ldc, zeros on entry) = a · aᵀ, a [n, k] bf16 with
+/* The lower triangle (j ≤ i) of c [n, n] (fp32, row stride ldc) = a · aᵀ, a [n, k] bf16 with
    a[i, t] at a[i·s_row + t·s_col], s_col == 1 or s_row == 1; the rest of c untouched (k = 0: all of it). 0, or 1: out of memory,
    2: a layout it does not read. */
 int gram_bf16(const uint16_t *a, long n, long k, long s_row, long s_col, float *c, long ldc) {
     if (n <= 0 || k <= 0) return 0;  /* nothing to add: c as it was */
     if (s_col != 1 && s_row != 1) return 2;
     long kp = (k + 1) / 2, np = (n + NC - 1) / NC * NC;
-    uint32_t *pack = aligned_alloc(64, (size_t)np * (kp ? kp : 1) * 4);
+    uint32_t *pack = aligned_alloc(64, (size_t)np * kp * 4);
     if (!pack) return 1;
     pack_rows(a, n, k, s_row, s_col, pack, np, kp);
     for (long g = 0; g < np / NC; g++) {
