@@ -8,7 +8,6 @@ import sys
 import threading
 import time
 
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -58,14 +57,14 @@ def _estimate_forwards(session) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
+    from merger import runtime
 
+    runtime.configure()  # before Gradio is imported
     import merger
     from merger.cli_jobs import new_folders
     from merger.io.history import History
     from merger.ui import build_app
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     taken = _cannot_bind(args.host, args.port)
     if taken:  # said now, not after the pool's load (seconds to minutes)
         print(f"error: --host {args.host} --port {args.port}: cannot serve there ({taken}); pick another --port, "

@@ -11,23 +11,15 @@ Public API (stable)::
 """
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-
-from merger import allocator  # noqa: E402
-
-allocator.configure()  # before torch and the app's threads allocate (merger/allocator.py)
-
 __version__ = "0.1.0"
 
-from merger import methods  # noqa: E402
-from merger.api import evaluate, merge, merge_state_dicts  # noqa: E402
-from merger.errors import CheckpointError, DataError, MergerError, MethodError, PoolError  # noqa: E402
-from merger.evaluation.evaluator import Evaluator, Result  # noqa: E402
-from merger.evaluation.session import PoolSession, session_for  # noqa: E402
-from merger.pool.pool import Pool, open_pool  # noqa: E402
-from merger.spec import Spec  # noqa: E402
+from merger import methods
+from merger.api import evaluate, merge, merge_state_dicts
+from merger.errors import CheckpointError, DataError, MergerError, MethodError, PoolError
+from merger.evaluation.evaluator import Evaluator, Result
+from merger.evaluation.session import PoolSession, session_for
+from merger.pool.pool import Pool, open_pool
+from merger.spec import Spec
 
 __all__ = [
     "CheckpointError", "DataError", "MergerError", "MethodError", "PoolError",

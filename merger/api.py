@@ -106,7 +106,7 @@ def merge_state_dicts(
     tv = TaskVectors(base, aligned, device=resolve_device(device))
     scale = () if m.task_weighted else spec.task_weights
     prepared = m.prepare(tv.scaled(dict(scale)) if scale else tv,
-                         **{k: spec.kwargs[k] for k in m.prepare_params + m.prepare_hints})
+                         **{k: spec.kwargs[k] for k in m.prepare_params})
     return assemble(base, tv, with_block_weights(m.delta(prepared, **spec.kwargs, **m.weights_kwargs(spec)), spec))
 
 

@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from merger import methods
+from merger import methods, runtime
 from merger.cli_jobs import (POOL_HELP, Parser, add_job_args, add_job_commands, cmd_landscape, new_folders,
                              positive_int, progress_bar, user_password)
 from merger.cli_tools import cmd_bench, cmd_cache, cmd_report, cmd_screenshot
@@ -226,9 +226,19 @@ def build_parser() -> argparse.ArgumentParser:
                                       "layout (import cycles, method-name literals, module sizes of this code), "
                                       "coefficients (weight moves), linear (the linear estimate's error), "
                                       "bf16 (task vectors stored in bf16 against fp32), methods (every method "
-                                      "tuned on validation, on test, with its prepare and move times)")
-    p.add_argument("what", choices=["adaptive", "phenomena", "layout", "coefficients", "linear", "bf16", "methods"])
+                                      "tuned on validation, on test, with its prepare and move times), precision "
+                                      "(every static merge against its fp64 definition on a random ViT-B-32 pool)")
+    p.add_argument("what", choices=["adaptive", "phenomena", "layout", "coefficients", "linear", "bf16", "methods",
+                                    "precision"])
     p.add_argument("--pool", default="demo", help=POOL_HELP)
+    p.add_argument("--arch", default="ViT-B-32", help="precision: the random pool's architecture")
+    p.add_argument("--experts", type=positive_int, default=8, help="precision: random experts")
+    p.add_argument("--tv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="precision: task-vector storage (auto: bf16 above 1 GB in fp32)")
+    p.add_argument("--methods", default=None, help="precision: a comma-separated subset of methods")
+    p.add_argument("--all-settings", action="store_true",
+                   help="precision: each method's default and two other settings (default: the default)")
+    p.add_argument("--reference", action="store_true", help="precision: the reference routes alone (no drop-ins)")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("cache", help="the disk cache of prepared methods and task vectors: info (entries, size, "
@@ -292,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     and 143 for SIGTERM, as a shell counts them (one line: interrupted); 141, quietly, when the
     reader of the output went away (``| head``). ``--debug`` shows the traceback instead."""
     args = build_parser().parse_args(argv)
+    runtime.configure()
     previous = None
     if threading.current_thread() is threading.main_thread():
         # a kill (SIGTERM) unwinds like an interrupt: temporary files and half-built folders are removed

@@ -15,6 +15,10 @@ def cmd_report(args) -> int:
         print(format_layout(layout))
         clean = not (layout.cycles() or layout.engine_imports_of_front_ends() or layout.method_name_literals())
         return 0 if clean else 1
+    if args.what == "precision":
+        from merger.tools.report_precision import report_precision
+
+        return report_precision(args)
     from merger.pool.pool import open_pool
     from merger.tools.reports import adaptive_numbers, format_adaptive
 

@@ -32,13 +32,6 @@ def with_weights(ctl, values, tasks=None, blocks=None):
     return [*values, *[tasks.get(e, 1.0) for e in ctl.weight_experts], *[blocks.get(b, 1.0) for b in ctl.weight_blocks]]
 
 
-def on_a_worker(fn):
-    """fn() on a LAPACK worker thread, where linalg hands work to SciPy's OpenBLAS and the bf16 Gram kernel."""
-    from merger.methods.linalg import side_by_side
-
-    return next(side_by_side(lambda _: fn(), [0]))
-
-
 def random_world(n_experts: int = 3, scale: float = 0.05):
     """(base, experts, merged keys, task vectors) of a tiny random CLIP: the methods' formula tests."""
     base, experts = base_and_experts(n_experts=n_experts, scale=scale)

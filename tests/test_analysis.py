@@ -107,10 +107,11 @@ def test_ties_mask_elects_signs_and_delta_sums_over_the_dropped_entries_only():
 def test_dare_masks_are_the_merge_masks(tv):
     keep = analysis.merge_mask(tv, "dare_linear", 0.6, seed=3)
     # the entries dare_linear keeps are exactly those that differ from the base in its merge
-    from merger.methods.ties import apply_dare_linear, prepare_dare
+    import merger
 
     one = tv.subset([tv.tasks[0]])
-    delta = apply_dare_linear(prepare_dare(one, 3), lam=1.0, sparsity=0.6, seed=3)
+    dare = merger.methods.get("dare_linear")
+    delta = dare.delta(dare.prepare(one, seed=3), lam=1.0, sparsity=0.6, seed=3)
     kept = torch.cat([(delta[k] != 0).reshape(-1) for k in tv.keys])
     assert torch.equal(keep[0], kept)
     ties_keep = analysis.merge_mask(tv, "dare_ties", 0.6, seed=3)

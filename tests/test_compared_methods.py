@@ -190,25 +190,16 @@ def test_iso_cts_against_the_authors_formula(world, fraction):
     close(out, plus_base(world, _iso_cts_reference(taus, keys, fraction, 1.5)), atol=2e-4)
 
 
-def test_iso_cts_square_and_wide_residuals_are_solved_on_the_complement(monkeypatch):
-    """A square or wide matrix's U is a basis of R^m: each task's residual is a [r − c]² problem there,
-    as the authors' result (checked against their formula on a square matrix); only a tall one takes
-    T Grams of n² (the square matrices were, at 2.7× the time on ViT-B/32)."""
-    from merger.methods import iso_cts
+def test_iso_cts_of_square_wide_and_tall_matrices_is_the_authors_formula():
+    from merger.methods import iso
 
-    sizes, real = [], iso_cts.top_eigh
-    monkeypatch.setattr(iso_cts, "top_eigh", lambda g, q: sizes.append(tuple(g.shape)) or real(g, q))
     g = torch.Generator().manual_seed(7)
     for m, n in ((48, 48), (40, 96), (96, 40)):
         taus = [{"mlp.c_fc.weight": torch.randn(m, n, generator=g) * 1e-2} for _ in range(4)]
-        sizes.clear()
-        got = iso_cts.iso_cts_matrix(torch.stack([t["mlp.c_fc.weight"] for t in taus]), 0.5)
-        r = min(m, n)
-        c, _ = iso_cts.split_rank(r, 4, 0.5)
-        residual = sizes[1]
-        assert residual == ((4, r - c, r - c) if m <= n else (4, n, n)), (m, n, sizes)
+        got = iso.iso_cts_matrix(torch.stack([t["mlp.c_fc.weight"] for t in taus]), *iso.split_rank(min(m, n), 4, 0.5),
+                                 "a matrix")
         expected = _iso_cts_reference(taus, ["mlp.c_fc.weight"], 0.5, 1.0)["mlp.c_fc.weight"]
-        assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+        assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), (m, n)
 
 
 def test_iso_cts_with_only_the_common_subspace_is_iso_c(world):
@@ -216,7 +207,7 @@ def test_iso_cts_with_only_the_common_subspace_is_iso_c(world):
 
 
 def test_iso_cts_rank_split_as_the_authors():
-    from merger.methods.iso_cts import split_rank
+    from merger.methods.iso import split_rank
 
     assert split_rank(768, 8, 0.8) == (616, 19)  # int(614.4) = 614; round(154 / 8) · 8 = 152
     assert split_rank(12, 8, 0.0) == (4, 1)  # round(1.5) = 2 would need 16 > 12 directions: capped at r // T
@@ -485,11 +476,13 @@ def test_a_batch_with_slerp_over_three_experts_is_refused_before_it_starts(data_
 
 
 def test_a_preparation_on_disk_is_keyed_by_the_helpers_it_calls_too():
-    """Iso-CTS prepares through linalg's spectra: an edit there must miss its disk entries."""
+    """Iso-CTS prepares through spectral's SVDs and the drop-ins that may replace them: an edit of either
+    must miss its disk entries."""
+    from merger.accel import gram, registry
     from merger.evaluation.merges import code_of
-    from merger.methods import iso_cts, linalg
+    from merger.methods import iso, spectral
 
-    assert {iso_cts, linalg} <= set(code_of(merger.methods.get("iso_cts").prepare))
+    assert {iso, spectral, gram, registry} <= set(code_of(merger.methods.get("iso_cts").prepare))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

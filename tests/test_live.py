@@ -509,8 +509,8 @@ def test_the_derived_states_kept_shrink_with_the_size_of_a_merge(tmp_path):
 
 
 def test_a_move_frees_the_oldest_delta_before_it_computes_its_own(tmp_path, monkeypatch):
-    """A full Δ cache drops its oldest entry before the next apply runs, so the new Δ can take that
-    memory (merger/allocator.py) rather than fresh pages; the other cached Δ stays."""
+    """A full Δ cache drops its oldest entry before the next apply runs, so the process never holds more
+    than the cache's size of Δs (each about one fp32 Δ); the other cached Δ stays."""
     import dataclasses
     import weakref
 

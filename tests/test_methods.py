@@ -6,7 +6,7 @@ import torch
 from helpers import base_and_experts, close, random_world
 
 import merger
-from merger.methods.cart import prepare_cart, rank_k_sum
+from merger.methods.cart import low_rank_sum, prepare_cart, rank_sums
 from merger.pool.task_vectors import TaskVectors, is_matrix
 
 ATOL = 1e-5
@@ -119,21 +119,19 @@ def test_dare_is_seeded(world):
     assert not all(torch.equal(a[k], c[k]) for k in keys)
 
 
-def test_dare_draws_are_ordered_normal_bf16_numbers(world):
-    """DARE's draws are bf16 numbers whose bits are the draw (compiled kernels vectorise a bf16
-    compare): every one positive, normal and finite, and the keep rule draw ≥ level(p) keeps
-    1 − p of them at every rate."""
-    from merger.methods.ties import dare_level, prepare_dare
+def test_dare_keeps_each_entry_with_probability_one_minus_p(world):
+    """DARE's draws are uniform integers in [0, LEVELS): the keep rule draw ≥ level(p) keeps 1 − p of them
+    at every rate, and the levels are ordered."""
+    from merger.methods.ties import LEVELS, dare_level, prepare_dare
 
     base, experts, keys, _ = world
     tv = TaskVectors(base, {str(i): e for i, e in enumerate(experts)})
     draws = torch.cat([d.reshape(-1) for d in prepare_dare(tv, 5)["draws"].values()])
-    assert draws.dtype == torch.bfloat16
-    assert bool(torch.isfinite(draws).all()) and float(draws.min()) >= torch.finfo(torch.bfloat16).tiny
+    assert draws.dtype == torch.int16 and int(draws.min()) >= 0 and int(draws.max()) < LEVELS
     assert bool((draws >= dare_level(0.0)).all())
     for p in (0.1, 0.5, 0.9, 0.99):
         assert abs(float((draws >= dare_level(p)).float().mean()) - (1 - p)) < 0.01, p
-    levels = [dare_level(p).float().item() for p in (0.0, 0.25, 0.5, 0.75, 0.999)]
+    levels = [int(dare_level(p)) for p in (0.0, 0.25, 0.5, 0.75, 0.999)]
     assert levels == sorted(levels) and len(set(levels)) == 5
 
 
@@ -192,16 +190,16 @@ def test_cart_at_rank_zero_and_full_rank_is_weight_averaging(world, lam):
     full = merger.merge_state_dicts(base, experts, "cart", lam=lam, rank_ratio=1.0)
     close(full, merged_visual(wa, keys))
     tv = TaskVectors(base, {str(i): e for i, e in enumerate(experts)})
-    prepared = prepare_cart(tv, share=1.0)  # every direction, for the arithmetic below
-    for rank in (lambda r: 0, lambda r: r):  # the low-rank sum is exactly zero: Δ = τ̄, θ = θavg
-        sums = [rank_k_sum(us, vh, rank(min(us.shape[1], vh.shape[2]))) for us, vh in prepared["factors"].values()]
-        assert all(s is None for s in sums)
-        close({k: base[k] + prepared["mean"][k] for k in keys}, merged_visual(wa, keys))
+    prepared = prepare_cart(tv)
+    for ratio in (1e-9, 1.0):  # k = 1 is the least a positive ratio keeps; full rank: the sum is zero
+        sums = rank_sums(prepared, ratio)["sums"]
+        assert all(s is None for s in sums.values()) == (ratio == 1.0)
+    close({k: base[k] + prepared["mean"][k] for k in keys}, merged_visual(wa, keys))
     # and the full-rank identity holds in the arithmetic too, not only by the shortcut
     k = tv.matrices[0]
-    us, vh = prepared["factors"][k]
-    from merger.methods.cart import low_rank_sum
-    assert torch.allclose(low_rank_sum(us, vh, min(us.shape[1], vh.shape[2])), torch.zeros(()), atol=1e-5)
+    basis = prepared["basis"][k]
+    assert torch.allclose(low_rank_sum(tv.fp32(k) - prepared["mean"][k], basis, basis.shape[-1]), torch.zeros(()),
+                          atol=1e-5)
 
 
 def test_cart_keeps_the_ceiling_of_the_rank_ratio():
@@ -316,7 +314,7 @@ def test_tsv_m_default_rank_is_exactly_r_over_T(wide, T):
 
 def test_tsv_m_rank_is_not_one_short_where_rounding_1_over_T_was(wide):
     base, experts, keys, taus = wide
-    from merger.methods.lowrank import tsv_rank
+    from merger.methods.tsv_m import tsv_rank
 
     assert tsv_rank("auto", 768, 768, 3) == 256 and tsv_rank(round(1 / 3, 6), 768, 768, 3) == 255
     assert tsv_rank("auto", 768, 3072, 8) == 96
@@ -324,117 +322,11 @@ def test_tsv_m_rank_is_not_one_short_where_rounding_1_over_T_was(wide):
     assert spec.kwargs["rank_ratio"] == "auto" and spec.rounded().kwargs["rank_ratio"] == "auto"
 
 
-def test_tsv_m_prepares_each_matrix_whole_on_a_worker_largest_first(wide, monkeypatch):
-    """Each matrix's spectra, Grams and default direction on one LAPACK worker (no worker waits for the
-    other after each matrix), the largest matrices first; the state is the one a matrix at a time gave:
-    its factors and Grams in the task vectors' order, its default direction the derive at "auto"."""
-    import threading
-
-    from merger.methods import linalg, lowrank
-
-    base, experts, _, _ = wide
-    tv = TaskVectors(base, {str(i): e for i, e in enumerate(experts[:3])}, dtype="bfloat16")
-    order = linalg.largest_first(tv)
-    sizes = [tv.base[k].numel() for k in order]
-    assert sorted(order) == sorted(tv.matrices) and sizes == sorted(sizes, reverse=True) and len(set(sizes)) > 1
-    for size in set(sizes):  # equal sizes keep their order
-        assert [k for k in order if tv.base[k].numel() == size] == [k for k in tv.matrices if tv.base[k].numel() == size]
-    threads, real = [], lowrank.spectral
-    monkeypatch.setattr(lowrank, "spectral", lambda x, *a, **kw: threads.append(threading.current_thread().name)
-                        or real(x, *a, **kw))
-    dispatched, each_matrix = [], lowrank.each_matrix
-    monkeypatch.setattr(lowrank, "each_matrix", lambda fn, keys, *a, **kw: dispatched.append((list(keys), kw))
-                        or each_matrix(fn, dispatched[-1][0], *a, **kw))
-    prepared = lowrank.prepare_tsv(tv)
-    assert len(threads) == len(tv.matrices) and all(t.startswith("merger-lapack") for t in threads)
-    # one pass over the matrices, the largest first, told the device (a GPU's go one at a time)
-    assert dispatched == [(order, {"device": tv.device})]
-    assert list(prepared["factors"]) == list(prepared["grams"]) == list(tv.matrices)
-    again = lowrank.tsv_direction({k: v for k, v in prepared.items() if k != "auto"}, "auto")
-    assert list(again) == list(prepared["auto"]) and set(again) == set(tv.keys)
-    assert all(torch.equal(again[k], prepared["auto"][k]) for k in again)
-
-
-def test_tsv_m_from_bf16_factors_is_their_exact_merge_to_1e_5(wide):
-    """With bf16 task vectors the two large products take the stored factors with S divided out in
-    the core: the direction is the fp64 merge of those same factors within 1e-5 (relative, per
-    matrix), below a rank where T·k fills a side; tall, wide and square matrices."""
-    from merger.methods.lowrank import prepare_tsv, tsv_direction, tsv_rank
-
-    base, experts, keys, _ = wide
-    tv = TaskVectors(base, {str(i): e for i, e in enumerate(experts[:3])}, dtype="bfloat16")
-    prepared = prepare_tsv(tv)
-    got = tsv_direction(prepared, 0.2)  # T·k = 99 < r = 168: both Grams solved in fp32
-    shapes = set()
-    for key, (left, right, s) in prepared["factors"].items():
-        T, m, _ = left.shape
-        n = right.shape[2]
-        k = tsv_rank(0.2, m, n, T)
-        u, vh, sk = left[:, :, :k].double(), right[:, :k].double(), s[:, :k].double()
-        u, vh = (u / sk[:, None, :], vh) if m >= n else (u, vh / sk[:, :, None])
-        u, vh = u.permute(1, 0, 2).reshape(m, T * k), vh.reshape(T * k, n)
-
-        def inverse_sqrt(g):
-            e, v = torch.linalg.eigh(g)
-            return (v * e.rsqrt()) @ v.mT
-
-        exact = u @ inverse_sqrt(u.mT @ u) @ (sk.reshape(-1, 1) * inverse_sqrt(vh @ vh.mT)) @ vh
-        assert (got[key].double() - exact).norm() <= 1e-5 * exact.norm(), key
-        shapes.add((m > n) - (m < n))
-    assert shapes == {-1, 0, 1}
-
-
-def test_tsv_m_default_direction_is_the_exact_merge_of_its_factors_where_they_fill_a_side(wide):
-    """At the default rank T·k = r: the concatenated singular vectors on the r side are square and near
-    singular, the more so as tasks share directions (here each τ is half a common one). The direction
-    is the fp64 merge of the stored (bf16) factors within 1e-5 per matrix (5e-6 here; a Gram rounded to
-    fp32 was 5e-4 off here, and 8 % on a random ViT-B/32 pool); tall, wide and square matrices."""
-    from merger.methods.lowrank import prepare_tsv
-
-    base, experts, keys, _ = wide
-    shared = [{k: (experts[0][k] + e[k]) / 2 for k in e} for e in experts[:8]]
-    tv = TaskVectors(base, {str(i): e for i, e in enumerate(shared)}, dtype="bfloat16")
-    prepared = prepare_tsv(tv)
-    worst = 0.0
-    for key, (left, right, s) in prepared["factors"].items():
-        T, m, K = left.shape
-        n = right.shape[2]
-        assert T * K == min(m, n)
-        u, vh, s64 = left.double(), right.double(), s.double()
-        u, vh = (u / s64[:, None, :], vh) if m >= n else (u, vh / s64[:, :, None])
-        u, vh = u.permute(1, 0, 2).reshape(m, T * K), vh.reshape(T * K, n)
-        exact = orth(u) @ (s64.reshape(-1, 1) * orth(vh.mT).mT)
-        worst = max(worst, float((prepared["auto"][key].double() - exact).norm() / exact.norm()))
-    assert worst <= 1e-5, worst
-
-
-@pytest.mark.parametrize("refused", [(0,), (1,), (0, 1)])
-def test_tsv_m_side_whose_gram_is_refused_takes_an_svd_and_the_same_merge(wide, monkeypatch, refused):
-    """Below the default rank a Gram too near singular for refined fp32 (linalg.REFINED_COND) is refused:
-    that side's polar factor then comes from an SVD of its concatenation; U side, V side, or both (the
-    direction then whole), on tall, wide and square matrices: the same merge to 1e-5 (relative)."""
-    from merger.methods import lowrank
-
-    base, experts, _, _ = wide
-    prepared = lowrank.prepare_tsv(TaskVectors(base, {str(i): e for i, e in enumerate(experts[:3])}, dtype="bfloat16"))
-    expected = lowrank.tsv_direction(prepared, 0.2)  # both Grams solved in fp32 (T·k = 99 < r = 168)
-    real = lowrank.refined_inverse_sqrt
-    for key, (left, right, _) in prepared["factors"].items():
-        calls = []  # _tsv_sides asks for the U side's Gram, then the V side's
-        monkeypatch.setattr(lowrank, "refined_inverse_sqrt",
-                            lambda g: None if calls.append(1) or len(calls) - 1 in refused else real(g))
-        k = lowrank.tsv_rank(0.2, left.shape[1], right.shape[2], left.shape[0])
-        half, side = lowrank._tsv_half(prepared, key, k)
-        assert side == {(0,): "left", (1,): "right", (0, 1): "whole"}[refused]
-        got = lowrank._tsv_product(prepared, key, k, half, side)
-        assert len(calls) == 2 and (got - expected[key]).norm() <= 1e-5 * expected[key].norm(), (key, refused)
-
-
 def test_tsv_m_with_more_experts_than_a_rank_keeps_no_direction_there():
     """T > r: ⌊r/T⌋ = 0 singular vectors per task, so the matrices stay at θ0 (the preparation used to
     fail reshaping its empty factors); the other tensors get λ · mean τ, and the state survives the disk."""
     from merger.io.disk_cache import flatten, unflatten
-    from merger.methods.lowrank import prepare_tsv, tsv_direction
+    from merger.methods.tsv_m import prepare_tsv, tsv_direction
 
     narrow = {"embed_dim": 8, "vision_cfg": {"image_size": 16, "patch_size": 8, "width": 16, "layers": 1,
                                              "head_width": 8, "mlp_ratio": 2},
@@ -447,8 +339,9 @@ def test_tsv_m_with_more_experts_than_a_rank_keeps_no_direction_there():
     expected = base[bias] + 0.5 * sum(e[bias] - base[bias] for e in experts) / 20
     assert torch.allclose(out[bias], expected, atol=1e-6)
     state = prepare_tsv(TaskVectors(base, {str(i): e for i, e in enumerate(experts)}))
-    again = unflatten(*reversed(flatten({k: v for k, v in state.items() if k != "auto"})))
+    again = unflatten(*reversed(flatten(state)))
     assert all(not tsv_direction(again, "auto")[k].any() for k in state["factors"])
+    assert all(not tsv_direction(again, 0.05)[k].any() for k in state["factors"])
 
 
 def test_iso_c_against_the_authors_formula_on_a_wide_tower(wide):
@@ -472,91 +365,3 @@ def test_ties_grid_lookup_equals_direct_trimming(world):
     grid = merger.merge_state_dicts(base, experts, "ties", lam=1.0, sparsity=0.7)
     direct = merger.merge_state_dicts(base, experts, "ties", lam=1.0, sparsity=0.7 + 1e-8)
     close(grid, merged_visual(direct, keys), atol=1e-6)
-
-
-def test_cart_rank_move_from_a_nearby_rank_equals_the_sum_from_scratch(world):
-    """CART's derive may start from a rank derived before (a large pool's rank move costs the
-    directions in between): up and down, across half the rank, and from a sum that was itself
-    updated, it matches the sum from scratch; a chain of updates stops at CHAIN."""
-    from merger.methods import cart
-    from merger.methods.cart import apply_cart, cart_sums
-
-    base, experts, keys, _ = world
-    tv = TaskVectors(base, {str(i): e for i, e in enumerate(experts)})
-    prepared = prepare_cart(tv)
-    start = cart_sums(prepared, 0.3)
-    matrix = next(iter(prepared["factors"]))
-    assert start["chains"][matrix] == 0
-    previous = start
-    for ratio, chain in ((0.32, 1), (0.34, 2), (0.3, 3), (0.55, 4), (0.08, 0), (0.1, 1)):
-        moved = cart_sums(prepared, ratio, near=[previous])  # a far jump (0.55 → 0.08) starts over
-        assert moved["chains"][matrix] == chain, ratio
-        scratch = cart_sums(prepared, ratio)
-        for k in keys:
-            a, b = apply_cart(moved, 1.5, ratio)[k], apply_cart(scratch, 1.5, ratio)[k]
-            assert torch.allclose(a, b, atol=1e-5), (ratio, k)
-        previous = moved
-    # a sum at the end of a chain is never a starting point (drift stays bounded)
-    chained = cart_sums(prepared, 0.31, near=[start])
-    chained["chains"] = {k: cart.CHAIN for k in chained["chains"]}
-    assert cart_sums(prepared, 0.315, near=[chained])["chains"][matrix] == 0
-
-
-@pytest.mark.parametrize("bf16_matmul", [False, True])
-def test_cart_rank_sums_multiplied_in_bf16_stay_within_30_percent_of_the_fp32_products_error(monkeypatch, bf16_matmul):
-    """A real pool stores CART's factors in bf16; on a CPU with bf16 matmul units its rank moves multiply them
-    as they are (fp32 accumulation, the product rounded once). Against the exact Σt SVD_k(τt − τ̄) of the
-    stored task vectors, that sum is at most 1.3× as far off as the fp32 product's (and without those
-    units the fp32 product is taken, bit for bit)."""
-    from merger.methods import cart
-    from merger.methods.cart import _factors, cart_sums
-
-    g = torch.Generator().manual_seed(3)
-    w = "visual.transformer.resblocks.0.mlp.c_fc.weight"
-    base = {w: torch.randn(192, 96, generator=g)}
-    experts = {str(t): {w: base[w] + 1e-2 * torch.randn(192, 96, generator=g)} for t in range(6)}
-    tv = TaskVectors(base, experts, dtype="bfloat16")
-    prepared = prepare_cart(tv, share=1.0)
-    us, vh = prepared["factors"][w]
-    centred = tv.fp32(w).double() - tv.fp32(w).double().mean(0)
-    u, s, v = torch.linalg.svd(centred, full_matrices=False)
-    monkeypatch.setattr(cart, "BF16_MATMUL", bf16_matmul)
-    start = cart_sums(prepared, 0.1)
-    for ratio in (0.1, 0.3, 0.7):  # from scratch, an update from 0.1, and the complement above half
-        k = math.ceil(ratio * 96)
-        exact = sum(u[t, :, :k] @ torch.diag(s[t, :k]) @ v[t, :k] for t in range(6))
-        taken = cart_sums(prepared, ratio, near=[start] if ratio == 0.3 else ())["sums"][w].double()
-        a, b = _factors(us, vh, k) if 2 * k <= 96 else _factors(us, vh, 96, start=k)
-        fp32 = (torch.mm(a.float(), b.float()) * (1 if 2 * k <= 96 else -1)).double()
-        if ratio == 0.3:  # the update from rank 10, as it always was: one fused addmm
-            fp32 = torch.addmm(start["sums"][w], *(f.float() for f in _factors(us, vh, k, start=10))).double()
-        error, fp32_error = ((x - exact).norm() / exact.norm() for x in (taken, fp32))
-        assert 1e-3 < fp32_error < 2e-2 and error <= 1.3 * fp32_error, (ratio, error, fp32_error)
-        if not bf16_matmul:
-            assert torch.equal(taken, fp32), ratio
-        else:
-            assert not torch.equal(taken, fp32), ratio  # the bf16 product really ran
-
-
-def test_per_matrix_solves_each_matrix_and_gives_the_threads_back():
-    """LAPACK one matrix per thread (linalg.per_matrix): the same factorisations as the batched
-    call, and torch's thread count restored afterwards, also when the routine fails."""
-    from merger.methods.linalg import per_matrix
-
-    threads = torch.get_num_threads()
-    g = torch.randn(5, 40, 30, generator=torch.Generator().manual_seed(0))
-    gram = g.mT @ g
-    evals, evecs = per_matrix(torch.linalg.eigh, gram)
-    ref = torch.linalg.eigh(gram)
-    assert torch.allclose(evals, ref.eigenvalues, rtol=1e-4, atol=1e-3)
-    assert torch.allclose(evecs @ torch.diag_embed(evals) @ evecs.mT, gram, rtol=1e-4, atol=1e-2)
-    u, s, vh = per_matrix(lambda m: torch.linalg.svd(m, full_matrices=False), g)
-    assert torch.allclose(u @ torch.diag_embed(s) @ vh, g, atol=1e-4)
-    assert torch.get_num_threads() == threads
-
-    def broken(m):
-        raise RuntimeError("no convergence")
-
-    with pytest.raises(RuntimeError, match="no convergence"):
-        per_matrix(broken, g)
-    assert torch.get_num_threads() == threads

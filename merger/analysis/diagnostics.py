@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from merger import methods
 from merger.errors import MergerError
-from merger.methods.ties import _n_keep
+from merger.methods.ties import kept_count
 
 
 def _flat(tv, i: int) -> torch.Tensor:
@@ -64,7 +64,7 @@ def mass_kept(tv, sparsity: float) -> list[float]:
     for i in range(tv.num_tasks):
         sq = _flat(tv, i).pow(2)
         n, total = sq.numel(), sq.sum()
-        kept = sq.topk(_n_keep(n, sparsity)).values.sum() if sparsity > 0 else total
+        kept = sq.topk(kept_count(n, sparsity)).values.sum() if sparsity > 0 else total
         out.append(float(kept / total) if total > 0 else 1.0)
     return out
 

@@ -30,6 +30,7 @@ import json
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,10 +112,22 @@ def _save(state: dict[str, torch.Tensor], path: Path, dtype: torch.dtype = torch
               str(path))
 
 
+@contextmanager
+def _on_threads(n: int):
+    """Torch on n threads for the block (the demo's numbers then do not depend on the machine's cores), and
+    the caller's count put back after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@_on_threads(2)
 def build(out_dir: str | Path = "assets/demo", config: DemoConfig | None = None, progress: bool = True) -> Path:
     """Build the pool into ``out_dir`` (replacing any previous one); returns its path."""
     config = config or DemoConfig()
-    torch.set_num_threads(2)
     out = Path(out_dir).expanduser()
     _check_replaceable(out)  # before minutes of training
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -235,9 +248,9 @@ def _merge(base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]]
 
 
 @torch.inference_mode()
+@_on_threads(2)
 def quick_report(pool_dir: str | Path, lams: tuple[float, ...] | None = None) -> dict:
     """Test-split accuracies: base and expert per task, task arithmetic average per lambda."""
-    torch.set_num_threads(2)
     pool_dir = Path(pool_dir)
     pool = yaml.safe_load((pool_dir / "pool.yaml").read_text())
     tasks = list(pool["tasks"])

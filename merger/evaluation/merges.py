@@ -5,28 +5,31 @@ queue (they run beside the resident model's work, never during another apply).""
 from __future__ import annotations
 
 import inspect
+import sys
 from collections import Counter, OrderedDict
 
-from merger import allocator, methods
+from merger import methods
 from merger.io import disk_cache
 from merger.errors import MergerError
 from merger.evaluation.shared_work import SharedWork
-from merger.evaluation.warm_up import PartStore, WarmUp
 from merger.spec import Spec, on_experts, with_block_weights
 
 
 def code_of(fn) -> tuple:
-    """The modules whose source a preparation depends on: its own, and every merger.methods module it
-    imports functions or modules from, and theirs in turn (Iso-CTS prepares through lowrank's spectra,
-    and those through linalg's and lapack's eighs)."""
+    """The modules whose source a preparation depends on: its own, every merger.methods module it
+    imports functions or modules from, and theirs in turn (Iso-CTS prepares through spectral's SVDs);
+    where one of them routes through merger.accel, every drop-in module there (a drop-in replaces
+    a reference function without being imported by it)."""
     own = inspect.getmodule(fn)
     seen, todo = {own}, [own]
     while todo:
         for v in vars(todo.pop()).values():
             m = v if inspect.ismodule(v) else inspect.getmodule(v) if callable(v) else None
-            if m is not None and m.__name__.startswith("merger.methods.") and m not in seen:
+            if m is not None and m.__name__.startswith(("merger.methods.", "merger.accel")) and m not in seen:
                 seen.add(m)
                 todo.append(m)
+    if any(m.__name__.startswith("merger.accel") for m in seen):
+        seen |= {m for name, m in list(sys.modules.items()) if name.startswith("merger.accel.")}
     return (own, *sorted(seen - {own}, key=lambda m: m.__name__))
 
 
@@ -42,9 +45,8 @@ def lru_put(cache: OrderedDict, key, value, size: int, dropped=None):
 
 
 def lru_make_room(cache: OrderedDict, size: int):
-    """Drop the oldest entries until one more fits: called before computing a new one, so that its
-    tensors can take the memory the dropped ones free rather than pages the kernel must fault in
-    (0.35 s for one fp32 Δ of ViT-B/32 on this VM; see merger/allocator.py)."""
+    """Drop the oldest entries until one more fits: called before computing a new one, so that the
+    process never holds one more than the cache's size (each is about one fp32 Δ)."""
     while cache and len(cache) >= size:
         cache.popitem(last=False)
 
@@ -54,9 +56,6 @@ class Merges:
     # rather than inside a move (see prepare_is_slow).
     INLINE_ENTRIES = 20_000_000
     DERIVED_BYTES = 2 << 30  # derived states kept: about this much (each about one fp32 Δ), 1 to 4 of them
-    # Derive parts kept (TSV-M: 0.65 GB for every rank step of ViT-B/32 × 8; ViT-L/14 × 8 would take about
-    # 2.5 GB, so its warm-up stops at WarmUp.FILL of this, the steps nearest the last move first).
-    PART_BYTES = 1 << 30
 
     def __init__(self, pool, queue, counts: Counter, deltas: int = 2):
         self.pool, self.queue, self.counts = pool, queue, counts
@@ -68,29 +67,22 @@ class Merges:
         self._deltas: OrderedDict = OrderedDict()
         self._preparing = SharedWork()  # slow preparations under way (Run), each followed by every caller
         self.disk = disk_cache.DiskCache()
-        self.parts = PartStore(self.PART_BYTES)
-        # a large pool's derive parts computed in idle time after its preparation (off: bench merge times
-        # the moves before it, then warm_now)
-        self.warm_ahead = True
-        self.warm_up = WarmUp(queue, self.parts, counts, busy=lambda: bool(self._preparing.under_way()))
 
     @staticmethod
     def _prepared_key(method, experts: tuple[str, ...], prepare_args: dict, scale: tuple = ()) -> tuple:
         return method.name, experts, tuple(sorted(prepare_args.items())), scale
 
-    def prepared(self, method, experts: tuple[str, ...], prepare_args: dict, scale: tuple = (), hints=None):
+    def prepared(self, method, experts: tuple[str, ...], prepare_args: dict, scale: tuple = ()):
         """A method's preparation for an expert subset (immutable; LRU of 3: they are large).
         ``scale``: task weights of a method that does not take them in apply, which then prepares
-        on the weighted task vectors wₜτₜ (see ``Method.task_weighted``). ``hints``: its prepare_hints
-        of the spec that asks (not in the key)."""
+        on the weighted task vectors wₜτₜ (see ``Method.task_weighted``)."""
         key = self._prepared_key(method, experts, prepare_args, scale)
         if key in self._prepared:
             self._prepared.move_to_end(key)
             return key, self._prepared[key]
-        return key, self._store_prepared(key, self._compute(method, experts, prepare_args, scale, hints=hints))
+        return key, self._store_prepared(key, self._compute(method, experts, prepare_args, scale))
 
-    def _compute(self, method, experts: tuple[str, ...], prepare_args: dict, scale: tuple, progress=None, cancel=None,
-                 hints=None):
+    def _compute(self, method, experts: tuple[str, ...], prepare_args: dict, scale: tuple, progress=None, cancel=None):
         """A preparation from the disk cache, else computed (and written there when worth it)."""
         tv = self._task_vectors(experts, scale)
         store = self._disk_key(method, experts, prepare_args, scale, tv)
@@ -99,21 +91,11 @@ class Merges:
             self.counts["disk hits"] += 1
             state = disk_cache.unflatten(hit[1], hit[0], tv, tv.device)
         else:
-            state = method.prepare_with(tv, progress, cancel, **prepare_args, **(hints or {}))
+            state = method.prepare_with(tv, progress, cancel, **prepare_args)
             if store is not None:
                 tensors, structure = disk_cache.flatten(state)
                 self.disk.put(store, f"{method.name} over {', '.join(experts)}", tensors, structure)
-        self._reserve_moves(method, tv)
         return state
-
-    def _reserve_moves(self, method, tv):
-        """On a large pool, the memory the moves after a preparation keep (the derived states and the Δs
-        cached, each about one fp32 Δ) is touched with the preparation rather than in those moves:
-        memory a process has never held costs 0.5–2.6 s per GB on a VM (allocator.py)."""
-        if method.derive is not None and tv.device.type == "cpu" and tv.numel() * tv.num_tasks > self.inline_entries:
-            kept = self._derived_size() + self.delta_size
-            sizes = [4 * t.numel() for t in tv.base.values()]
-            self.counts["reserved bytes"] += allocator.reserve(sizes * kept)
 
     def _disk_key(self, method, experts, prepare_args: dict, scale: tuple, tv) -> str | None:
         """The disk-cache key of a slow preparation over experts read from files, else None."""
@@ -133,26 +115,7 @@ class Merges:
 
     def _store_prepared(self, key: tuple, state):
         self.counts["prepares"] += 1
-        self.parts.allow(key)
-        return lru_put(self._prepared, key, state, 3, dropped=self._forget_prepared)
-
-    def _forget_prepared(self, key: tuple) -> None:
-        """A preparation out of the cache takes its warm-up and its parts with it."""
-        self.warm_up.stop(key)
-        self.parts.drop(key)
-
-    def _warm_up(self, key: tuple, state) -> None:
-        """Start computing a preparation's derive parts in idle time: after a Run's preparation (the
-        app, on a large pool), never after the API's or the CLI's, which would only compete with them."""
-        m = methods.get(key[0])
-        if m.warm is not None and self.warm_ahead and self._large(key[1]):
-            self.warm_up.start(m, key, state, self.warm_settings(m, len(key[1])))
-
-    @staticmethod
-    def warm_settings(m, num_experts: int) -> list[dict]:
-        """What a warm-up computes ahead: each step of the (one) derive parameter's slider."""
-        (name,) = m.derive_params
-        return [{name: v} for v in m.slider_steps(name, num_experts)]
+        return lru_put(self._prepared, key, state, 3)
 
     def forget_derived(self) -> None:
         """Drop the derived states and Δs (benches: the next move of each setting derives again)."""
@@ -161,20 +124,8 @@ class Merges:
             self._deltas.clear()
 
     def _large(self, experts) -> bool:
-        """A pool large enough that slow work goes through Run and derive parts are warmed ahead."""
+        """A pool large enough that slow work goes through Run."""
         return self.pool.task_vectors.numel() * len(experts) > self.inline_entries
-
-    def warm_now(self, spec: Spec) -> int:
-        """Compute every derive part of a static spec's method for all its settings now, on this thread
-        (benches: the state a warm-up leaves); returns how many were computed."""
-        m = methods.get(spec.method)
-        pkey, state = self.prepared_for(spec)
-        if m.warm is None:
-            return 0
-        view = self.parts.view(pkey)
-        for setting in self.warm_settings(m, len(spec.experts)):
-            m.warm(state, view, lambda: True, **setting)
-        return view.computed
 
     def _prepare_args(self, spec: Spec, rounded: bool = True):
         """(method, prepare arguments, task weights it prepares with) of a spec (see ``prepared``)."""
@@ -187,11 +138,7 @@ class Merges:
     def prepared_for(self, spec: Spec, rounded: bool = True):
         """(key, state): the preparation of a static spec (computed when not cached)."""
         m, args, scale = self._prepare_args(spec, rounded)
-        return self.prepared(m, spec.experts, args, scale, self._hints(m, spec))
-
-    @staticmethod
-    def _hints(m, spec: Spec) -> dict:
-        return {k: spec.kwargs[k] for k in m.prepare_hints if k in spec.kwargs}
+        return self.prepared(m, spec.experts, args, scale)
 
     def _spec_key(self, spec: Spec) -> tuple:
         """(method, the cache key of its preparation) of a spec, rounded as previews are."""
@@ -233,10 +180,9 @@ class Merges:
         def compute(progress, cancel):
             if key in self._prepared:  # stored by a preparation that ended since the check above
                 return
-            state = self._compute(m, spec.experts, args, scale, progress, cancel, self._hints(m, spec))
+            state = self._compute(m, spec.experts, args, scale, progress, cancel)
             with self.queue:
                 self._store_prepared(key, state)
-            self._warm_up(key, state)
 
         # callers of the same one follow it (one holding the model prepares on its own)
         self._preparing.get(key, compute, progress, cancel, alone=self.queue.held_here(), subject=spec,
@@ -278,18 +224,14 @@ class Merges:
                     self._derived.move_to_end(dkey)
                     state = self._derived[dkey]
                 else:
-                    if self._derived_size() > 1:  # one is kept, as the base a CART rank move may start from
+                    if self._derived_size() > 1:  # one is kept, as the state a rank move may start from
                         lru_make_room(self._derived, self._derived_size())
                     extra = {}
                     if m.derive_near and self._large(spec.experts):
                         # large pools only: small ones recompute in milliseconds and stay path-independent
                         extra["near"] = [v for (p, _), v in self._derived.items() if p == pkey]
-                    if m.warm is not None:
-                        extra["parts"] = self.parts.view(pkey)
-                        self.warm_up.moved(pkey, dict(dargs))
                     self.counts["derives"] += 1
                     state = lru_put(self._derived, dkey, m.derive(state, **dict(dargs), **extra), self._derived_size())
-                    self.counts["parts computed"] += extra["parts"].computed if "parts" in extra else 0
             self.counts["applies"] += 1
             lru_make_room(self._deltas, self.delta_size)
             delta = with_block_weights(m.apply(state, **kw, **m.weights_kwargs(key)), key)

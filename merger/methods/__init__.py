@@ -4,7 +4,7 @@ import importlib
 import pkgutil
 
 # Display order: these first, then any other module of the package by name.
-_FIRST = ("basic", "ties", "cart", "lowrank", "adaptive")
+_FIRST = ("basic", "ties", "cart", "tsv_m", "iso", "adaptive")
 _modules = [m.name for m in pkgutil.iter_modules(__path__) if m.name != "registry" and not m.name.startswith("_")]
 for _name in [*_FIRST, *sorted(set(_modules) - set(_FIRST))]:
     importlib.import_module(f"{__name__}.{_name}")

@@ -54,7 +54,7 @@ def _combination(ctx: Context, granularity: str, rank_ratio: float | None):
     if rank_ratio is None:  # AdaMerging: θ0 + Σ λ τ
         anchor, parts = dict(tv.base), dict(tv.items32())
     else:  # AdaMerging+CART: θavg + Σ λ SVD_k(θt − θavg) on matrices, θavg elsewhere
-        prep = prepare_cart(tv, share=rank_ratio)  # its parts take the top k alone
+        prep = prepare_cart(tv)
         anchor = {k: tv.base[k] + prep["mean"][k] for k in tv.keys}
         parts = cart_task_parts(prep, rank_ratio)
     keys = [k for k in tv.keys if k in parts]

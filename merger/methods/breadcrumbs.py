@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from merger.methods import compiled
+from merger.methods.entries import entrywise
 from merger.methods.registry import (LAM, Method, Paper, Param, each, frange, lam_times, register, sum_weights,
                                      with_default)
 from merger.pool.task_vectors import TaskVectors
@@ -73,13 +73,7 @@ def prepare_breadcrumbs(tv: TaskVectors, progress=None, cancel=None) -> dict:
         lo = [max(n - _counts(n, 0.0, j / GRID)[1] - 1, 0) for j in range(GRID + 1)]
         index = torch.tensor(hi + lo, device=ranked.device)
         tables[k] = ranked.index_select(-1, index)  # [T, rows, 2·(GRID + 1)]
-    state = {"tv": tv, "tables": tables}
-    kernel = _fused(tv)
-    if kernel is not None:  # compiled now for each layout the real tensors bring, not in the first move
-        layouts = {(tv.stacked[k].dim(), tables[k].shape[1] == 1): k for k in tables}
-        for k in layouts.values():
-            _fused_sum(state, kernel, k, BETA.default, GAMMA.default)
-    return state
+    return {"tv": tv, "tables": tables}
 
 
 def _kept_bounds(prepared: dict, key: str, beta: float, gamma: float):
@@ -95,68 +89,53 @@ def _kept_bounds(prepared: dict, key: str, beta: float, gamma: float):
     return table[..., jb], table[..., GRID + 1 + jg]
 
 
-def breadcrumb_masks(prepared: dict, beta: float, gamma: float):
-    """(key, task t, τt of that tensor in fp32, [rows, n] bool mask or None for a tensor kept whole) per
-    merged tensor and task: entries with lo ≤ |τ| ≤ hi, the ranks [⌊βn⌋, n − ⌊(1 − γ)n⌋) (ties with a bound
-    are kept too)."""
-    tv = prepared["tv"]
-    for k in tv.keys:
-        bounds = _kept_bounds(prepared, k, beta, gamma) if tv.base[k].dim() > 0 else None
-        n = tv.base[k].shape[-1] if tv.base[k].dim() > 0 else 1
-        for t in range(tv.num_tasks):
-            row = tv.row(k, t)
-            if tv.base[k].dim() == 0:
-                yield k, t, row, None
-            elif bounds is None:
-                yield k, t, row, torch.zeros((row.numel() // n, n), dtype=torch.bool, device=row.device)
-            else:
-                mags = row.reshape(-1, n).abs()
-                yield k, t, row, (mags <= bounds[0][t, :, None].float()) & (mags >= bounds[1][t, :, None].float())
+def kept(mags: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The entries a row keeps: lo ≤ |τ| ≤ hi, the ranks [⌊βn⌋, n − ⌊(1 − γ)n⌋) (ties with a bound kept too)."""
+    return (mags <= hi.float()) & (mags >= lo.float())
 
 
-def _kernel(tau, hi, lo):
-    """Σt of τt [T, rows, n] where lo ≤ |τt| ≤ hi ([T, rows, 1] per task and row)."""
+def breadcrumb_entries(tau: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Σt of the kept entries of a slice of rows [T, rows, n] (bounds [T, rows, 1])."""
     t = tau.float()
-    mags = t.abs()
-    return (t * ((mags <= hi.float()) & (mags >= lo.float())).to(torch.float32)).sum(0)  # see ties._kernel
+    return torch.where(kept(t.abs(), hi, lo), t, 0.0).sum(0)
 
 
-def _fused(tv: TaskVectors):
-    x = torch.zeros((2, 3, 4), dtype=tv.dtype, device=tv.device)
-    return compiled.for_stack(tv, _kernel, (x, x[..., :1], x[..., :1]))
+def _rows_and_bounds(prepared: dict, key: str, beta: float, gamma: float):
+    """(the stack as rows [T, rows, n], (hi, lo) [T, rows, 1] each), or None where nothing is kept."""
+    stack = prepared["tv"].stacked[key]
+    bounds = _kept_bounds(prepared, key, beta, gamma)
+    if bounds is None:
+        return None
+    n = stack.shape[-1]
+    return stack.reshape(stack.shape[0], -1, n), (bounds[0][..., None], bounds[1][..., None])
 
 
 def breadcrumb_sum(prepared: dict, beta: float, gamma: float) -> dict:
-    """Σ of the masked task vectors (one compiled pass per tensor, or one task at a time): λ is then one
-    scale."""
-    tv = prepared["tv"]
-    kernel = _fused(tv)
-    if kernel is not None:
-        return {k: _fused_sum(prepared, kernel, k, beta, gamma) for k in tv.keys}
-    out = {k: torch.zeros_like(b) for k, b in tv.base.items()}
-    for k, _, row, keep in breadcrumb_masks(prepared, beta, gamma):
-        out[k] += row if keep is None else torch.where(keep, row.reshape(keep.shape), 0.0).reshape(row.shape)
+    """Σ of the masked task vectors per tensor (a scalar parameter kept whole): λ is then one scale."""
+    tv, out = prepared["tv"], {}
+    for k, stack in tv.stacked.items():
+        if stack.dim() == 1:
+            out[k] = stack.sum(0, dtype=torch.float32)
+            continue
+        found = _rows_and_bounds(prepared, k, beta, gamma)
+        out[k] = (torch.zeros_like(tv.base[k]) if found is None else
+                  entrywise(breadcrumb_entries, found[0], *found[1]).reshape(tv.base[k].shape))
     return out
 
 
-def _fused_sum(prepared: dict, kernel, key: str, beta: float, gamma: float) -> torch.Tensor:
-    tv = prepared["tv"]
-    stack = tv.stacked[key]
-    if tv.base[key].dim() == 0:
-        return stack.sum(0, dtype=torch.float32)
-    bounds = _kept_bounds(prepared, key, beta, gamma)
-    if bounds is None:
-        return torch.zeros_like(tv.base[key])
-    n = tv.base[key].shape[-1]
-    rows = stack.reshape(tv.num_tasks, -1, n)
-    return kernel(rows, bounds[0][..., None], bounds[1][..., None]).reshape(tv.base[key].shape)
-
-
 def kept_by_breadcrumbs(tv: TaskVectors, beta: float, gamma: float, lam=None) -> torch.Tensor:
-    rows: dict[int, list] = {t: [] for t in range(tv.num_tasks)}
-    for _, t, _, keep in breadcrumb_masks(prepare_breadcrumbs(tv), beta, gamma):
-        rows[t].append(torch.ones(1, dtype=torch.bool, device=tv.device) if keep is None else keep.reshape(-1))
-    return torch.stack([torch.cat(rows[t]) for t in range(tv.num_tasks)])
+    """[T, P]: the entries each task's rows keep, over the flattened task vectors."""
+    prepared, parts = prepare_breadcrumbs(tv), []
+    for k, stack in tv.stacked.items():
+        found = None if stack.dim() == 1 else _rows_and_bounds(prepared, k, beta, gamma)
+        if stack.dim() == 1:
+            parts.append(torch.ones(stack.shape[0], 1, dtype=torch.bool, device=stack.device))
+        elif found is None:
+            parts.append(torch.zeros(stack.shape[0], stack[0].numel(), dtype=torch.bool, device=stack.device))
+        else:
+            rows, (hi, lo) = found
+            parts.append(kept(rows.float().abs(), hi, lo).reshape(stack.shape[0], -1))
+    return torch.cat(parts, 1)
 
 
 def breadcrumbs_note(params, prepared) -> str | None:
@@ -171,7 +150,7 @@ def breadcrumbs_note(params, prepared) -> str | None:
     return None
 
 
-register(Method(
+BREADCRUMBS = register(Method(
     name="breadcrumbs",
     display_name="Model Breadcrumbs",
     slow_prepare=True,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from merger.methods import compiled
+from merger.methods.entries import entrywise
 from merger.methods.registry import (CART_README, LAM, Method, Paper, Param, Published, frange, lam_times, register,
                                      sum_weights, with_default)
 from merger.pool.task_vectors import TaskVectors
@@ -15,56 +15,39 @@ AGREE = Param("agree", 2, 1, 64, 1, kind="int", label="tasks that must agree (k)
               help="Consensus keeps the entries that at least k tasks' TALL masks keep")
 
 
-def votes_of(tv: TaskVectors, key: str, mask_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(τ_MTL = Σ τ, how many TALL masks mₜ = |τₜ| ≥ λ_mask · |τ_MTL − τₜ| keep each entry) of one tensor,
-    counted one task at a time (no [T, n] temporaries: 3.7 → 1.3 s a derive on ViT-B/32 × 8)."""
-    total = tv.stacked[key].sum(0, dtype=torch.float32)
-    votes = torch.zeros(total.shape, dtype=torch.int16, device=total.device)
-    for t in range(tv.num_tasks):
-        row = tv.row(key, t)
-        votes += row.abs() >= (total - row).abs_().mul_(mask_lambda)
-    return total, votes
+def tall_votes(tau: torch.Tensor, mask_lambda: torch.Tensor) -> torch.Tensor:
+    """How many TALL masks mₜ = |τₜ| ≥ λ_mask · |τ_MTL − τₜ| keep each entry of a slice [T, ...]. In fp64:
+    T stored values add up exactly there, so an entry's vote does not hang on a rounding."""
+    tau = tau.double()
+    return (tau.abs() >= (tau.sum(0) - tau).abs() * mask_lambda).sum(0)
 
 
-def _kernel(tau, mask_lambda, agree):
-    """Σ τ [T, n] where at least ``agree`` TALL masks keep the entry, in one pass, task by task and
-    votes counted in fp32 (exact to 2²⁴): see ties._kernel for why."""
-    rows = [tau[i].float() for i in range(tau.shape[0])]
-    total = sum(rows)
-    votes = sum((t.abs() >= (total - t).abs() * mask_lambda).to(torch.float32) for t in rows)
-    return total * (votes >= agree).to(torch.float32)  # a product, not a select (see ties._kernel)
-
-
-def _fused(tv: TaskVectors):
-    # λ_mask and k as 0-dim tensors: a Python number in the compiled graph is a guard (a recompile per
-    # value); the example has the pool's task count, which the task-by-task graph is specialised on
-    example = (torch.zeros((tv.num_tasks, 64), dtype=tv.dtype, device=tv.device), torch.tensor(0.4),
-               torch.tensor(2.0))
-    return compiled.for_stack(tv, _kernel, example)
+def consensus_entries(tau: torch.Tensor, mask_lambda: torch.Tensor, agree: torch.Tensor) -> torch.Tensor:
+    """τ_MTL = Σ τ on the entries of a slice that at least ``agree`` masks keep, zero elsewhere."""
+    return torch.where(tall_votes(tau, mask_lambda) >= agree, tau.float().sum(0), 0.0)
 
 
 def prepare_consensus(tv: TaskVectors) -> dict:
-    _fused(tv)  # compiled with the preparation (large stacks: seconds, once per process), not in a λ_mask move
     return {"tv": tv}
+
+
+def _args(tv: TaskVectors, mask_lambda: float, agree: int) -> tuple:
+    # 0-d tensors, not numbers: a compiled drop-in then takes any value without compiling again
+    return (torch.tensor(float(mask_lambda), dtype=torch.float64, device=tv.device),
+            torch.tensor(int(agree), device=tv.device))
 
 
 def consensus_sum(prepared: dict, mask_lambda: float, agree: int) -> dict:
     """Σ τ on the entries at least ``agree`` TALL masks keep (zero elsewhere): λ is then one scale."""
-    tv, out = prepared["tv"], {}
-    kernel = _fused(tv)
-    if kernel is not None:
-        level, k = torch.tensor(float(mask_lambda)), torch.tensor(float(agree))
-        return {key: kernel(v.reshape(tv.num_tasks, -1), level, k).reshape(v.shape[1:])
-                for key, v in tv.stacked.items()}
-    for k in tv.keys:
-        total, votes = votes_of(tv, k, mask_lambda)
-        out[k] = total.masked_fill_(votes < agree, 0.0)
-    return out
+    tv = prepared["tv"]
+    args = _args(tv, mask_lambda, agree)
+    return {k: entrywise(consensus_entries, v, args=args) for k, v in tv.stacked.items()}
 
 
 def kept_by_consensus(tv: TaskVectors, mask_lambda: float, agree: int, lam=None) -> torch.Tensor:
     """[T, P]: the consensus mask (the same entries for every task)."""
-    keep = torch.cat([(votes_of(tv, k, mask_lambda)[1] >= agree).reshape(-1) for k in tv.keys])
+    level, _ = _args(tv, mask_lambda, agree)
+    keep = torch.cat([(tall_votes(v, level) >= agree).reshape(-1) for v in tv.stacked.values()])
     return keep[None, :].expand(tv.num_tasks, -1)
 
 
@@ -75,7 +58,7 @@ def consensus_note(params, prepared) -> str | None:
     return None
 
 
-register(Method(
+CONSENSUS_TA = register(Method(
     name="consensus_ta",
     aliases=("consensus",),
     display_name="Consensus TA (TALL masks)",

@@ -41,7 +41,7 @@ def picked_share(params, num_experts: int, prepared) -> tuple[list[float], str]:
     return [lam * s for s in prepared["share"]], "λ × the share of entries where τt has the largest magnitude"
 
 
-register(Method(
+MAGMAX = register(Method(
     name="magmax",
     display_name="MagMax",
     slow_prepare=True,

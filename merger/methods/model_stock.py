@@ -54,7 +54,7 @@ def effective_weights(params, num_experts: int, prepared) -> tuple[list[float], 
     return [t / num_experts] * num_experts, f"t/T per task (t = {t:.3g}, the mean ratio over tensors)"
 
 
-register(Method(
+MODEL_STOCK = register(Method(
     name="model_stock",
     display_name="Model Stock",
     paper=Paper("Model Stock: All we need is just a few fine-tuned models", "2403.19522"),

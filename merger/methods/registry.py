@@ -92,17 +92,14 @@ class Method:
     prepare: Callable[..., Any]
     apply: Callable[..., Mapping[str, Any]]
     prepare_params: tuple[str, ...] = ()  # parameters that change prepare's result (e.g. seed)
-    prepare_hints: tuple[str, ...] = ()  # passed to prepare too, never in its key (CART: the rank that asks)
-    # Optional middle step, derive(prepared, **derive_params) -> state for apply (TSV-M's direction per rank):
-    # prepared state stays immutable (CART's spectrum is completed once), the session caches what is derived.
+    # Optional middle step, derive(prepared, **derive_params) -> state for apply (TSV-M's direction per rank).
+    # Every prepared and derived state is immutable once returned: the session caches them, and a later move,
+    # a landscape or an export may read the same one.
     derive: Callable[..., Any] | None = None
     derive_params: tuple[str, ...] = ()
-    # derive(prepared, near=[states derived before from this preparation]) may start from one (CART's ranks)
+    # derive(prepared, ..., near=[states derived before from the same preparation]): the session passes
+    # them on large pools; the reference ignores them, a drop-in may start from one (CART's rank sums).
     derive_near: bool = False
-    # Derive parts kept apart from the derived state (TSV-M: each matrix's eighs and core at one rank):
-    # derive(..., parts=store) reads and fills the session's store; warm(prepared, parts, gate, **setting)
-    # computes one setting's ahead in idle time, gate() between matrices (False: stop). See warm_up.py.
-    warm: Callable[..., None] | None = None
     # A one-line remark for the current setting (e.g. "λ has no effect at full rank"), or None.
     note: Callable[[Mapping[str, Any], Any], str | None] | None = None
     defaults_for: Callable[[int], dict[str, Any]] | None = None  # defaults that depend on T

@@ -45,7 +45,7 @@ def slerp_weights(params, num_experts: int, prepared) -> tuple[list[float], str]
             "the mean over tensors of sin((1 − t)Ω)/sin Ω and sin(tΩ)/sin Ω")
 
 
-register(Method(
+SLERP = register(Method(
     name="slerp",
     display_name="SLERP (two experts)",
     paper=Paper("Animating rotation with quaternion curves (Shoemake, SIGGRAPH 1985): slerp", ""),

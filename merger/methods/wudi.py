@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from merger.errors import Cancelled
-from merger.methods.linalg import gram_rows
 from merger.methods.registry import (LAM, MATRICES_NOTE, STEPS, Method, Paper, frange, lam_times, register, sum_weights,
                                      with_default)
 from merger.pool.task_vectors import TaskVectors
@@ -31,7 +30,7 @@ def quadratic_terms(stack: torch.Tensor):
     a, b, const = stack.new_zeros(n, n), torch.zeros_like(stack[0]), 0.0
     for t in stack:
         norm = t.square().sum().clamp(min=1e-30)
-        gram = gram_rows(t.mT).div_(norm)  # τtᵀτt / ‖τt‖²
+        gram = (t.mT @ t).div_(norm)  # τtᵀτt / ‖τt‖²
         a += gram
         b.addmm_(t, gram)
         const += float(gram.double().square().sum() * norm.double())
@@ -92,7 +91,7 @@ def wudi_note(params, prepared) -> str | None:
     return f"interference Σ over matrices {before:.4g} → {after:.4g} after {params.get('steps')} Adam steps."
 
 
-register(Method(
+WUDI = register(Method(
     name="wudi",
     slow_prepare=True,
     display_name="WUDI merging",

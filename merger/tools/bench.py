@@ -52,7 +52,7 @@ def bench_merge(args) -> int:
           f"in {str(tv.dtype).replace('torch.', '')}; torch threads {torch.get_num_threads()}")
     print(f"\n{'method':<17}{'prepare s':>10}{'state GB':>10}{'peak RSS GB':>12}  {'move':<14}{'s':>7}  {'work':<7}"
           f"{'faulted GB':>11}  goal")
-    failed, before_warm, warm_notes, spreads = [], [], [], []
+    failed, spreads = [], []
     repeats = args.repeats or 1
     for name in names:
         m = methods.get(name)
@@ -66,47 +66,25 @@ def bench_merge(args) -> int:
             # pages in beside its GBs (TSV-M after CART: 18.5 s instead of 14).
             gc.collect()
             session = PoolSession(pool)  # empty caches for each method
-            session.merges.warm_ahead = False  # cold moves first; the warm-up's are timed after them
             reset_peak_rss()
             t0 = time.perf_counter()
             _, prepared = session.merges.prepared_for(session.spec(name, experts=experts, **moves[0][1]))
             prepare_times.append(time.perf_counter() - t0)
-            if m.warm is not None and len(prepare_times) == 1 < repeats:  # the idle time until every step is ready
-                t0 = time.perf_counter()
-                session.merges.warm_now(session.spec(name, experts=experts, **moves[0][1]))
-                warm_notes.append(f"{name}: after a fresh preparation the warm-up readies every step in "
-                                  f"{time.perf_counter() - t0:.1f} s of idle time")
         prepare_s = statistics.median(prepare_times)
         if repeats > 1:
             spreads.append(f"{name}: prepare {min(prepare_times):.2f}–{max(prepare_times):.2f} s over {repeats}")
         times = _moves(session, name, experts, moves)
-        if m.warm is not None:  # what an idle moment after the preparation computes ahead (warm_up.py)
-            t0 = time.perf_counter()
-            parts = session.merges.warm_now(session.spec(name, experts=experts, **moves[0][1]))
-            warm_s = time.perf_counter() - t0
-            session.merges.forget_derived()
-            times += [(f"{label} warm", *rest) for label, *rest in
-                      _moves(session, name, experts, [mv for mv in moves if any(
-                          mv[1][p] != moves[0][1][p] for p in m.derive_params)])]
-            warm_notes.append(f"{name}: warm-up left after the moves above {warm_s:.1f} s ({parts} parts, "
-                              f"{session.merges.parts.bytes / 2**30:.2f} GB); 'warm' = the same moves after it")
         _, peak = rss_gb()
-        # a warmed method's rank moves count once warm; those before its warm-up are named apart
-        cold = {label for label, *_ in times if m.warm is not None and label.startswith("rank") and "warm" not in label}
-        ok = prepare_s <= GOAL_PREPARE_S and all(t <= GOAL_APPLY_S for label, t, _, _ in times if label not in cold)
-        if not ok:
+        if not (prepare_s <= GOAL_PREPARE_S and all(t <= GOAL_APPLY_S for _, t, _, _ in times)):
             failed.append(name)
-        if any(t > GOAL_APPLY_S for label, t, _, _ in times if label in cold):
-            before_warm.append(name)
         for i, (label, t, work, faulted) in enumerate(times):
             head = (f"{name:<17}{prepare_s:>10.2f}{prepared_gb(prepared):>10.2f}{peak:>12.2f}" if i == 0 else " " * 49)
             mark = ("ok" if t <= GOAL_APPLY_S else "MISS") + ("" if i or prepare_s <= GOAL_PREPARE_S else ", prepare MISS")
             print(f"{head}  {label:<14}{t:>7.3f}  {work:<7}{faulted:>11.2f}  {mark}", flush=True)
         del prepared, session
     print(f"\ngoals: prepare <= {GOAL_PREPARE_S:g} s, every move <= {GOAL_APPLY_S:g} s: "
-          + ("met" if not failed else "missed by " + ", ".join(failed))
-          + (f"; rank moves before the warm-up missed by {', '.join(before_warm)}" if before_warm else ""))
-    for line in spreads + warm_notes:
+          + ("met" if not failed else "missed by " + ", ".join(failed)))
+    for line in spreads:
         print(line)
     print(("prepare s = the median of %d preparations, each in a fresh session (peak RSS counts the memory the "
            "earlier ones left in the heap). " % repeats if repeats > 1 else "")
@@ -131,7 +109,6 @@ def _moves(session, name: str, experts, moves) -> list[tuple]:
 
 
 def run(what: str, args) -> int:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     if what == "merge":
         return bench_merge(args)
     if what in ("live", "browser", "workshop"):

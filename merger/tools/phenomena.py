@@ -32,10 +32,11 @@ def full_rank_through_the_arithmetic(ex, lam: float = 1.5, split: str = "test") 
     from merger.methods.cart import low_rank_sum, prepare_cart
 
     tv = ex.pool.task_vectors
-    prep = prepare_cart(tv, share=1.0)  # every direction: the full-rank sum below
+    prep = prepare_cart(tv)
     delta = dict(prep["mean"])
-    for key, (us, vh) in prep["factors"].items():
-        delta[key] = prep["mean"][key] + lam * low_rank_sum(us, vh, min(us.shape[1], vh.shape[2]))
+    for key, basis in prep["basis"].items():
+        centred = tv.fp32(key) - prep["mean"][key]
+        delta[key] = prep["mean"][key] + lam * low_rank_sum(centred, basis, basis.shape[-1])  # every direction
     with ex.lock:
         full = ex.evaluator.evaluate(delta=delta, split=split)
     wa = ex.preview(ex.spec(WEIGHT_AVERAGING.name), split)

@@ -2,6 +2,7 @@
 benchmarks and the bad-input catalogue. Nothing is downloaded; everything is seeded."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -80,3 +81,41 @@ def write_pool(root: Path, n_experts: int = 3, scale: float = 0.05, tasks=None, 
                          for i, t in enumerate(tasks)}
     (root / "pool.yaml").write_text(yaml.safe_dump(spec))
     return root / "pool.yaml"
+
+
+# One ViT-B/32 block's matrices and one of its other tensors: the shapes people merge.
+VIT_B32_BLOCK = {
+    "visual.transformer.resblocks.0.attn.in_proj_weight": (2304, 768),
+    "visual.transformer.resblocks.0.attn.out_proj.weight": (768, 768),
+    "visual.transformer.resblocks.0.mlp.c_fc.weight": (3072, 768),
+    "visual.transformer.resblocks.0.mlp.c_proj.weight": (768, 3072),
+    "visual.transformer.resblocks.0.ln_1.bias": (768,),
+}
+
+
+def realistic_task_vectors(T: int, shapes: dict, dtype: str = "float32", seed: int = 0, scale: float = 1e-3,
+                           apart: float = 1.0):
+    """Task vectors shaped as fine-tuned ones are (TaskVectors, base zero): per matrix a low-rank part all
+    tasks share, a low-rank part of each task's own and dense noise (both times ``apart``: small, and the
+    experts are nearly alike), singular values that decay; other tensors dense noise. Stored in ``dtype``
+    as a pool would."""
+    from merger.pool.task_vectors import TaskVectors
+
+    g = torch.Generator().manual_seed(seed)
+
+    def low_rank(m, n, rank):
+        u = torch.linalg.qr(torch.randn(m, rank, generator=g, dtype=torch.float64))[0]
+        v = torch.linalg.qr(torch.randn(n, rank, generator=g, dtype=torch.float64))[0]
+        return (u * torch.exp(-torch.arange(rank, dtype=torch.float64) / (rank / 4))) @ v.T
+
+    base = {k: torch.zeros(s) for k, s in shapes.items()}
+    shared = {k: low_rank(*s, 24) for k, s in shapes.items() if len(s) == 2}
+    experts = {}
+    for t in range(T):
+        expert = {}
+        for k, s in shapes.items():
+            noise = torch.randn(s, generator=g, dtype=torch.float64) / math.sqrt(max(s))
+            own = 0.7 * shared[k] + apart * (low_rank(*s, 48) + 0.15 * noise) if len(s) == 2 else noise
+            expert[k] = (scale * own).float()
+        experts[f"task{t + 1}"] = expert
+    return TaskVectors(base, experts, dtype=dtype)

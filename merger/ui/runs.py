@@ -126,10 +126,7 @@ class RunController:
             return
         acc, loss, radar, summary = self.ctl.preview(experts, method, *values)
         if "prepared" in box:
-            ahead = (f" Each {' / '.join(m.param(p).label or p for p in m.derive_params)} step is readied while "
-                     "the server is idle (each step's first move is slower until then)."
-                     if m.warm and self.ctl.session.merges.warm_ahead else "")
-            yield (f"✓ {m.display_name}: prepared in {box['prepared']:.1f} s; its sliders are live now.{ahead}{went_on}",
+            yield (f"✓ {m.display_name}: prepared in {box['prepared']:.1f} s; its sliders are live now.{went_on}",
                    *(gr.skip(),) * 3,
                    acc, loss, radar, summary)
             return

@@ -1,0 +1,84 @@
+"""The precision contract (METHODS.md): every static merge within 1e-4 relative Frobenius error per
+matrix of an fp64 evaluation of its definition (merger/tools/definitions.py, written apart from the
+methods), on ViT-B/32's matrix shapes (2304 × 768, 768 × 768, 3072 × 768, 768 × 3072) with T = 3 and
+T = 8, task vectors stored in fp32 and in bf16, each at its default and two other settings. The
+merges run as the app runs them (drop-ins included); tests/test_accel.py holds each drop-in to its
+reference."""
+import pytest
+
+from merger.tools.definitions import DEFINITIONS, relative_errors
+from merger.tools.testing import VIT_B32_BLOCK, realistic_task_vectors
+
+CONTRACT = 1e-4
+IN_PROJ, OUT_PROJ, C_FC, C_PROJ, BIAS = VIT_B32_BLOCK
+# (tensors, T, storage[, settings]): between its two cases each method meets every shape, both T, both dtypes
+# and its default and two other settings
+CASES = {
+    "tsv_m": [((C_FC, OUT_PROJ, BIAS), 8, "bfloat16", 0), ((IN_PROJ, C_PROJ), 3, "float32")],
+    "cart": [((C_PROJ, IN_PROJ, BIAS), 8, "float32", 0), ((OUT_PROJ, C_FC), 3, "bfloat16")],
+    "iso_cts": [((IN_PROJ, C_PROJ, BIAS), 8, "bfloat16", 0), ((C_FC, OUT_PROJ), 3, "float32")],
+    "wudi": [((OUT_PROJ,), 3, "float32", 0), ((OUT_PROJ, BIAS), 8, "bfloat16", 1, 2)],
+}
+EVERY_SHAPE = [((OUT_PROJ, C_PROJ, BIAS), 8, "bfloat16"), ((IN_PROJ, C_FC, BIAS), 3, "float32")]
+
+
+def cases():
+    for d in DEFINITIONS:
+        for keys, T, dtype, *which in CASES.get(d.method.name, EVERY_SHAPE):
+            T = d.method.num_experts or T  # SLERP: two
+            settings = d.settings(T)
+            settings = [settings[i] for i in which] if which else settings  # the slowest: fewer in one case
+            yield pytest.param(d, keys, T, dtype, settings, id=f"{d.method.name}-T{T}-{dtype}")
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made = {}
+
+    def get(keys, T, dtype):
+        if (keys, T, dtype) not in made:
+            made[(keys, T, dtype)] = realistic_task_vectors(T, {k: VIT_B32_BLOCK[k] for k in keys}, dtype, seed=T)
+        return made[(keys, T, dtype)]
+    return get
+
+
+@pytest.mark.parametrize("definition, keys, T, dtype, settings", cases())
+def test_every_static_merge_is_its_fp64_definition_within_1e_4_per_matrix(definition, keys, T, dtype, settings, pools):
+    tv = pools(keys, T, dtype)
+    m = definition.method
+    prepared, memo = {}, {}
+    for params in settings:
+        resolved = m.resolve(params, T)
+        prepare_key = tuple(resolved[k] for k in m.prepare_params)
+        if prepare_key not in prepared:  # one preparation per prepare parameters, as the session keeps it
+            prepared[prepare_key] = m.prepare(tv, **{k: resolved[k] for k in m.prepare_params})
+        errors = relative_errors(definition, tv, params, prepared[prepare_key], memo)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= CONTRACT, (m.name, params, worst, errors[worst])
+
+
+def test_every_static_method_has_a_definition_and_settings():
+    import merger
+
+    static = {m.name for m in merger.methods.all_methods() if not m.data_driven}
+    assert {d.method.name for d in DEFINITIONS} == static
+    for d in DEFINITIONS:
+        for T in (2, 3, 8):
+            settings = d.settings(T)
+            assert settings[0] == {k: v for k, v in d.method.resolve({}, d.method.num_experts or T).items()
+                                   if k in settings[0]}, d.method.name  # the first is the default
+            for params in settings:
+                d.method.resolve(params, d.method.num_experts or T)  # each one a valid setting
+
+
+SPECTRAL = [d for d in DEFINITIONS if d.method.name in ("tsv_m", "cart", "iso_c", "iso_cts")]
+
+
+@pytest.mark.parametrize("definition", SPECTRAL, ids=lambda d: d.method.name)
+def test_experts_nearly_alike_keep_the_spectral_merges_within_the_contract(definition):
+    """Experts that share almost all of their task vectors (each one's own part 1 % of the shared one): the
+    residuals Iso-CTS takes past the common subspace are then small, and a residual Gram formed as
+    τᵀτ − bᵀb in fp32 cancelled away (2e-2 off on this tall matrix)."""
+    tv = realistic_task_vectors(3, {C_FC: VIT_B32_BLOCK[C_FC]}, "bfloat16", seed=3, apart=0.01)
+    errors = relative_errors(definition, tv, definition.settings(3)[0])
+    assert max(errors.values()) <= CONTRACT, errors
