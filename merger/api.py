@@ -40,7 +40,7 @@ def merge_delta(pool, spec: Spec) -> Mapping[str, torch.Tensor]:
     session = session_for(pool)
     if m.data_driven:
         return session.delta(spec)
-    _, prepared = session.prepared_for(spec, rounded=False)
+    _, prepared = session.prepared_for(spec, snapped=False)
     return with_block_weights(m.delta(prepared, **spec.kwargs, **m.weights_kwargs(spec)), spec)
 
 

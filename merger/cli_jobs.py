@@ -163,11 +163,11 @@ def _recording(args, session, counts: dict, cluster=None):
     history, ref = History(args.history), pool_reference(session.pool)
 
     def on_result(spec, result):
-        history.record(ref, spec.rounded(), result)
+        history.record(ref, spec, result)  # evaluate_all's: snapped
         evaluated(spec, result)
 
     def known(spec, split):
-        row = history.find(ref, spec.rounded(), split)
+        row = history.find(ref, spec, split)
         if row is None:
             return None
         counts["reused"] += 1

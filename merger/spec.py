@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -141,14 +141,13 @@ class Spec:
     def kwargs(self) -> dict[str, Any]:
         return dict(self.params)
 
-    def rounded(self) -> "Spec":
-        """Parameters snapped to their slider steps: the cache key of a slider preview.
-
-        Only static methods' sliders snap. A data-driven method runs with exactly the values it
-        was given (a typed lr = 4e-5 must not become 0), and "auto" stays "auto"."""
+    def snap(self) -> "SnappedSpec":
+        """The spec on its sliders' steps (what a slider move computes, λ 0.333 at 0.35): made once where
+        slider values come in. Only static methods' sliders snap: a data-driven method runs with exactly
+        the values it was given (a typed lr = 4e-5 must not become 0), and "auto" stays "auto"."""
         m = methods.get(self.method)
         if m.data_driven:
-            return self
+            return SnappedSpec(self.method, self.params, self.experts, self.task_weights, self.block_weights, given=self)
         out = [(name, _on_step(m, m.param(name), value, len(self.experts)) if isinstance(value, float) else value)
                for name, value in self.params]
 
@@ -156,19 +155,8 @@ class Spec:
             snapped = ((n, snap_weight(w)) for n, w in weights)
             return tuple((n, w) for n, w in snapped if w != 1.0)
 
-        return Spec(self.method, tuple(out), self.experts, snap(self.task_weights), snap(self.block_weights))
-
-    def snapped(self) -> dict:
-        """The parameters and weights a preview computes at another value than given: they sit on
-        their sliders' steps (λ 0.333 is computed at 0.35), as the result cache keys them.
-        {name: (given, computed)}; task and block weights as "w.NAME" and "b.NAME"."""
-        rounded = self.rounded()
-        out = {}
-        for tag, given, computed in (("", self.params, rounded.params), ("w.", self.task_weights, rounded.task_weights),
-                                     ("b.", self.block_weights, rounded.block_weights)):
-            computed = dict(computed)  # a weight that snaps to 1 is left out of the rounded spec
-            out.update({tag + n: (g, computed.get(n, 1.0)) for n, g in given if g != computed.get(n, 1.0)})
-        return out
+        return SnappedSpec(self.method, tuple(out), self.experts, snap(self.task_weights), snap(self.block_weights),
+                           given=self)
 
     def label(self) -> str:
         args = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.params)
@@ -184,6 +172,31 @@ class Spec:
             out["task_weights"] = dict(self.task_weights)
         if self.block_weights:
             out["block_weights"] = dict(self.block_weights)
+        return out
+
+
+@dataclass(frozen=True)
+class SnappedSpec(Spec):
+    """A spec on its sliders' steps (``Spec.snap``): the one type a slider move computes and every cache of
+    slider results (results, partial answers, estimates, the history) is keyed by. ``given``: the spec as
+    typed, to say what was snapped; not part of its identity."""
+
+    given: Spec | None = field(default=None, compare=False, repr=False)
+
+    def snap(self) -> "SnappedSpec":
+        return self
+
+    def snapping(self) -> dict:
+        """The parameters and weights computed at another value than typed: {name: (typed, computed)};
+        task and block weights as "w.NAME" and "b.NAME" (a weight snapped to 1 is left out of a spec)."""
+        if self.given is None:
+            return {}
+        out = {}
+        for tag, given, computed in (("", self.given.params, self.params),
+                                     ("w.", self.given.task_weights, self.task_weights),
+                                     ("b.", self.given.block_weights, self.block_weights)):
+            computed = dict(computed)
+            out.update({tag + n: (g, computed.get(n, 1.0)) for n, g in given if g != computed.get(n, 1.0)})
         return out
 
 

@@ -223,3 +223,54 @@ def test_python_objects_given_to_the_api_are_named_not_raised_raw(pair, tiny_poo
     for call, message in cases:
         with pytest.raises(MergerError, match=message):
             call()
+
+
+# ---- the spectral merges: a matrix they cannot decompose is named, never a NaN merge -----------
+
+def _spectral_world(n_experts=3, duplicate=False, nan=False):
+    base, experts = base_and_experts(n_experts)
+    if duplicate:
+        experts[1] = {k: v.clone() for k, v in experts[0].items()}
+    if nan:
+        key = next(k for k in experts[0] if k.endswith("mlp.c_fc.weight"))
+        experts[0][key][3, 5] = float("nan")
+    return base, experts
+
+
+@pytest.mark.parametrize("method", ["tsv_m", "cart", "iso_c", "iso_cts"])
+def test_a_spectral_merge_of_a_non_finite_task_vector_names_the_matrix(method):
+    """Checkpoints are checked on load (a non-finite expert is refused there); a task vector that reaches a
+    spectral merge otherwise (a lab expert whose fine-tune diverged) is named, never decomposed into NaN."""
+    from merger.pool.task_vectors import TaskVectors
+
+    base, experts = _spectral_world(nan=True)
+    m = merger.methods.get(method)
+    tv = TaskVectors(base, {f"e{i}": e for i, e in enumerate(experts)})
+    params = m.resolve({}, 3)
+    with pytest.raises(MethodError, match=r"mlp\.c_fc\.weight(, [^:]+)?: holds NaN or Inf"):
+        m.delta(m.prepare(tv, **{k: params[k] for k in m.prepare_params}), **params)
+
+
+@pytest.mark.parametrize("method", ["tsv_m", "cart", "iso_c", "iso_cts"])
+def test_a_spectrum_that_does_not_converge_is_named_with_its_matrix(method, monkeypatch):
+    base, experts = _spectral_world()
+
+    def fails(*args, **kwargs):
+        raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "svd", fails)
+    monkeypatch.setattr(torch.linalg, "eigh", fails)  # the drop-ins' route fails too: the reference says so
+    with pytest.raises(MethodError, match=r"(TSV-M|CART|Iso-C|Iso-CTS), visual\.\S+(, [^:]+)?: its SVD did not converge"):
+        merger.merge_state_dicts(base, experts, method)
+
+
+@pytest.mark.parametrize("method", ["tsv_m", "iso_cts"])
+def test_two_experts_with_the_same_weights_leave_no_orthogonal_factor_and_say_so(method):
+    """TSV-M and Iso-CTS orthogonalise the tasks' directions together: two identical experts make them
+    linearly dependent, and the factor the methods define does not exist (no silent pseudo-inverse)."""
+    base, experts = _spectral_world(duplicate=True)
+    with pytest.raises(MethodError, match=r"visual\.\S+: the directions to orthogonalise are \(nearly\) linearly "
+                                          r"dependent .* Two experts with the same weights"):
+        merger.merge_state_dicts(base, experts, method)
+    merged = merger.merge_state_dicts(base, [experts[0], experts[2]], method)  # one of the two: merged
+    assert all(bool(torch.isfinite(v).all()) for v in merged.values())

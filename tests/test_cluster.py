@@ -73,7 +73,7 @@ def test_a_killed_worker_loses_and_doubles_nothing(pool, cluster, tmp_path):
 
     def on_result(spec, result):
         seen.append(spec)
-        history.record("p", spec.rounded(), result)
+        history.record("p", spec.snap(), result)
         if len(seen) == 1:
             cluster.kill_worker(1)  # its queued points (the second half) must be retried on its restart
 
@@ -157,5 +157,5 @@ def test_specs_naming_an_expert_the_workers_lack_are_evaluated_here(pool):
              (session.spec("task_arithmetic", lam=0.3), "live"),
              (session.spec("task_arithmetic", experts=pool.tasks[:2], lam=0.5), "live")]
     out = evaluate_all(session, items, cluster=Workers())
-    assert Workers.got == [items[0][0], items[2][0]]
+    assert Workers.got == [items[0][0].snap(), items[2][0].snap()]  # the points as computed
     assert [r.average_accuracy for r in out] == [session.preview(s, "live").average_accuracy for s, _ in items]

@@ -159,7 +159,7 @@ def test_history_reload_restores_the_weights(ctl):
     assert row["method"] == "task_arithmetic" and "1.75" in row["params"]
     updates = ctl.reload(row["id"])
     experts, method, *rest = [u.get("value") for u in updates]
-    assert ctl.spec_from_controls(experts, method, *rest).rounded() == ans.spec.rounded()
+    assert ctl.spec_from_controls(experts, method, *rest).snap() == ans.spec.snap()
     # a row written before its method took a parameter: that control at its default, not emptied
     updates = ctl.spec_updates(list(ctl.pool.tasks), "consensus_ta", {"lam": 0.5}, {}, {})
     experts, method, *rest = [u.get("value") for u in updates]
@@ -202,7 +202,7 @@ def test_tradeoffs_tab_views(ctl):
     with pytest.warns(UserWarning, match="tune first"):  # every Merge-tab input as it was: no error badges
         assert events_load(events, tab)(person(), None, *inputs) == (gr.skip(),) * len(inputs)
     experts, method, *rest = [u.get("value") for u in updates]
-    assert ctl.spec_from_controls(experts, method, *rest).rounded() == tuned.rounded()
+    assert ctl.spec_from_controls(experts, method, *rest).snap() == tuned.snap()
     assert all(v == round(v, 2) for v in rest[-len(ctl.weight_experts + ctl.weight_blocks):])  # no 1.9000000000000001
     # around the current merge: its block weights stay in every trial and in what Load sets (once 1)
     blocked = with_weights(ctl, controls(ctl, lam=0.4), blocks={"projection": 0.5})

@@ -106,7 +106,7 @@ def test_a_value_near_an_end_its_method_refuses_snaps_to_the_nearest_step_inside
                                           ("cart", "rank_ratio", 0.001, 0.01), ("breadcrumbs", "beta", 0.999, 0.99),
                                           ("breadcrumbs", "gamma", 0.001, 0.01), ("task_arithmetic", "lam", 2.99, 3.0)):
         spec = ex.spec(method, **{name: given})
-        assert spec.snapped() == {name: (given, computed)} and computed_at(spec, name) == computed
+        assert spec.snap().snapping() == {name: (given, computed)} and computed_at(spec, name) == computed
         result = ex.preview(spec)
         assert result is ex.preview(ex.spec(method, **{name: computed}))  # the same point, cached once
     assert ex.preview(ex.spec("ties", sparsity=0.995)).average_accuracy >= 0
@@ -114,7 +114,7 @@ def test_a_value_near_an_end_its_method_refuses_snaps_to_the_nearest_step_inside
     from merger.spec import Spec
 
     six = Spec.make("tsv_m", {"rank_ratio": 0.166}, None, [f"e{i}" for i in range(6)])
-    assert six.snapped() == {"rank_ratio": (0.166, 0.16)} and computed_at(six, "rank_ratio") == 0.16
+    assert six.snap().snapping() == {"rank_ratio": (0.166, 0.16)} and computed_at(six, "rank_ratio") == 0.16
 
 
 def test_normalized_accuracy_is_mean_of_ratios(demo_like):

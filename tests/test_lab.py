@@ -57,7 +57,7 @@ def test_lab_runs_are_deterministic_and_join_the_pool(ex, tmp_path):
     assert ex.expert_task_accuracy(f"{t}@lab", "live") > 0
     from merger.ui.merge_tab import Controller
 
-    spec = ex.spec("task_arithmetic", lam=0.3, experts=[t, f"{t}@lab"])
+    spec = ex.spec("task_arithmetic", lam=0.3, experts=[t, f"{t}@lab"]).snap()  # as the controls make it
     assert "over 2 experts (1 from the lab)" in Controller(ex).summary(spec, res, False)  # it read "2 of 2"
     assert lab.lab_experts(pool, owner="person-a") == [f"{t}@lab"] and lab.lab_experts(pool, owner="person-b") == []
     with pytest.raises(MergerError, match="already exists"):
@@ -68,7 +68,7 @@ def test_lab_runs_are_deterministic_and_join_the_pool(ex, tmp_path):
 
     from merger.io.export import export_merge
 
-    spec = ex.spec("task_arithmetic", lam=0.3, experts=[t, f"{t}@lab"])
+    spec = ex.spec("task_arithmetic", lam=0.3, experts=[t, f"{t}@lab"]).snap()  # as the controls make it
     weights, spec_yaml = export_merge(pool, spec, tmp_path / "m.safetensors")
     record = yaml.safe_load(spec_yaml.read_text())
     assert "expert lab" in record["expert_files"][f"{t}@lab"]["lab"] and "sha256" in record["expert_files"][t]

@@ -66,7 +66,7 @@ def test_the_3d_marker_is_measured_without_a_second_forward(ctl, land_state):
     own forward, and equals a forward of the point on the probe split."""
     lc, _ = land_state
     session = ctl.session
-    spec = session.spec("task_arithmetic", lam=0.45).rounded()
+    spec = session.spec("task_arithmetic", lam=0.45).snap()
     session.preview(spec)
     acc, loss = session.probe_from_live(spec)
     ref_acc, ref_loss = session.values_at_point(lc.land.spec_point(spec), "probe")
@@ -565,11 +565,11 @@ def test_bench_scale_moves_every_static_method_through_distinct_settings(ctl, na
     from merger.tools.bench_scale import move_specs
 
     specs = move_specs(ctl.session, name, 12)
-    assert len({s.rounded() for s in specs}) == 12
+    assert len({s.snap() for s in specs}) == 12
     m = merger.methods.get(name)
     assert all(len(s.experts) == len(m.experts_for(ctl.session.tasks)) for s in specs)
     if m.params:
-        assert len({s.rounded().kwargs[m.params[0].name] for s in specs}) == 12
+        assert len({s.snap().kwargs[m.params[0].name] for s in specs}) == 12
     else:
         assert len({s.task_weights for s in specs}) == 12
 
@@ -592,7 +592,7 @@ def test_a_progressive_answer_on_tasks_with_their_own_images_forwards_each_image
     batches = []
     hook = progressive.evaluator.model.visual.register_forward_hook(lambda m, args, out: batches.append(args[0].shape[0]))
     try:
-        first = progressive.partial(spec.rounded(), n)
+        first = progressive.partial(spec.snap(), n)
         done = progressive.preview(spec)
         again = progressive.preview(progressive.spec("task_arithmetic", lam=0.5))  # no partial before it
     finally:

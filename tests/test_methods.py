@@ -319,7 +319,7 @@ def test_tsv_m_rank_is_not_one_short_where_rounding_1_over_T_was(wide):
     assert tsv_rank("auto", 768, 768, 3) == 256 and tsv_rank(round(1 / 3, 6), 768, 768, 3) == 255
     assert tsv_rank("auto", 768, 3072, 8) == 96
     spec = merger.Spec.make("tsv_m", {}, None, [f"t{i}" for i in range(8)])
-    assert spec.kwargs["rank_ratio"] == "auto" and spec.rounded().kwargs["rank_ratio"] == "auto"
+    assert spec.kwargs["rank_ratio"] == "auto" and spec.snap().kwargs["rank_ratio"] == "auto"
 
 
 def test_tsv_m_with_more_experts_than_a_rank_keeps_no_direction_there():

@@ -82,13 +82,13 @@ def test_method_reaches_every_surface(name, ctl):
     weights, how = ctl.session.effective_weights(spec)
     assert len(weights) == T and all(math.isfinite(w) for w in weights) and how
     # determinism: a fresh session gives the same Δ
-    d1 = ctl.session.delta(spec.rounded())
-    d2 = merger.PoolSession(ctl.pool).delta(spec.rounded())
+    d1 = ctl.session.delta(spec.snap())
+    d2 = merger.PoolSession(ctl.pool).delta(spec.snap())
     assert all(torch.equal(d1[k], d2[k]) for k in d1)
     # spec YAML round trip
-    again = yaml.safe_load(yaml.safe_dump(spec.rounded().as_dict()))
-    assert ctl.session.spec(again["method"], experts=again["experts"], **(again.get("params") or {})).rounded() \
-        == spec.rounded()
+    again = yaml.safe_load(yaml.safe_dump(spec.snap().as_dict()))
+    assert ctl.session.spec(again["method"], experts=again["experts"], **(again.get("params") or {})).snap() \
+        == spec.snap()
 
 
 def test_registering_a_method_without_its_surfaces_fails_at_import():

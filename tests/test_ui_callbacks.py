@@ -51,7 +51,7 @@ def test_tsv_m_auto_rank_survives_the_slider_and_follows_the_experts(ctl):
     assert "Conventions" in about
     for shown_value in (0.3333, 1 / 3):
         spec = ctl.spec_from_controls(*controls(ctl, "tsv_m", rank_ratio=shown_value))
-        assert spec.kwargs["rank_ratio"] == "auto" and spec.rounded().kwargs["rank_ratio"] == "auto"
+        assert spec.kwargs["rank_ratio"] == "auto" and spec.snap().kwargs["rank_ratio"] == "auto"
     assert ctl.spec_from_controls(*controls(ctl, "tsv_m", rank_ratio=0.33)).kwargs["rank_ratio"] == 0.33
     # unticking an expert: the cap becomes 1/2 and the slider moves from its old auto position
     from merger.methods import PARAM_NAMES
@@ -426,7 +426,7 @@ def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
     # the path goes through the current merge: its experts and weights (it once took every expert, weights 1)
     two = ctl.pool.tasks[:2]
     inputs = with_weights(ctl, controls(ctl, experts=two, lam=0.3), {two[0]: 1.5})
-    spec = ctl.spec_from_controls(*inputs).rounded()
+    spec = ctl.spec_from_controls(*inputs).snap()
     (path,), problems = lc._paths(["λ path (current method)"], spec.method, spec.kwargs, spec)
     assert not problems and path.steps[3] == 0.3
     assert torch.equal(path.points[3], lc.land.spec_point(spec))
@@ -478,7 +478,7 @@ def test_two_pages_pressing_run_on_the_same_settings_share_one_run(ctl, monkeypa
             time.sleep(0.01)
         seen["under way"] = runs.under_way()  # what a page loaded now says
         try:  # and what Pin, Export and the Analysis views say meanwhile
-            ctl.run_on_screen(ctl.spec_from_controls(*inputs).rounded())
+            ctl.run_on_screen(ctl.spec_from_controls(*inputs).snap())
         except MergerError as exc:
             seen["on screen"] = str(exc)
         return compute_run(*args)
@@ -499,7 +499,7 @@ def test_two_pages_pressing_run_on_the_same_settings_share_one_run(ctl, monkeypa
     assert line.startswith("◷ Under way on this server: `adamerging_task(") and "steps=40" in line and timer.active
     label = line.split("`")[1]
     assert chooser["choices"] == [label] and chooser["value"] == label and chooser["visible"] and button["visible"]
-    assert offered == {label: ctl.spec_from_controls(*inputs).rounded()}
+    assert offered == {label: ctl.spec_from_controls(*inputs).snap()}
     assert runs.under_way()[0] == gr.skip()  # nothing under way now
     # the page loaded during the run follows it on a timer, and says when it has ended; its chooser stays
     after, timer, *chooser = runs.still_under_way(line, offered)
@@ -513,7 +513,7 @@ def test_two_pages_pressing_run_on_the_same_settings_share_one_run(ctl, monkeypa
     events = MergeTabEvents(ctl, "task_arithmetic")
     page_c, fresh = SimpleNamespace(session_hash="c"), controls(ctl, lam=0.4)
     values = [u.get("value") for u in events.set_to_work(page_c, label, offered, *fresh)]
-    assert ctl.spec_from_controls(*values).rounded() == offered[label]
+    assert ctl.spec_from_controls(*values).snap() == offered[label]
     assert len(ctl.learned(*values)[0].data[0].y) == 40 and computed == [1]  # its objective curve: no second run
 
 

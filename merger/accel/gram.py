@@ -21,9 +21,13 @@ def _finite(x: torch.Tensor) -> bool:
 
 
 def _gram_spectrum(x: torch.Tensor):
-    """(σ descending [r], the smaller side's singular vectors as columns [r, r]) of an fp64 x."""
+    """(σ descending [r], the smaller side's singular vectors as columns [r, r]) of an fp64 x, or None where
+    the eigh fails (the reference then says which matrix)."""
     tall = x.shape[0] >= x.shape[1]
-    evals, evecs = torch.linalg.eigh(x.mT @ x if tall else x @ x.mT)  # ascending
+    try:
+        evals, evecs = torch.linalg.eigh(x.mT @ x if tall else x @ x.mT)  # ascending
+    except torch.linalg.LinAlgError:
+        return None
     return evals.flip(0).clamp(min=0).sqrt(), evecs.flip(1)
 
 
@@ -34,10 +38,10 @@ def top_svd(reference, x: torch.Tensor, k: int, what: str = "a matrix"):
     if k == 0 or not _finite(x):
         return reference(x, k, what)
     x = x.double()
-    s, vectors = _gram_spectrum(x)
-    if not s[k - 1] >= RESOLVED * s[0] > 0:
+    spectrum = _gram_spectrum(x)
+    if spectrum is None or not spectrum[0][k - 1] >= RESOLVED * spectrum[0][0] > 0:
         return reference(x, k, what)
-    s, vectors = s[:k], vectors[:, :k]
+    s, vectors = spectrum[0][:k], spectrum[1][:, :k]
     if x.shape[0] >= x.shape[1]:  # vectors = V_k: U_k = x V_k / S_k
         return (x @ vectors) / s, s, vectors.mT
     return vectors, s, (vectors.mT @ x) / s[:, None]  # vectors = U_k: Vh_k = U_kᵀ x / S_k
@@ -46,9 +50,8 @@ def top_svd(reference, x: torch.Tensor, k: int, what: str = "a matrix"):
 @drop_in("merger.methods.spectral.singular_basis",
          "eigh of the fp64 Gram of the smaller side (its eigenvectors are those singular vectors)")
 def singular_basis(reference, x: torch.Tensor, what: str = "a matrix") -> torch.Tensor:
-    if not _finite(x):
-        return reference(x, what)
-    return _gram_spectrum(x.double())[1]
+    spectrum = _gram_spectrum(x.double()) if _finite(x) else None
+    return reference(x, what) if spectrum is None else spectrum[1]
 
 
 @drop_in("merger.methods.spectral.polar_factor",
@@ -58,7 +61,10 @@ def polar_factor(reference, x: torch.Tensor, what: str = "a matrix"):
     if not _finite(x) or min(x.shape) == 0:
         return reference(x, what)
     x64 = x.double().mT if wide else x.double()
-    evals, evecs = torch.linalg.eigh(x64.mT @ x64)  # ascending
+    try:
+        evals, evecs = torch.linalg.eigh(x64.mT @ x64)  # ascending
+    except torch.linalg.LinAlgError:
+        return reference(x, what)
     s = evals.flip(0).clamp(min=0).sqrt()
     if not s[-1] >= RESOLVED * s[0]:
         return reference(x, what)

@@ -104,7 +104,7 @@ def two_task_map(session, spec: Spec, a: str, b: str, values=MAP_VALUES, split: 
     _check_static(spec, a, b)
     if a == b:
         raise MergerError("two-task map: pick two different tasks")
-    specs = [with_weights(session, spec, **{a: wa, b: wb}) for wb in values for wa in values]
+    specs = [with_weights(session, spec, **{a: wa, b: wb}).snap() for wb in values for wa in values]  # as computed
     results = _evaluate_all(session, specs, split, progress, cancel, "two-task map")
     n = len(values)
     grid = lambda t: [[results[j * n + i].accuracy[session.pool.task_of(t)] for i in range(n)]  # noqa: E731

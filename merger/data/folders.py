@@ -19,7 +19,6 @@ from merger.errors import DataError, PoolError
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 MAX_SPLIT_BYTES = 8 << 30  # uint8 pixels of one split held in memory
 log = logging.getLogger(__name__)
-SKIPPED: dict[str, int] = {}  # folder -> unreadable images skipped (shown by the loader's caller)
 
 
 def _entry_root(pool, task: str, entry) -> tuple[Path, int]:
@@ -70,7 +69,6 @@ def load_folder_split(pool, task: str, entry, split: str, classes: list[str]):
             except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
                 skipped += 1
     if skipped:
-        SKIPPED[str(folder)] = skipped
         log.warning("%s: skipped %d unreadable image(s)", folder, skipped)
     if not images:
         raise DataError(f"tasks.{task}: no readable images in {folder}")

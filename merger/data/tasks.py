@@ -9,6 +9,7 @@ image tensor, so the evaluator forwards those images once for all of them. Split
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Mapping
@@ -68,16 +69,14 @@ def demo_domain(entry: Mapping, task: str) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(out))
 
 
-_GENERATED: dict[tuple, tuple] = {}
-
-
+# The demo world's images are a pure function of (n, seed, domain): every pool of the process that draws
+# the same ones shares them (the demo's 49,000 take 10 s to draw; the tests open it dozens of times).
+# Bounded; ARCHITECTURE.md lists the module-level state that stays, and why.
+@functools.lru_cache(maxsize=32)
 def _generate_cached(n: int, seed: int, domain: tuple[tuple[str, int], ...] = ()):
-    key = (n, seed, domain)
-    if key not in _GENERATED:
-        from merger.demo import world
+    from merger.demo import world
 
-        _GENERATED[key] = world.generate(n, seed, fixed=dict(domain))
-    return _GENERATED[key]
+    return world.generate(n, seed, fixed=dict(domain))
 
 
 def _select(split: str, n: int) -> torch.Tensor | None:

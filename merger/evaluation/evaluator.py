@@ -22,7 +22,7 @@ from merger.data import heads as heads_mod
 from merger.data.splits import SPLITS
 from merger.data.tasks import TaskDataStore, preprocess
 from merger.errors import DataError, PoolError
-from merger.evaluation.model_thread import on_model_thread
+from merger.evaluation.model_thread import ModelThread, on_model_thread
 
 
 @dataclass
@@ -118,6 +118,7 @@ class Evaluator:
 
     def __init__(self, pool, device: str | torch.device | None = None, batch_size: int = 1024):
         self.pool = pool
+        self.model_thread = ModelThread()  # every load and forward of the model runs on it
         self.device = torch.device(device) if device else pool.device
         self.batch_size = batch_size
         self.autocast = True  # GPU forwards in bf16 (fp32 accumulation); False: fp32 forwards

@@ -45,7 +45,7 @@ class LinearEstimate:
     def __init__(self, session):
         self.session = session
         self._features: dict[tuple[str, str], list[torch.Tensor]] = {}  # (model, split) -> per input group
-        self._shown: OrderedDict[tuple, Result] = OrderedDict()  # (rounded spec, split) -> the estimate shown
+        self._shown: OrderedDict[tuple, Result] = OrderedDict()  # (snapped spec, split) -> the estimate shown
         self._fingerprints: dict[str, str] = {}
         self._seconds: dict[str, float] = {}  # split -> one full forward's seconds (timed after a warm-up)
         self.disk = disk_cache.DiskCache()
@@ -148,12 +148,12 @@ class LinearEstimate:
         acc, loss, counts = self.session.evaluator.score(split, feats, per_image)
         result = Result(split, acc, loss, self.session.expert_accuracy(split), counts, 0.0,
                         per_image=per_image, estimate=True)  # references from the experts' features
-        lru_put(self._shown, (spec.rounded(), split), result, 256)
+        lru_put(self._shown, (spec.snap(), split), result, 256)
         return result
 
     def shown(self, spec: Spec, split: str = "live") -> Result | None:
         """The estimate shown for this spec, if one was (to set the exact answer beside it)."""
-        return self._shown.get((spec.rounded(), split))
+        return self._shown.get((spec.snap(), split))
 
     def expert_accuracy(self, expert: str, split: str) -> float | None:
         """An expert's accuracy on its own task from its features, when they were forwarded (in memory

@@ -127,21 +127,22 @@ class Merges:
         """A pool large enough that slow work goes through Run."""
         return self.pool.task_vectors.numel() * len(experts) > self.inline_entries
 
-    def _prepare_args(self, spec: Spec, rounded: bool = True):
-        """(method, prepare arguments, task weights it prepares with) of a spec (see ``prepared``)."""
+    def _prepare_args(self, spec: Spec, snapped: bool = True):
+        """(method, prepare arguments, task weights it prepares with) of a spec (see ``prepared``): on its
+        sliders' steps, as a preview computes it, unless ``snapped`` is False (a merge as given)."""
         m = methods.get(spec.method)
-        spec = spec.rounded() if rounded else spec
+        spec = spec.snap() if snapped else spec
         kw = spec.kwargs
         scale = () if m.task_weighted or m.data_driven else spec.task_weights
         return m, {k: kw[k] for k in m.prepare_params}, scale
 
-    def prepared_for(self, spec: Spec, rounded: bool = True):
+    def prepared_for(self, spec: Spec, snapped: bool = True):
         """(key, state): the preparation of a static spec (computed when not cached)."""
-        m, args, scale = self._prepare_args(spec, rounded)
+        m, args, scale = self._prepare_args(spec, snapped)
         return self.prepared(m, spec.experts, args, scale)
 
     def _spec_key(self, spec: Spec) -> tuple:
-        """(method, the cache key of its preparation) of a spec, rounded as previews are."""
+        """(method, the cache key of its preparation) of a spec, snapped as previews are."""
         m, args, scale = self._prepare_args(spec)
         return m, self._prepared_key(m, spec.experts, args, scale)
 
@@ -206,7 +207,7 @@ class Merges:
         return max(1, min(4, self.derived_bytes // max(1, delta_bytes)))
 
     def delta(self, spec: Spec) -> dict:
-        """Δ of a static spec as given (previews pass it rounded): from the small Δ cache, else one
+        """Δ of a static spec as given (previews pass it snapped): from the small Δ cache, else one
         method apply."""
         m = methods.get(spec.method)
         key = spec
@@ -215,7 +216,7 @@ class Merges:
             return self._deltas[key]
         kw = key.kwargs
         with self.queue:
-            pkey, state = self.prepared_for(key, rounded=False)
+            pkey, state = self.prepared_for(key, snapped=False)
             if m.derive is not None:
                 dargs = tuple((k, tuple(v) if isinstance(v, list) else v)
                               for k, v in m.derive_kwargs({**kw, **m.weights_kwargs(key)}).items())

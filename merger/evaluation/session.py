@@ -4,9 +4,9 @@ The pool holds data (base, task vectors, tasks). The session owns the resident m
 its ``Evaluator``), the queue in front of it (``WorkQueue``: previews first) and every cache:
 
 - through its ``Merges``: prepared methods per expert subset and task weighting (LRU), what is
-  derived from them per rank (LRU), Δ per rounded spec (a small LRU: a slider move and its
+  derived from them per rank (LRU), Δ per snapped spec (a small LRU: a slider move and its
   landscape marker share one merge);
-- results per (rounded spec, split); base results and expert accuracies per split (once);
+- results per (snapped spec, split); base results and expert accuracies per split (once);
 - data-driven runs; landscape values per plane point and per point.
 
 ``preview(spec)`` is one slider move: a cache hit costs nothing; a miss is at most one method
@@ -125,8 +125,8 @@ class PoolSession:
     def prepared(self, method, experts: tuple[str, ...], prepare_args: dict, scale: tuple = ()):
         return self.merges.prepared(method, experts, prepare_args, scale)
 
-    def prepared_for(self, spec: Spec, rounded: bool = True):
-        return self.merges.prepared_for(spec, rounded)
+    def prepared_for(self, spec: Spec, snapped: bool = True):
+        return self.merges.prepared_for(spec, snapped)
 
     def prepared_state(self, spec: Spec):
         return self.merges.prepared_state(spec)
@@ -147,7 +147,7 @@ class PoolSession:
         self.merges.prepare(spec, progress, cancel)
 
     def delta(self, spec: Spec) -> dict:
-        """Δ of the spec as given (previews pass it rounded): a data-driven run's, or from the
+        """Δ of the spec as given (previews pass it snapped): a data-driven run's, or from the
         small Δ cache, else one method apply."""
         if methods.get(spec.method).data_driven:
             return self.run(spec).delta
@@ -163,7 +163,7 @@ class PoolSession:
         else:
             with self.queue:
                 state = self.prepared_for(spec)[1]
-        weights, how = m.weights(spec.rounded().kwargs, len(spec.experts), state)
+        weights, how = m.weights(spec.snap().kwargs, len(spec.experts), state)
         if spec.task_weights:  # the method combines the weighted task vectors wₜτₜ
             weights = [v * w for v, w in zip(weights, spec.task_weight_list())]
             how += ", times each task's weight wₜ"
@@ -177,7 +177,7 @@ class PoolSession:
         m = methods.get(spec.method)
         if not m.data_driven:
             raise MergerError(f"{m.name} is a static method: it has no run")
-        key = spec.rounded()
+        key = spec.snap()
         if key in self._runs:
             return self._runs[key]
         return self._running.get(key, lambda progress, cancel: self._compute_run(m, key, progress, cancel),
@@ -211,11 +211,11 @@ class PoolSession:
         check is ``cancel`` (its first caller) cancelled: another caller follows it (``SharedWork``),
         so it ends for them and is kept."""
         if methods.get(spec.method).data_driven:
-            return self._running.goes_on_after_cancel(spec.rounded(), cancel)
+            return self._running.goes_on_after_cancel(spec.snap(), cancel)
         return self.merges.preparation_goes_on(spec, cancel)
 
     def cached_run(self, spec: Spec):
-        return self._runs.get(spec.rounded())
+        return self._runs.get(spec.snap())
 
     # ---- results ----------------------------------------------------------------------------
     def results(self, split: str = "live") -> list[tuple[Spec, Result]]:
@@ -223,7 +223,7 @@ class PoolSession:
         return [(spec, r) for (spec, s), r in list(self._results.items()) if s == split]
 
     def cached(self, spec: Spec, split: str = "live") -> Result | None:
-        key = (spec.rounded(), split)
+        key = (spec.snap(), split)
         hit = self._results.get(key)
         if hit is not None:
             self._results.move_to_end(key)
@@ -231,17 +231,17 @@ class PoolSession:
 
     def preview(self, spec: Spec, split: str = "live", *, session: str | None = None,
                 ticket: int | None = None) -> Result:
-        """The result of the spec snapped to slider steps (cached by that). With a ``ticket`` of a
-        browser session, a preview superseded before it starts raises ``Superseded``."""
+        """The result of the spec on its sliders' steps (``Spec.snap``: cached by that). With a ``ticket``
+        of a browser session, a preview superseded before it starts raises ``Superseded``."""
         if not isinstance(spec, Spec):
             raise MergerError(f"preview: expected a Spec (session.spec(method, ...)), got {type(spec).__name__} "
                               f"{str(spec)[:60]!r}")
         hit = self.cached(spec, split)
         if hit is not None:
             return hit
-        rounded = spec.rounded()
-        if methods.get(rounded.method).data_driven:
-            self.run(rounded)  # batch work of its own, before this evaluation takes the model
+        spec = spec.snap()
+        if methods.get(spec.method).data_driven:
+            self.run(spec)  # batch work of its own, before this evaluation takes the model
         # A split's images are read (once), and the experts' accuracies on it computed (once, each on
         # its own turn), before this evaluation takes the model: an auto-tune's first val point
         # otherwise held every other job for 5 s.
@@ -252,17 +252,17 @@ class PoolSession:
             hit = self.cached(spec, split)  # computed by someone else while this one waited
             if hit is not None:
                 return hit
-            images, first = self._partials.pop((rounded, split), (0, None))  # its images are not forwarded again
-            result = self.evaluator.evaluate(delta=self.delta(rounded), split=split, start=images)
+            images, first = self._partials.pop((spec, split), (0, None))  # its images are not forwarded again
+            result = self.evaluator.evaluate(delta=self.delta(spec), split=split, start=images)
             result = self._with_references(result if first is None else joined(first, result))
-            lru_put(self._results, (rounded, split), result, self.cache_size)
+            lru_put(self._results, (spec, split), result, self.cache_size)
         return result
 
     def partial(self, spec: Spec, images: int, split: str = "live") -> Result:
         """The spec's result on the first ``images`` images per task (a progressive answer's first
         part; never cached as a result, never recorded; kept until its complete answer)."""
         images = integer(images, "partial: images per task", MergerError, 1, 2**31 - 1)
-        spec = spec.rounded()
+        spec = spec.snap()
         with self.queue:
             result = self._with_references(self.evaluator.evaluate(delta=self.delta(spec), split=split, limit=images))
             lru_put(self._partials, (spec, split), (images, result), 4)

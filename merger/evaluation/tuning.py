@@ -45,6 +45,7 @@ def evaluate_all(session, items: Sequence[tuple], progress: Progress = None, wha
     """The results of (spec, split) items, in order: each from ``known(spec, split)`` where it gives
     one (a resumed job), else evaluated here (previews of this session) or on a ``cluster``.
     ``on_result(spec, result)`` is called once per evaluated item as it finishes (the one writer)."""
+    items = [(spec.snap(), split) for spec, split in items]  # what each point computes, as its result is keyed
     out: list = [None] * len(items)
     todo = []
     for i, (spec, split) in enumerate(items):
@@ -63,8 +64,7 @@ def evaluate_all(session, items: Sequence[tuple], progress: Progress = None, wha
         if on_result:
             on_result(items[i][0], result)
         if progress:
-            # the spec computed: on the sliders' steps, as the results and the history (0.333 → 0.35)
-            progress(done / max(1, len(items)), f"{what} {done}/{len(items)}: {items[i][0].rounded().label()}")
+            progress(done / max(1, len(items)), f"{what} {done}/{len(items)}: {items[i][0].label()}")
 
     # a spec naming an expert the workers lack (one added in the app's lab) is evaluated here
     remote = [j for j, i in enumerate(todo) if cluster is not None and cluster.serves(items[i][0])]
@@ -172,7 +172,7 @@ def sweep_plan(session, method_names, axis, values, experts=None, fixed=None) ->
             if inside(v, bounds):
                 params = {k: val for k, val in (fixed or {}).get(m, {}).items() if k != axis}
                 params[axis] = v
-                spec = session.spec(m, experts=experts, **params)
+                spec = session.spec(m, experts=experts, **params).snap()
                 computed = computed_at(spec, axis)
                 if computed not in seen:  # 0.333 and 0.35 are one point: λ = 0.35
                     seen.add(computed)
@@ -183,7 +183,7 @@ def sweep_plan(session, method_names, axis, values, experts=None, fixed=None) ->
 def computed_at(spec, axis: str) -> float:
     """The value of ``axis`` a sweep point computes (evaluated as a preview: a static method's on
     its slider's step, λ 0.333 at 0.35), which its curve and the history show."""
-    return dict(spec.rounded().params).get(axis, dict(spec.params)[axis])
+    return dict(spec.snap().params)[axis]
 
 
 def sweep_num_tasks(session, method: str, params: dict | None = None, subsets: int = 5, split: str = "live",

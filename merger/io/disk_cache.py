@@ -69,7 +69,7 @@ def cap_bytes() -> int:
     return int(gb * 2**30)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # what was said: a user-facing warning once per process, not a result
 def _warn_once(message: str) -> None:
     import sys
 
@@ -82,16 +82,13 @@ def key_of(parts: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-@functools.lru_cache(maxsize=None)
 def source_hash(*objects) -> str:
-    """sha256 of the source files defining these functions, classes or modules (and the C sources a module
-    names in NATIVE_SOURCES): an entry keyed by it is never found again once that code is edited."""
+    """sha256 of the source files defining these functions, classes or modules: an entry keyed by it is
+    never found again once that code is edited."""
     h = hashlib.sha256()
     for obj in objects:
         with open(inspect.getsourcefile(obj), "rb") as fh:
             h.update(fh.read())
-        for extra in getattr(obj, "NATIVE_SOURCES", ()):
-            h.update(Path(extra).read_bytes())
     return h.hexdigest()
 
 

@@ -36,7 +36,7 @@ class AnalysisController:
         # the method's own sparsity as its merge reads it (checked, on the slider's step), else 0.8
         # (a hidden control keeps a value no merge on screen uses)
         own = "sparsity" in methods.get(method).param_names
-        sparsity = self.ctl.spec_from_controls(experts, method, *values).rounded().kwargs["sparsity"] if own else 0.8
+        sparsity = self.ctl.spec_from_controls(experts, method, *values).kwargs["sparsity"] if own else 0.8
         n = analysis.task_vector_norms(tv)
         norms = plots.bars({"‖τt‖ / ‖θ0‖": n["relative"]}, tv.tasks, "Task-vector norms (relative to the base)",
                            "‖τt‖ / ‖θ0‖")
@@ -126,7 +126,7 @@ class AnalysisController:
     def _current(self, experts, method, values):
         """The Merge tab's spec, whose merge a view computes: a data-driven one only where its run is
         cached (the one on screen), never run here unseen, without progress or Cancel."""
-        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        spec = self.ctl.spec_from_controls(experts, method, *values)
         self.ctl.run_on_screen(spec)
         return spec
 
@@ -158,7 +158,7 @@ class AnalysisController:
     @keeps_outputs(1)
     def interpolation(self, endpoints, experts, method, *values):
         """Loss, accuracy and linearity along base → merge, or between the first two ticked experts."""
-        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        spec = self.ctl.spec_from_controls(experts, method, *values)
         land = self.ex.landscape
         if endpoints == "base → current merge":
             self.ctl.run_on_screen(spec)  # the merge's run on screen (two experts' path needs none)

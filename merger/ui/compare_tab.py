@@ -66,7 +66,7 @@ class CompareTab:
     def _record(self, spec, result) -> None:
         """A job's results in the history, as they finish (this process is its one writer)."""
         if self.ctl.history is not None:
-            self.ctl.history.record(self.ctl.pool_ref, spec.rounded(), result)
+            self.ctl.history.record(self.ctl.pool_ref, spec, result)  # evaluate_all's: snapped
 
     @keeps_outputs(3)
     def auto_tune(self, request: gr.Request, method_names, experts, progress=gr.Progress()):

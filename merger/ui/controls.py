@@ -135,9 +135,10 @@ class ControlPanel:
 
     def spec_from_controls(self, experts, method, *values):
         """The spec the controls describe (values in PARAM_NAMES order, then the coefficient
-        sliders); only the parameters the method uses are read, and the weights of the ticked
-        experts. A parameter with an "auto" rule reads "auto" where the slider sits at its auto
-        position (see ``_at_auto``), so snapping to the slider step cannot change it."""
+        sliders), on its sliders' steps (``SnappedSpec``: what a move computes; ``snapping()`` says
+        what a typed value became); only the parameters the method uses are read, and the weights of
+        the ticked experts. A parameter with an "auto" rule reads "auto" where the slider sits at its
+        auto position (see ``_at_auto``), so snapping to the slider step cannot change it."""
         m = methods.get(method)
         tw, bw = self.weights_from_controls(experts, values)
         values = by_name(values)
@@ -154,7 +155,7 @@ class ControlPanel:
             tw, bw = {}, {}
         try:
             return self.session.spec(m.name, experts=list(experts), task_weights=tw or None,
-                                     block_weights=bw or None, **params)
+                                     block_weights=bw or None, **params).snap()
         except MethodError as exc:  # a value refused: named by its control's label, as the page shows it
             if exc.param is None or exc.reason is None:
                 raise

@@ -86,17 +86,17 @@ def evaluate_endpoint(ctl):
                 raise MergerError(f"experts: {', '.join(private)} belong(s) to a browser session's expert lab; the "
                                   f"endpoint merges the pool's experts ({', '.join(pool.tasks)})")
             spec = ctl.session.spec(method, experts=experts, task_weights=task_weights or None,
-                                    block_weights=block_weights or None, **params)
+                                    block_weights=block_weights or None, **params).snap()
             cached = ctl.session.cached(spec, split) is not None
             with ctl.session.batch() if split != "live" else contextlib.nullcontext():
                 result = ctl.session.preview(spec, split)
         except MergerError as exc:
             fail(exc)
         if ctl.history is not None and not cached:
-            ctl.history.record(ctl.pool_ref, spec.rounded(), result)
-        out = {"spec": spec.rounded().as_dict(), **result.to_dict()}
-        note = ctl.session.note(spec.rounded())  # the page's note under the result ("the merge is the base", …)
-        snapped = {name: computed for name, (_, computed) in spec.snapped().items()}
+            ctl.history.record(ctl.pool_ref, spec, result)
+        out = {"spec": spec.as_dict(), **result.to_dict()}
+        note = ctl.session.note(spec)  # the page's note under the result ("the merge is the base", …)
+        snapped = {name: computed for name, (_, computed) in spec.snapping().items()}
         return {**out, **({"note": note} if note else {}), **({"snapped": snapped} if snapped else {})}
 
     evaluate.__signature__ = sig

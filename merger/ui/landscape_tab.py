@@ -92,7 +92,7 @@ class LandscapeController:
     def _compute(self, who, flag, pins, plane_kind, task_a, task_b, three, metric, task, grid, view, chosen_paths,
                  experts, method, values, progress):
         try:
-            spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+            spec = self.ctl.spec_from_controls(experts, method, *values)
             names = ["base", "experts"] if plane_kind != "points" else [n.strip() for n in (three or "").split(",")]
             points = self.land.named_points(names, runs=False)  # a data-driven point: its run on screen only
             if plane_kind == "points" and (len(points) != 3 or len([n for n in names if n]) != 3):
@@ -144,7 +144,7 @@ class LandscapeController:
             return gr.skip(), gr.skip()
         state = {**state, "metric": metric, "task": task, "view": view}
         try:
-            spec = self._marked(self.ctl.spec_from_controls(experts, method, *values).rounded())
+            spec = self._marked(self.ctl.spec_from_controls(experts, method, *values))
         except MergerError:  # the Merge tab's controls hold a refused value: no live marker
             spec = None
         return state, self.figure(state, spec)
@@ -183,7 +183,7 @@ class LandscapeController:
         if not state:
             return gr.skip()
         try:
-            spec = self._marked(self.ctl.spec_from_controls(experts, method, *values).rounded())
+            spec = self._marked(self.ctl.spec_from_controls(experts, method, *values))
         except MergerError:  # a refused value: no merge on screen, so no marker (never the last one's)
             spec = None
         return self.figure(state, spec)
@@ -195,7 +195,7 @@ class LandscapeController:
         if not chosen:
             raise MergerError("tick at least one trajectory")
         task = _one_task(task)
-        spec = self.ctl.spec_from_controls(experts, method, *values).rounded()
+        spec = self.ctl.spec_from_controls(experts, method, *values)
         paths, problems = self._paths(chosen, spec.method, spec.kwargs, spec)
         data = {tr.name: trajectories.evaluate_along(self.land, tr, split) for tr in paths}
         if not data:

@@ -53,10 +53,9 @@ class MergeTabEvents:
         workshop nobody sees another person's points)."""
         with self._lock:
             seen = self._evaluated.setdefault(who, OrderedDict())
-            for spec in specs:
-                key = spec.rounded()
-                seen[key] = None
-                seen.move_to_end(key)
+            for spec in specs:  # snapped: the merges as computed
+                seen[spec] = None
+                seen.move_to_end(spec)
             while len(seen) > EVALUATED_PER_SESSION:
                 seen.popitem(last=False)
 
@@ -68,7 +67,7 @@ class MergeTabEvents:
         """Whether the session's controls still describe ``spec`` (as of its last move; yes when it
         made none): a run that ends after they changed must not show its result as theirs."""
         with self._lock:
-            return who not in self._shown or self._shown[who] == spec.rounded()
+            return who not in self._shown or self._shown[who] == spec
 
     def not_on_screen(self, request, experts, method, values) -> str | None:
         """Why Pin or Export must not take the controls' values, or None: they hold a spec the page
@@ -140,7 +139,7 @@ class MergeTabEvents:
 
     def _spec(self, experts, method, values):
         try:
-            return self.ctl.spec_from_controls(experts, method, *values).rounded()
+            return self.ctl.spec_from_controls(experts, method, *values)
         except MergerError:
             return None
 

@@ -84,9 +84,9 @@ class Controller(ControlPanel):
                               "not prepared yet for these experts")
             cached = self.session.cached(spec, split) is not None
             if estimate:
-                result = self.session.linear.estimate(spec.rounded(), split)
+                result = self.session.linear.estimate(spec, split)
             elif images is not None:
-                result = self.session.partial(spec.rounded(), images, split)
+                result = self.session.partial(spec, images, split)
             else:
                 result = self.session.preview(spec, split, session=session, ticket=ticket)
         except Superseded:
@@ -94,7 +94,7 @@ class Controller(ControlPanel):
         except MergerError as exc:
             return Answer(None, None, False, notice(exc), "no result for the current settings")
         if self.history is not None and not cached and record and not result.provisional:
-            self.history.record(self.pool_ref, spec.rounded(), result)
+            self.history.record(self.pool_ref, spec, result)
         return Answer(spec, result, cached)
 
     def figures(self, ans: "Answer") -> tuple:
@@ -132,8 +132,7 @@ class Controller(ControlPanel):
     def summary(self, spec, result, cached: bool, estimated: bool = False) -> str:
         """The summary markdown; ``estimated``: this move showed the linear estimate first (its
         error against this exact answer is then stated)."""
-        rounded = spec.rounded()
-        note = self.session.note(rounded)
+        note = self.session.note(spec)
         timing = "cached" if cached else f"{1000 * result.seconds:.0f} ms"
         if result.partial:
             timing += " · ◷ partial: the first images of each task; the whole live split follows"
@@ -152,13 +151,13 @@ class Controller(ControlPanel):
             f"± {100 * result.average_margin():.1f} % · "
             f"normalised <span id='norm-acc' title='{norm:.4f}'>{norm:.1f}</span> % · "
             f"loss {result.average_loss:.3f}",
-            f"`{rounded.label()}` over {self._experts_text(spec)} · "
+            f"`{spec.label()}` over {self._experts_text(spec)} · "
             f"{result.split} split ({'/'.join(map(str, images))} images per task; ± is the 95 % binomial "
             f"interval) · {timing}",
         ]
         if note:
             lines.append(f"ℹ️ {note}")
-        snapped = spec.snapped()
+        snapped = spec.snapping()
         if snapped:  # a typed value between two slider steps: say which value the result is for
             lines.append("ℹ️ computed on the sliders' steps: " + ", ".join(
                 f"{n}={computed:g} (typed {given:g})" for n, (given, computed) in snapped.items()))
@@ -262,7 +261,7 @@ class Controller(ControlPanel):
         if not methods.get(spec.method).data_driven:
             return None
         run = self.session.cached_run(spec)
-        if run is None and spec.rounded() in self.session.under_way().values():
+        if run is None and spec in self.session.under_way().values():
             raise MergerError(f"the {methods.get(spec.method).display_name} run for these settings is still under "
                               f"way (its progress is in “{RUNS_LABEL}”): this takes it once it has ended")
         if run is None:
@@ -272,7 +271,7 @@ class Controller(ControlPanel):
 
     def pin(self, pins, experts, method, *values):
         try:
-            spec = self.spec_from_controls(experts, method, *values).rounded()
+            spec = self.spec_from_controls(experts, method, *values)
             self.run_on_screen(spec)
         except MergerError as exc:
             warn(f"Pin: {exc}")
@@ -295,7 +294,7 @@ class Controller(ControlPanel):
     def export(self, experts, method, *values):
         """Merged safetensors + spec YAML (the CLI's files), offered as downloads."""
         try:
-            spec = self.spec_from_controls(experts, method, *values).rounded()
+            spec = self.spec_from_controls(experts, method, *values)
             delta = None
             if methods.get(spec.method).data_driven:
                 delta = self.run_on_screen(spec).delta

@@ -120,7 +120,7 @@ class RunController:
         if not here:  # the controls moved on during the run: its result is cached, not shown as theirs
             took = f"{box['prepared']:.1f}" if "prepared" in box else f"{box['run'].seconds:.1f}"
             # worded to stay true once the controls hold those settings again (this line is not redrawn)
-            yield (f"✓ {m.display_name}: done in {took} s for `{spec.rounded().label()}`, the settings of when you "
+            yield (f"✓ {m.display_name}: done in {took} s for `{spec.label()}`, the settings of when you "
                    "pressed Run; the controls had changed by then, so it shows whenever they hold those settings "
                    f"(kept).{went_on}", *skip7)
             return

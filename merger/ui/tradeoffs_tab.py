@@ -35,7 +35,7 @@ class TradeoffsTab:
         if methods.get(spec.method).data_driven:
             raise MergerError(f"{spec.method} learns its own coefficients: pick a static method in the Merge tab "
                               "(or Start from learned)")
-        return spec.rounded()
+        return spec
 
     def two_tasks(self, request: gr.Request, task_a, task_b, *inputs, progress=gr.Progress()):
         """(map of A, map of B, Pareto scatter, status) around the Merge tab's spec."""
