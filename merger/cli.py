@@ -252,9 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_screenshot)
 
     p = sub.add_parser("bench", help="benchmarks (medians and ratios in one run)")
-    p.add_argument("what", choices=["merge", "live", "browser", "workshop", "api", "landscape", "scale", "load",
-                                    "attacks", "open", "cluster"],
-                   help="merge: prepare/apply per method on ViT-B-32; live: the Merge tab's listener per move "
+    p.add_argument("what", choices=["merge", "accel", "live", "browser", "workshop", "api", "landscape", "scale",
+                                    "load", "attacks", "open", "cluster"],
+                   help="merge: prepare/apply per method on ViT-B-32; accel: each speed-up piece off and on "
+                        "(what it speeds, the ratio, the difference); live: the Merge tab's listener per move "
                         "(time, forwards, applies); browser: Chromium slider → shown result; workshop: 10 clients "
                         "drag while browsers run batch jobs; api: the evaluate endpoint through gradio_client; "
                         "scale: ViT-B-32 pool (first partial answer); open: a ViT-B-32 pool from files, cold and warm "

@@ -73,7 +73,13 @@ def prepare_breadcrumbs(tv: TaskVectors, progress=None, cancel=None) -> dict:
         lo = [max(n - _counts(n, 0.0, j / GRID)[1] - 1, 0) for j in range(GRID + 1)]
         index = torch.tensor(hi + lo, device=ranked.device)
         tables[k] = ranked.index_select(-1, index)  # [T, rows, 2·(GRID + 1)]
-    return {"tv": tv, "tables": tables}
+    state = {"tv": tv, "tables": tables}
+    if tables:  # every stack is rows [T, rows, n] to the entry function: a compiled drop-in compiles here, once
+        largest = max(tables, key=lambda k: tv.stacked[k].numel())
+        found = _rows_and_bounds(state, largest, BETA.default, GAMMA.default)
+        if found is not None:
+            entrywise(breadcrumb_entries, found[0], *found[1])
+    return state
 
 
 def _kept_bounds(prepared: dict, key: str, beta: float, gamma: float):

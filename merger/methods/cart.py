@@ -21,6 +21,7 @@ from merger.methods.spectral import singular_basis
 from merger.pool.task_vectors import TaskVectors
 
 
+@accelerable
 def prepare_cart(tv: TaskVectors, progress=None, cancel=None) -> dict:
     """τ̄ = mean τ (θavg − θ0) for every tensor; per matrix the singular vectors of each centred τ̄t's
     smaller side, largest first ([T, r, r], fp32 from fp64)."""

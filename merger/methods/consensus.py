@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from merger.methods.entries import entrywise
+from merger.methods.entries import entrywise, first_call
 from merger.methods.registry import (CART_README, LAM, Method, Paper, Param, Published, frange, lam_times, register,
                                      sum_weights, with_default)
 from merger.pool.task_vectors import TaskVectors
@@ -28,6 +28,7 @@ def consensus_entries(tau: torch.Tensor, mask_lambda: torch.Tensor, agree: torch
 
 
 def prepare_consensus(tv: TaskVectors) -> dict:
+    first_call(consensus_entries, tv.stacked, args=_args(tv, MASK_LAMBDA.default, AGREE.default))
     return {"tv": tv}
 
 

@@ -25,3 +25,15 @@ def entrywise(fn, stack: torch.Tensor, *aligned: torch.Tensor, args: tuple = ())
     for s in range(0, rows, step):
         out[s:s + step] = fn(stack[:, s:s + step], *(x[:, s:s + step] for x in aligned), *args)
     return out
+
+
+def first_call(fn, stacks: dict, aligned: dict | None = None, args: tuple = ()) -> None:
+    """``entrywise(fn, …)`` once over the largest stack of each shape length, the results dropped: a
+    preparation makes it so that a compiled drop-in compiles there (with its progress), not in the first
+    move. Eager, it costs a few tensors' merge."""
+    largest = {}
+    for key, stack in stacks.items():
+        if stack.numel() > largest.get(stack.dim(), (None, 0))[1]:
+            largest[stack.dim()] = (key, stack.numel())
+    for key, _ in largest.values():
+        entrywise(fn, stacks[key], *((aligned[key],) if aligned else ()), args=args)

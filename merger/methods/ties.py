@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from merger.accel import accelerable
-from merger.methods.entries import entrywise
+from merger.methods.entries import entrywise, first_call
 from merger.methods.registry import (CART_README, LAM, SEED, SPARSITY, Method, Paper, Published, each, frange,
                                      lam_times, register, sum_weights, with_default)
 from merger.pool.task_vectors import TaskVectors
@@ -106,9 +106,10 @@ def task_thresholds(tv: TaskVectors, i: int, sparsities: list[float]) -> torch.T
 def prepare_ties(tv: TaskVectors, progress=None, cancel=None) -> dict:
     """Each task's threshold at every sparsity step j/GRID ([GRID, T])."""
     steps = [j / GRID for j in range(GRID)]
-    grid = [task_thresholds(tv, i, steps)
-            for i in each(range(tv.num_tasks), progress, cancel, "magnitude order of task")]
-    return {"tv": tv, "grid": torch.stack(grid, 1)}
+    grid = torch.stack([task_thresholds(tv, i, steps)
+                        for i in each(range(tv.num_tasks), progress, cancel, "magnitude order of task")], 1)
+    first_call(ties_entries, tv.stacked, args=(grid[0].to(tv.device), _weights(tv, None)))
+    return {"tv": tv, "grid": grid}
 
 
 def _thresholds(prepared: dict, sparsity: float) -> torch.Tensor:

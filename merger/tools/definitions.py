@@ -59,6 +59,15 @@ def _orthogonal(x: torch.Tensor) -> torch.Tensor:
     return u @ vh
 
 
+def _matrices(tau: dict, lam: float, out: dict):
+    """(key, fp64 stack) of each matrix; every other tensor gets λ · mean τ in ``out`` (TSV-M and Iso)."""
+    for key, v in _fp64(tau):
+        if is_matrix(key, v.shape[1:]):
+            yield key, v
+        else:
+            out[key] = lam * v.mean(0)
+
+
 def weight_averaging(tau: dict, memo=None) -> dict:
     return {k: v.mean(0) for k, v in _fp64(tau)}
 
@@ -122,10 +131,7 @@ def tsv_m(tau: dict, lam: float, rank_ratio, memo=None) -> dict:
     """Per matrix: each τt's top k triplets (k = ⌊r/T⌋ at "auto", else ⌊γ·r⌋), concatenated, U and V
     replaced by their orthogonal factors, Δ = λ U⊥ S V⊥ᵀ; λ · mean τ elsewhere (the TSV authors' code)."""
     out = {}
-    for key, v in _fp64(tau):
-        if not is_matrix(key, v.shape[1:]):
-            out[key] = lam * v.mean(0)
-            continue
+    for key, v in _matrices(tau, lam, out):
         T, r = v.shape[0], min(v.shape[1:])
         k = r // T if rank_ratio == "auto" else min(r // T, math.floor(rank_ratio * r + 1e-9))
         us, ss, vs = [], [], []
@@ -146,10 +152,7 @@ def tsv_m(tau: dict, lam: float, rank_ratio, memo=None) -> dict:
 def iso_c(tau: dict, lam: float, memo=None) -> dict:
     """Per matrix Σ τt = U Σ Vᵀ, Δ = λ σ̄ U Vᵀ (σ̄ the mean of all r singular values); λ · mean τ elsewhere."""
     out = {}
-    for key, v in _fp64(tau):
-        if not is_matrix(key, v.shape[1:]):
-            out[key] = lam * v.mean(0)
-            continue
+    for key, v in _matrices(tau, lam, out):
         u, s, vh = _svd(v.sum(0), memo, ("sum", key))
         live = s > NULL * s[0]
         out[key] = lam * s.mean() * u[:, live] @ vh[live]
@@ -160,10 +163,7 @@ def iso_cts(tau: dict, lam: float, common_fraction: float, memo=None) -> dict:
     """The Iso authors' iso_cts (FusionBench's iso_utils.py) in fp64: the common subspace of Σ τ, each
     task's top directions of τt − U_c U_cᵀ τt, both sides orthogonalised, one flat spectrum."""
     out = {}
-    for key, v in _fp64(tau):
-        if not is_matrix(key, v.shape[1:]):
-            out[key] = lam * v.mean(0)
-            continue
+    for key, v in _matrices(tau, lam, out):
         T, r = v.shape[0], min(v.shape[1:])
         common = int(r * common_fraction)
         per_task = min(r // T, round((r - common) / T))

@@ -68,6 +68,15 @@ def random_pool(arch: str, n_experts: int, relative: float = 1e-3, seed: int = 0
     return base, {f"task{t + 1}": noisy_expert(base, relative, g) for t in range(n_experts)}
 
 
+def random_pool_in_memory(arch: str, n_experts: int, tv_dtype: str = "auto", name: str = "bench"):
+    """A pool of ``random_pool``'s state dicts held in memory (benches and reports), said as it is built."""
+    from merger.pool.pool import pool_from_state_dicts
+
+    print(f"building {arch} (pretrained=None) and {n_experts} random experts (relative size 1e-3)...", flush=True)
+    base, experts = random_pool(arch, n_experts)
+    return pool_from_state_dicts(name, arch, base, experts, tv_dtype=tv_dtype)
+
+
 def random_base(arch: str, seed: int = 0) -> dict:
     from merger._compat import create_model
 

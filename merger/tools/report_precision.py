@@ -50,15 +50,9 @@ def format_row(row) -> str:
 
 
 def report_precision(args) -> int:
-    from merger.pool.pool import pool_from_state_dicts
-    from merger.tools.measure import random_pool
+    from merger.tools.measure import random_pool_in_memory
 
-    print(f"building {args.arch} (pretrained=None) and {args.experts} random experts (relative size 1e-3)...",
-          flush=True)
-    base, experts = random_pool(args.arch, args.experts)
-    pool = pool_from_state_dicts("precision", args.arch, base, experts, tv_dtype=args.tv_dtype)
-    del experts
-    tv = pool.task_vectors
+    tv = random_pool_in_memory(args.arch, args.experts, args.tv_dtype, "precision").task_vectors
     names = args.methods.split(",") if args.methods else None
     print(f"{len(tv.matrices)} matrices of {len(tv.keys)} tensors, task vectors in {str(tv.dtype)[6:]}; "
           f"{'references only' if args.reference else 'as the app merges (drop-ins included)'}")
