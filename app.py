@@ -9,6 +9,7 @@ import threading
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+UPLOAD_LIMIT = 1024  # bytes a browser may upload: the app has no file input
 
 
 def _port(text: str) -> int:
@@ -22,7 +23,7 @@ def _port(text: str) -> int:
 
 
 def parse_args(argv=None):
-    from merger.cli_jobs import Parser, positive_int, user_password
+    from merger.cli_jobs import Parser, user_password, worker_count
     from merger.io.history import DEFAULT_PATH
 
     ap = Parser(description="merger: interactive model-merging explorer")
@@ -36,7 +37,7 @@ def parse_args(argv=None):
     ap.add_argument("--auth", type=user_password, default=None, help="user:password required to open the app")
     ap.add_argument("--ray", default=None, metavar="auto|local|ADDRESS",
                     help="send Sweep / Auto-tune / Landscape jobs to a Ray cluster (the sliders stay here)")
-    ap.add_argument("--workers", type=positive_int, default=2, help="with --ray: workers, each opening the pool once")
+    ap.add_argument("--workers", type=worker_count, default=2, help="with --ray: workers, each opening the pool once")
     ap.add_argument("--roots", default="", help="comma-separated folders the app may read files from "
                     "(besides the pool's own folder); anything else is refused")
     return ap.parse_args(argv)
@@ -95,13 +96,18 @@ def main(argv=None) -> int:
         else "moves answer on the whole live split at once"), flush=True)
     if session.partial_images:  # a slow pool: the linear estimate's forwards, as batch work behind the moves
         threading.Thread(target=_estimate_forwards, args=(session,), name="linear-estimate", daemon=True).start()
+    from merger.ui.login import LoginGate
+
     app = build_app(session, history, cluster=cluster)
     app.queue(default_concurrency_limit=1)
     try:
         # quiet: Gradio's own lines speak of its Python API (share=True in launch()), not of this app's flags;
         # show_error: an error that is no gr.Error says its message (a short plain-HTTP list got {"error": null})
-        app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=args.auth,
-                   footer_links=["api"], css=None, quiet=True, prevent_thread_lock=True, show_error=True)
+        # max_file_size: the app takes no file from a browser, so Gradio's upload route takes next to nothing
+        auth = LoginGate(*args.auth) if args.auth else None
+        app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
+                   footer_links=["api"], css=None, quiet=True, prevent_thread_lock=True, show_error=True,
+                   max_file_size=UPLOAD_LIMIT)
     except OSError:  # taken since the check above
         print(f"error: --host {args.host} --port {args.port}: cannot serve there: the port is taken, or "
               f"{args.host} is not an address of this machine; pick another --port", file=sys.stderr)

@@ -23,6 +23,16 @@ def user_password(text: str) -> tuple[str, str]:
     return user, password
 
 
+def worker_count(text: str) -> int:
+    """An argparse type: a number of Ray workers, 1 to ``cluster.MAX_WORKERS``."""
+    from merger.cluster import MAX_WORKERS
+
+    value = positive_int(text)
+    if value > MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"{text!r}: at most {MAX_WORKERS} workers")
+    return value
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with a bad flag said in one line (the usage block buried it): the command line's
     and app.py's parsers, and their subcommands' (argparse makes those of the parent's class)."""
@@ -101,7 +111,7 @@ def add_job_args(p, history: bool = True) -> None:
     p.add_argument("--ray", default=None, metavar="auto|local|ADDRESS",
                    help="run on a Ray cluster: auto (the one this machine belongs to), local (start one here), "
                         "or host:port / ray://host:port; absent: run here")
-    p.add_argument("--workers", type=positive_int, default=2, help="with --ray: workers, each opening the pool once")
+    p.add_argument("--workers", type=worker_count, default=2, help="with --ray: workers, each opening the pool once")
     p.add_argument("--device", default="cpu", help="without --ray: where this process evaluates")
     if history:
         from merger.io.history import DEFAULT_PATH
@@ -179,7 +189,9 @@ def _recording(args, session, counts: dict, cluster=None):
 
 def _methods(args, axis: str | None = None) -> list[str]:
     if args.methods:
-        return [methods.get(m).name for m in args.methods.split(",") if m.strip()]
+        from merger.evaluation.tuning import distinct_methods
+
+        return distinct_methods([m for m in args.methods.split(",") if m.strip()])
     chosen = [m.name for m in methods.all_methods() if m.featured and not m.data_driven
               and (axis is None or axis in m.param_names)]
     if not chosen:

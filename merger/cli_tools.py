@@ -78,26 +78,23 @@ def cmd_cache(args) -> int:
     from merger.evaluation.evaluator import heads_cache_dir
     from merger.io.disk_cache import DiskCache
 
-    cache = DiskCache()
-    heads_dir = heads_cache_dir()
-    heads = sorted(heads_dir.glob("*.safetensors")) if heads_dir.is_dir() else []
-    if args.action == "clear":
-        for path in heads:  # rebuilt from the text tower on the next open (cached whether or not the rest is)
-            path.unlink(missing_ok=True)
-        print(f"{heads_dir}: removed {len(heads)} zero-shot heads")
+    cache, heads = DiskCache(), DiskCache(heads_cache_dir())
+    if args.action == "clear":  # heads: rebuilt from the text tower on the next open
+        n, _ = heads.clear()
+        print(f"{heads.root}: removed {n} zero-shot heads")
     if not cache.enabled:
-        print("the disk cache of prepared methods is off (MERGER_DISK_CACHE=off)")
+        print(f"the disk cache of prepared methods is off ({'MERGER_DISK_CACHE=off' if cache.root is None else 'above'})")
         return 0
     if args.action == "clear":
         n, size = cache.clear()
         print(f"{cache.root}: removed {n} entries ({size / 2**30:.2f} GB) and the remembered file hashes")
         return 0
-    entries = cache.entries()
+    entries, head_entries = cache.entries(), heads.entries()
     total = sum(e["bytes"] for e in entries)
     print(f"{cache.root}: {len(entries)} entries, {total / 2**30:.2f} GB of a {cache.cap / 2**30:.1f} GB cap "
           "(MERGER_CACHE_GB); least recently used first")
-    print(f"{heads_dir}: {len(heads)} zero-shot heads, {sum(p.stat().st_size for p in heads) / 2**20:.1f} MB "
-          "(keyed by text tower, classes, templates and tokenizer; not capped)")
+    print(f"{heads.root}: {len(head_entries)} zero-shot heads, {sum(e['bytes'] for e in head_entries) / 2**20:.1f} MB "
+          "(keyed by text tower, classes, templates and tokenizer)")
     for e in entries:
         print(f"  {e['bytes'] / 2**20:9.1f} MB  {e['path'].name[:16]}  {cache.describe(e['path'])}")
     return 0

@@ -31,6 +31,9 @@ def _ray():
     return ray
 
 
+MAX_WORKERS = 1024  # a bound before Ray is asked (a million local workers crashed Ray itself)
+
+
 def connect(address: str, num_cpus: int | None = None) -> None:
     """Join the Ray cluster at ``address`` ("auto": the one this machine belongs to, RAY_ADDRESS or
     a running local instance; "local": start one in this process with ``num_cpus``, all cores by
@@ -115,14 +118,17 @@ class Cluster:
 
     def __init__(self, address: str, pool_source: str, workers: int = 2, num_cpus: int | None = None,
                  experts: Sequence[str] = ()):
-        if workers < 1:
-            raise MergerError(f"--workers {workers}: at least one worker")
+        if not 1 <= workers <= MAX_WORKERS:
+            raise MergerError(f"--workers {workers}: from 1 to {MAX_WORKERS} workers")
         connect(address, num_cpus)
         ray = _ray()
         self.address = address
         self.experts = set(experts)  # the pool's own experts: a lab expert exists only in the app
         resources = ray.cluster_resources()
         gpus, cpus = resources.get("GPU", 0), resources.get("CPU", 1)
+        if workers > cpus:  # each worker takes a CPU: the ones beyond would wait for one forever
+            raise MergerError(f"--workers {workers}: the Ray cluster ({address}) has {int(cpus)} CPUs and each worker "
+                              f"takes one: at most {int(cpus)}")
         # a share of the GPUs (a fraction where workers outnumber them), else of the CPUs, per worker
         options = {"num_cpus": max(1, int(cpus // workers))}
         if gpus:

@@ -37,9 +37,18 @@ class Unfollowed(Cancelled):
     follows: it goes on for that one, and is cached when done."""
 
 
+def shown_value(value: object) -> str:
+    """A value as a message quotes it, at most 60 characters (an integer of thousands of digits, which
+    repr refuses past 4,300, said by its size)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 190:
+        return f"an integer of {len(str(abs(value))) if value.bit_length() < 14000 else 'over 4,000'} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def listed(names, most: int = 10, width: int = 60) -> str:
     """Names a person gave, for a message: at most ``most`` of them, each cut at ``width``
     characters (a script's 20,000 names, or one of 100,000 characters, must not become the message)."""
-    names = [str(n) for n in names]
+    names = [n if isinstance(n, str) else shown_value(n) for n in names]
     shown = ", ".join(n if len(n) <= width else n[:width] + "…" for n in names[:most])
     return shown + (f", … ({len(names)} in all)" if len(names) > most else "")

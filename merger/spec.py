@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from merger import methods
-from merger.errors import MergerError, MethodError, listed
+from merger.errors import MergerError, MethodError, listed, shown_value
 from merger.methods.registry import inside
 from merger.pool.task_vectors import TaskVectors, check_subset
 
@@ -74,10 +74,12 @@ def parse_weights(given, field: str, allowed: Sequence[str], why: str) -> tuple[
             if isinstance(value, bool):  # False would silently drop the task
                 raise TypeError
             w = float(value)
+        except OverflowError:  # an int beyond a float's range
+            w = math.inf
         except (TypeError, ValueError):
-            raise MergerError(f"{field}.{name}: {str(value)[:40]!r} is not a number") from None
+            raise MergerError(f"{field}.{name}: {shown_value(value)} is not a number") from None
         if not math.isfinite(w) or not lo <= w <= hi:
-            raise MergerError(f"{field}.{name}: {w:g} is outside [{lo:g}, {hi:g}] (or not finite)")
+            raise MergerError(f"{field}.{name}: {shown_value(value)} is outside [{lo:g}, {hi:g}] (or not finite)")
         out[name] = w
     return tuple((n, out[n]) for n in allowed if n in out and out[n] != 1.0)
 

@@ -104,3 +104,18 @@ def test_the_landscape_fills_its_tab_after_a_move_made_while_it_was_hidden(serve
         again = page.locator("#landscape-plot .main-svg").first.bounding_box()["width"]
         b.close()
     assert width > 900 and again == pytest.approx(width, abs=2)
+
+
+def test_the_upload_route_takes_no_file(server):
+    """The app has no file input: Gradio's /gradio_api/upload, open without --auth, refuses a 2 KB file."""
+    import urllib.error
+    import urllib.request
+
+    _, url, _ = server
+    body = (b"--b\r\nContent-Disposition: form-data; name=\"files\"; filename=\"x.bin\"\r\n"
+            b"Content-Type: application/octet-stream\r\n\r\n" + b"x" * 2048 + b"\r\n--b--\r\n")
+    request = urllib.request.Request(url + "gradio_api/upload", data=body, method="POST",
+                                     headers={"Content-Type": "multipart/form-data; boundary=b"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 413

@@ -109,6 +109,16 @@ def test_ray_absent_or_unreachable_is_said_with_the_address(pool, monkeypatch):
         cluster_module.connect("local")
 
 
+def test_more_workers_than_the_cluster_can_run_are_refused_in_one_line(pool, cluster):
+    """A million local workers crashed Ray (exit 139); more than the cluster's CPUs waited forever."""
+    from merger.cluster import MAX_WORKERS, Cluster
+
+    with pytest.raises(MergerError, match=f"--workers 1000000: from 1 to {MAX_WORKERS} workers"):
+        Cluster("local", pool.source, workers=1_000_000)
+    with pytest.raises(MergerError, match=r"--workers 3: the Ray cluster \(local\) has 2 CPUs .* at most 2"):
+        Cluster("local", pool.source, workers=3)  # joins the running 2-CPU instance
+
+
 def test_the_apps_sweep_runs_on_the_cluster_and_fills_the_history(pool, cluster, tmp_path):
     """app --ray: the Compare tab's sweep goes to the workers (the same curve as here), and each point
     lands in the app's history as it finishes."""

@@ -475,6 +475,21 @@ def test_a_batch_with_slerp_over_three_experts_is_refused_before_it_starts(data_
     assert out["slerp"]["x"] == [0.0, 0.5, 1.0]
 
 
+def test_a_job_is_as_large_as_the_methods_it_names_whatever_the_list(data_pool, monkeypatch):
+    """["ties"] × 100,000 (and its aliases) is one TIES grid: its points on validation, its best on test."""
+    from merger.evaluation import tuning
+
+    session = merger.PoolSession(data_pool)
+    points = []
+    real = tuning.evaluate_all
+    monkeypatch.setattr(tuning, "evaluate_all", lambda s, items, *a, **k: points.extend(items) or real(s, items, *a, **k))
+    monkeypatch.setattr(tuning, "grid_points", lambda m: [{"lam": 0.3}, {"lam": 0.5}])
+    rows = tuning.auto_tune(session, ["ties"] * 100_000 + ["TIES", "task_arithmetic", "ties"])
+    assert [r["method"] for r in rows] == ["ties", "task_arithmetic"] and len(points) == 2 * 2 + 2
+    out = tuning.sweep(session, ["task_arithmetic"] * 1000, "lam", [0.2, 0.4])
+    assert list(out) == ["task_arithmetic"] and out["task_arithmetic"]["x"] == [0.2, 0.4]
+
+
 def test_a_preparation_on_disk_is_keyed_by_the_helpers_it_calls_too():
     """Iso-CTS prepares through spectral's SVDs and the drop-ins that may replace them: an edit of either
     must miss its disk entries."""

@@ -103,26 +103,25 @@ def test_a_corrupt_entry_is_refused_deleted_and_rebuilt(cached_pool, caplog, dam
 def test_the_cap_evicts_the_least_recently_used(tmp_path):
     cache = disk_cache.DiskCache(tmp_path, cap=3 * 4096 + 2048)
     for i in range(5):
-        cache.put(f"k{i}", f"entry {i}", {"x": torch.zeros(1024)}, None)  # 4 KB each
+        cache.put(f"{i}" * 64, f"entry {i}", {"x": torch.zeros(1024)}, None)  # 4 KB each
         time.sleep(0.01)
-    names = sorted(e["path"].stem for e in cache.entries())
-    assert names == ["k2", "k3", "k4"]
-    assert cache.put("huge", "too big", {"x": torch.zeros(10**6)}, None) is None  # larger than the cap: not kept
+    names = sorted(e["path"].stem[0] for e in cache.entries())
+    assert names == ["2", "3", "4"]
+    assert cache.put("f" * 64, "too big", {"x": torch.zeros(10**6)}, None) is None  # larger than the cap: not kept
 
 
 def test_cache_info_and_clear(cached_pool, capsys):
     from merger.evaluation.evaluator import heads_cache_dir
 
     prepare(cached_pool)
-    heads_cache_dir().mkdir(parents=True, exist_ok=True)
-    save_safetensors({"head": torch.zeros(3, 4)}, heads_cache_dir() / "h.safetensors")
+    disk_cache.DiskCache(heads_cache_dir()).put("b" * 32, "a head", {"head": torch.zeros(3, 4)}, None)
     assert cli(["cache", "info"]) == 0
     out = capsys.readouterr().out
     assert "2 entries" in out and "cart over task0, task1, task2" in out and "task vectors of tiny" in out
     assert "1 zero-shot heads" in out
     assert cli(["cache", "clear"]) == 0
     assert "removed 2 entries" in (out := capsys.readouterr().out) and "removed 1 zero-shot heads" in out
-    assert disk_cache.DiskCache().entries() == [] and not list(heads_cache_dir().iterdir())
+    assert disk_cache.DiskCache().entries() == [] and disk_cache.DiskCache(heads_cache_dir()).entries() == []
 
 
 def test_small_pools_and_a_switched_off_cache_write_nothing(tmp_path, monkeypatch):
@@ -145,7 +144,7 @@ def test_a_state_holding_one_tensor_twice_or_views_of_one_buffer_is_cached(tmp_p
     state = {"a": whole, "b": {"again": whole, "top": top, "bottom": bottom}, "n": 3}
     tensors, structure = disk_cache.flatten(state)
     assert len(tensors) == 3
-    assert cache.put("k", "shared", tensors, structure) is not None
-    back = disk_cache.unflatten(cache.get("k")[1], cache.get("k")[0])
+    assert cache.put("a" * 64, "shared", tensors, structure) is not None
+    back = disk_cache.unflatten(cache.get("a" * 64)[1], cache.get("a" * 64)[0])
     assert back["a"] is back["b"]["again"] and torch.equal(back["a"], whole)
     assert torch.equal(back["b"]["top"], top) and torch.equal(back["b"]["bottom"], bottom) and back["n"] == 3

@@ -151,8 +151,15 @@ def test_bad_device_history_and_landscape_task_are_named_before_any_work(pool_pa
     with pytest.raises(PoolError, match=r"device 'tpu': not a device \(cpu, cuda or cuda:N\)"):
         merger.open_pool(pool_path, device="tpu")
     (tmp_path / "notadb.sqlite").write_text("not a database")
+    import sqlite3
+
+    other = sqlite3.connect(tmp_path / "other.sqlite")  # another program's table of the same name
+    other.execute("CREATE TABLE evaluations (id INTEGER PRIMARY KEY, score REAL)")
+    other.commit()
+    other.close()
     for path, message in ((tmp_path, "is a folder; name an SQLite file"),
-                          (tmp_path / "notadb.sqlite", r"cannot be used as the history \(file is not a database\)")):
+                          (tmp_path / "notadb.sqlite", r"cannot be used as the history \(file is not a database\)"),
+                          (tmp_path / "other.sqlite", r"its table 'evaluations' has the columns id, score, not merger's")):
         with pytest.raises(MergerError, match=f"--history {path}: {message}"):
             History(path)
     session = merger.PoolSession(merger.open_pool(pool_path))

@@ -159,6 +159,36 @@ def test_an_export_that_fails_halfway_leaves_the_old_pair(tiny_pool, tmp_path, m
     assert sorted(p.name for p in out.parent.iterdir()) == ["m.safetensors", "m.yaml"]
 
 
+@pytest.mark.parametrize("killed_at", ["before the renames", "between the renames"])
+def test_an_export_killed_between_its_renames_is_settled_by_the_next_export_or_replay(tiny_pool, tmp_path, killed_at):
+    """kill -9 between the two renames (os._exit in the same place): the weights are always whole; the
+    spec beside them is made theirs again by the next replay or export there, and the temporary files
+    the killed export left are deleted."""
+    from merger.io import export
+
+    pool = merger.open_pool(tiny_pool)
+    out = tmp_path / "exports" / "m.safetensors"
+    export.export_merge(pool, pool.make_spec("task_arithmetic", {"lam": 0.3}), out)
+    # the os.replace calls before the kill: the two temporary files', then the weights'
+    n = 2 if killed_at == "before the renames" else 3
+    code = (f"import os, merger; from merger.io import export\nreal, calls = os.replace, []\n"
+            f"def replace(src, dst):\n    calls.append(dst)\n    if len(calls) > {n}: os._exit(9)\n    real(src, dst)\n"
+            f"export.os.replace = replace\npool = merger.open_pool({str(tiny_pool)!r})\n"
+            f"export.export_merge(pool, pool.make_spec('task_arithmetic', {{'lam': 0.9}}), {str(out)!r})\n")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 9
+    assert len([p for p in out.parent.iterdir() if p.name.endswith(".partial")]) >= 1  # what the kill left
+    from safetensors import safe_open
+
+    with safe_open(str(out), framework="pt") as fh:
+        lam_in_weights = yaml.safe_load(fh.metadata()["merger_spec"])["params"]["lam"]
+    assert lam_in_weights == (0.9 if killed_at == "between the renames" else 0.3)  # one whole file or the other
+    res = run_cli("merge", "--spec", str(out.with_suffix(".yaml")), "--out", str(out.parent / "again.safetensors"))
+    assert res.returncode == 0, res.stderr
+    assert yaml.safe_load(out.with_suffix(".yaml").read_text())["params"]["lam"] == lam_in_weights
+    export.export_merge(pool, pool.make_spec("task_arithmetic", {"lam": 0.5}), out)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["again.safetensors", "again.yaml", "m.safetensors", "m.yaml"]
+
+
 def test_cli_errors_are_one_line_with_exit_2_or_1(tiny_pool, tmp_path):
     bad = run_cli("merge", "--pool", str(tiny_pool), "--method", "ties", "--out", str(tiny_pool) + "/x.safetensors")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr

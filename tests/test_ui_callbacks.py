@@ -1,5 +1,6 @@
 """The app's callbacks and plot builders, without a browser."""
 import csv
+import os
 import re
 import time
 
@@ -172,9 +173,7 @@ def test_a_data_driven_export_writes_the_run_on_screen(ctl, monkeypatch):
 
 def test_failed_export_leaves_no_partial_file(ctl, monkeypatch, tmp_path):
     from merger.io import export
-    from merger.ui import merge_tab as callbacks
 
-    monkeypatch.setattr(callbacks, "EXPORT_ROOT", tmp_path)
     written = []
 
     def boom(*args):  # the disk fills up after a few tensors of the streamed write
@@ -185,9 +184,10 @@ def test_failed_export_leaves_no_partial_file(ctl, monkeypatch, tmp_path):
 
     real = export.merged_tensor
     monkeypatch.setattr(export, "merged_tensor", boom)
+    before = {p for p in ctl.downloads.root.rglob("*") if p.is_file()}  # earlier exports (the newest two)
     files, msg = ctl.export(*controls(ctl))
     assert files is None and "export failed: disk full" in msg
-    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    assert {p for p in ctl.downloads.root.rglob("*") if p.is_file()} <= before
 
 
 def test_auto_tune_picks_the_best_on_validation(ctl, monkeypatch):
@@ -295,9 +295,6 @@ def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch)
         with pytest.warns(UserWarning, match=message):
             out = events.reload(SimpleNamespace(session_hash="me"), row_id, *inputs)
         assert len(out) == len(inputs) and all(u == gr.skip() for u in out)
-    from merger.ui import merge_tab as callbacks
-
-    monkeypatch.setattr(callbacks, "EXPORT_ROOT", tmp_path)
     path = HistoryTab(ctl).history_csv("iso_c", "")
     with open(path) as fh:
         data = list(csv.DictReader(fh))
@@ -826,3 +823,28 @@ def test_a_history_that_cannot_be_written_is_refused_at_start_and_one_that_stops
     assert capsys.readouterr().err.count(said) == 1
     out = evaluate_endpoint(ctl)("task_arithmetic", lam=0.65)
     assert out["average_accuracy"] > 0
+
+
+def test_downloads_keep_the_newest_two_in_a_private_folder(ctl):
+    import stat
+
+    paths = [ctl.export(*controls(ctl))[0][0] for _ in range(4)]
+    folders = [p for p in ctl.downloads.root.iterdir()]
+    assert len(folders) == 2 and {str(f) for f in folders} == {os.path.dirname(p) for p in paths[-2:]}
+    if hasattr(os, "getuid"):
+        assert stat.S_IMODE(ctl.downloads.root.stat().st_mode) == 0o700
+
+
+def test_wrong_passwords_wait_longer_each_time_and_a_right_one_still_opens():
+    from merger.ui.login import LoginGate
+
+    waits, now = [], [0.0]
+    gate = LoginGate("ana", "s3cret", sleep=lambda s: (waits.append(s), now.__setitem__(0, now[0] + s)),
+                     clock=lambda: now[0])
+    assert gate("ana", "s3cret") and waits == []  # no failure yet: no wait
+    assert not any(gate("ana", f"guess{i}") for i in range(8))
+    assert waits == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 8.0]  # before each check after a failure
+    assert gate("ana", "s3cret") and waits[-1] == 8.0  # the user gets in, after the same wait
+    now[0] += LoginGate.WINDOW_S
+    waits.clear()
+    assert gate("ana", "s3cret") and waits == []  # the failures aged out

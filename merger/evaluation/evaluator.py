@@ -143,27 +143,29 @@ class Evaluator:
         self.forwards = 0  # forwards of the resident model (counted: tests and benches)
 
     def _build_heads(self) -> dict[str, torch.Tensor]:
-        """Zero-shot heads, cached on disk keyed by the text tower's hash, classes, templates and tokenizer."""
-        from merger.io.checkpoints import save_safetensors, tensors_hash
+        """Zero-shot heads, cached on disk keyed by the text tower's hash, classes, templates and
+        tokenizer (signed entries of a private folder, as the prepared methods'); an entry of the wrong
+        shape or with a value that is not finite is computed again."""
+        from merger.io.checkpoints import tensors_hash
+        from merger.io.disk_cache import DiskCache
 
         text = {k: v for k, v in self.pool.base.items() if not k.startswith("visual.")}
         tower = tensors_hash(text)
+        width = getattr(getattr(self.model, "visual", None), "output_dim", None)  # the image features' width
         tok = None
         tokenizer = self.pool.tokenizer_name or "open_clip"
+        store = DiskCache(heads_cache_dir())
         out = {}
         for t in self.pool.tasks:
             classes, templates = self.data.classes(t), self.data.templates(t)
             key = hashlib.sha256(json.dumps([tower, classes, templates, tokenizer]).encode()).hexdigest()[:32]
-            path = heads_cache_dir() / f"{key}.safetensors"
-            head = None
-            if path.exists():
-                try:
-                    from safetensors.torch import load_file
-
-                    head = load_file(str(path))["head"]
-                except Exception:  # a corrupt cache entry is recomputed, never trusted
-                    head = None
-            if head is None or head.shape[0] != len(classes):
+            hit = store.get(key)
+            head = hit[0].get("head") if hit else None
+            if head is not None and not (head.dim() == 2 and head.shape[0] == len(classes)
+                                         and (width is None or head.shape[1] == width)
+                                         and head.is_floating_point() and bool(head.isfinite().all())):
+                head = None
+            if head is None:
                 tok = tok or tokenizer_for(self.pool)
                 try:
                     head = heads_mod.zero_shot_head(self.model, tok, classes, templates).cpu()
@@ -172,10 +174,7 @@ class Evaluator:
                             else "the demo's tiny CLIP takes tokenizer: demo")
                     raise PoolError(f"{self.pool.source}: tokenizer {tokenizer}: {exc}: it does not fit this base's "
                                     f"text tower ({hint})") from None
-                try:
-                    save_safetensors({"head": head}, path)
-                except OSError:
-                    pass  # a read-only cache only costs time
+                store.put(key, f"zero-shot head of task {t} ({len(classes)} classes)", {"head": head}, None)
             out[t] = head.to(self.device)
         return out
 

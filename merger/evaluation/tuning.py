@@ -31,6 +31,20 @@ def grid_points(method: str) -> list[dict]:
     return [dict(zip(names, values)) for values in itertools.product(*grid.values())] or [{}]
 
 
+def distinct_methods(method_names: Sequence[str]) -> list[str]:
+    """The methods named, each once (an alias counts as its method), in the order first named: a job is
+    as large as the methods it names, whatever the list a client sends (["ties"] × 100,000 once held
+    the queue for hours)."""
+    if isinstance(method_names, str):
+        method_names = [method_names]
+    seen: dict[str, None] = {}
+    for name in method_names:
+        if len(seen) == len(methods.names()):
+            break  # every method named: the rest repeats them
+        seen.setdefault(methods.get(name).name)
+    return list(seen)
+
+
 def _check_expert_counts(session, method_names, experts) -> None:
     """Refuse a batch before its first point when a method cannot merge this many experts (SLERP: two),
     rather than after the methods before it ran."""
@@ -80,6 +94,7 @@ def auto_tune(session, method_names: Sequence[str], experts=None, progress: Prog
               cluster=None, on_result=None, known=None) -> list[dict]:
     """For each method: best parameters on the validation split, then that setting on test. Batch
     work: each grid point is a chunk, and waiting previews go first (or a cluster's workers run them)."""
+    method_names = distinct_methods(method_names)
     _check_expert_counts(session, method_names, experts)
     with session.batch(chunks=sum(len(grid_points(m)) + 1 for m in method_names)):
         plans = [(m, [session.spec(m, experts=experts, **p) for p in grid_points(m)]) for m in method_names]
@@ -138,6 +153,7 @@ def sweep(session, method_names: Sequence[str], axis: str, values: Sequence[floa
           known=None) -> dict:
     """Accuracy against one parameter: {method: {"x": [...], "average": [...], "per_task": {task: [...]}}}.
     Batch work (a chunk per point), or a cluster's."""
+    method_names = distinct_methods(method_names)
     _check_expert_counts(session, method_names, experts)
     with session.batch(chunks=len(values) * len(method_names)):
         plan = sweep_plan(session, method_names, axis, values, experts, fixed)

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import datetime as _dt
+import glob
 import os
+import re
+import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -78,10 +82,12 @@ def check_export_target(pool, out: str | Path, reads: tuple = ()) -> tuple[Path,
 
 def export_merge(pool, spec: Spec, out: str | Path, delta: dict | None = None) -> tuple[Path, Path]:
     """Merge and write ``out`` (.safetensors) and its spec beside it. Both are written to temporary
-    files first and then renamed together: on any failure the pair on disk is the old one (or
-    none), never new weights beside an old spec. ``delta``: the spec's Δ where the caller holds it
-    (the app's data-driven run: the one on screen, not a second run)."""
+    files first and then renamed, the weights first: on a failure the pair on disk is the old one (or
+    none). A process killed between the two renames leaves the new weights beside the old spec and the
+    new spec in its temporary file: the next export or replay there finishes the job (``settle_pair``). ``delta``: the spec's Δ where the caller holds it (the app's data-driven run:
+    the one on screen, not a second run)."""
     out, yaml_path = check_export_target(pool, out)  # before a merge that may take minutes
+    settle_pair(out, yaml_path)
     delta = merge_delta(pool, spec) if delta is None else delta  # fails before anything is written
     record = spec_record(pool, spec, out)
     text = yaml.safe_dump(record, sort_keys=False)
@@ -99,25 +105,76 @@ def export_merge(pool, spec: Spec, out: str | Path, delta: dict | None = None) -
 
 
 def _temporary(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+    """A temporary name beside ``path`` naming this process, so another export can tell an abandoned one."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
+
+
+def _abandoned(path: Path) -> bool:
+    """A temporary file of ``_temporary``'s whose process is gone (on Windows: a day old)."""
+    match = re.fullmatch(r"\..+\.(\d+)-[0-9a-f]{8}\.partial", path.name)
+    if not match or not path.is_file() or path.is_symlink():
+        return False
+    pid = int(match.group(1))
+    if pid == os.getpid():
+        return False
+    if os.name == "nt":  # os.kill(pid, 0) would send CTRL_C there
+        return time.time() - path.stat().st_mtime > 86400
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
+def settle_pair(weights: Path, yaml_path: Path) -> None:
+    """Finish what an export killed between its two renames left: its new weights beside the old spec,
+    and its new spec still in a temporary file (the weights carry that text in their metadata: when the
+    two agree, the spec is renamed into place). Then delete what killed exports left there. A spec
+    edited by hand is never touched."""
+    abandoned = [p for target in (weights, yaml_path)
+                 for p in target.parent.glob(f".{glob.escape(target.name)}.*.partial") if _abandoned(p)]
+    written = _spec_in(weights) if abandoned else None
+    for stray in abandoned:
+        if written and stray.name.startswith(f".{yaml_path.name}.") and stray.read_text(errors="replace") == written:
+            os.replace(stray, yaml_path)
+        else:
+            stray.unlink(missing_ok=True)
+
+
+def _spec_in(weights: Path) -> str | None:
+    """The spec YAML an export wrote into its weights' metadata, or None."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as fh:
+            return (fh.metadata() or {}).get("merger_spec")
+    except Exception:  # noqa: BLE001  (absent, or not an export of ours: nothing to settle)
+        return None
 
 
 def _replace_together(moves: list[tuple[Path, Path]]) -> None:
-    """Rename every temporary file onto its target; if one rename fails, put back what the
-    earlier ones replaced, so the targets stay a consistent set."""
+    """Rename every temporary file onto its target; if one rename fails, put back what the earlier
+    ones replaced, so the targets stay a consistent set. A target is never moved away first (a hard
+    link keeps the old file for the way back): killed at any point, each target is whole, old or new."""
     backups: list[tuple[Path, Path | None]] = []
     try:
         for tmp, target in moves:
             backup = None
             if target.exists():
                 backup = _temporary(target)
-                os.replace(target, backup)
+                try:
+                    os.link(target, backup)
+                except OSError:  # a file system without hard links
+                    shutil.copy2(target, backup)
             backups.append((target, backup))
             os.replace(tmp, target)
     except BaseException:
         for target, backup in reversed(backups):
             if backup is not None:
                 os.replace(backup, target)
+                backup.unlink(missing_ok=True)  # a rename onto its own hard link leaves both names
             else:
                 target.unlink(missing_ok=True)
         for tmp, _ in moves:
@@ -136,8 +193,11 @@ SPEC_TYPES = {"merger_version": str, "method": str, "params": dict, "experts": l
 
 
 def read_spec_file(path: str | Path) -> dict:
-    """A spec YAML written by an export, every key of the expected type."""
+    """A spec YAML written by an export, every key of the expected type (settled with its weights first:
+    see ``settle_pair``)."""
     path = Path(path)
+    if path.suffix == ".yaml" and path.is_file():
+        settle_pair(path.with_suffix(".safetensors"), path)
     record = inputs.load_yaml(path, MergerError, "spec file")
     inputs.mapping(record, f"{path}: the top level", MergerError)
     inputs.known_keys(record, SPEC_KEYS, "the spec", str(path), MergerError)

@@ -60,6 +60,11 @@ class History:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute(SCHEMA)
             self._db.commit()
+            found = tuple(row[1] for row in self._db.execute("PRAGMA table_info(evaluations)"))
+            if found != COLUMNS:  # another program's table of that name, or another version's
+                raise MergerError(f"--history {self.path}: its table 'evaluations' has the columns "
+                                  f"{', '.join(found)[:200]}, not merger's ({', '.join(COLUMNS)}); name another file, "
+                                  "or '' to turn history off")
             # a write, before any work: an existing database needs none above, so a read-only one
             # (another user's file, a read-only mount) failed only at the first result recorded
             version = self._db.execute("PRAGMA user_version").fetchone()[0]

@@ -12,6 +12,8 @@ import stat
 from pathlib import Path
 from typing import Any, Mapping
 
+from merger.errors import shown_value
+
 MAX_TEXT_BYTES = 16 << 20  # a pool, spec or manifest file, a class or template list
 MAX_DEPTH = 64  # nesting of a YAML/JSON document
 MAX_NODES = 1_000_000  # values in a document once every alias is expanded
@@ -27,7 +29,7 @@ def check_path(value: Any, where: str, error: type[Exception]) -> Path:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str) or not value.strip():
-        raise error(f"{where}: expected a file path, got {_shown(value)}")
+        raise error(f"{where}: expected a file path, got {shown_value(value)}")
     if "\0" in value:
         raise error(f"{where}: the path contains a NUL byte")
     encoded = value.encode("utf-8", "surrogateescape")
@@ -158,6 +160,9 @@ def check_document(doc: Any, source: str, error: type[Exception]) -> Any:
     return doc
 
 
+MAX_INT_CHARS = 100  # an integer in a YAML file (a count, a seed, a λ) is far shorter
+
+
 def load_yaml(path: Path, error: type[Exception], what: str) -> Any:
     """Safe YAML (no Python tags), bounded in bytes, nesting and alias expansion; a key given twice
     in one mapping is refused (YAML keeps the last silently: a pasted expert line merged another
@@ -188,6 +193,14 @@ def _unique_key_loader():
                             key_node.start_mark)
             return super().construct_mapping(node, deep)
 
+        def construct_yaml_int(self, node):  # Python refuses to read an int of over 4,300 digits
+            if len(str(node.value)) > MAX_INT_CHARS:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a number of {len(str(node.value))} characters (at most {MAX_INT_CHARS})",
+                    node.start_mark)
+            return super().construct_yaml_int(node)
+
+    UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", UniqueKeyLoader.construct_yaml_int)
     return UniqueKeyLoader
 
 
@@ -212,21 +225,18 @@ def _load(path: Path, error: type[Exception], what: str, parse, parse_error, kin
 
 # ---- values -------------------------------------------------------------------------------
 
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def mapping(value: Any, where: str, error: type[Exception]) -> Mapping:
     if not isinstance(value, Mapping):
-        raise error(f"{where}: expected a mapping (key: value lines), got {type(value).__name__} {_shown(value)}")
+        raise error(f"{where}: expected a mapping (key: value lines), got {type(value).__name__} {shown_value(value)}")
     return value
 
 
 def string(value: Any, where: str, error: type[Exception], max_len: int = 200, allow_number: bool = True) -> str:
     """A scalar that names something (numbers are accepted as their text, lists and mappings not)."""
     if isinstance(value, bool) or not isinstance(value, (str, int, float) if allow_number else str):
-        raise error(f"{where}: expected a string, got {type(value).__name__} {_shown(value)}")
+        raise error(f"{where}: expected a string, got {type(value).__name__} {shown_value(value)}")
     text = str(value)
     if not text.strip():
         raise error(f"{where}: is empty")
@@ -237,12 +247,19 @@ def string(value: Any, where: str, error: type[Exception], max_len: int = 200, a
     return text
 
 
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond a float's range
+        return False
+
+
 def integer(value: Any, where: str, error: type[Exception], lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, float) and math.isfinite(value) and value == int(value):
             value = int(value)
         else:
-            raise error(f"{where}: expected a whole number in [{lo}, {hi}], got {_shown(value)}")
+            raise error(f"{where}: expected a whole number in [{lo}, {hi}], got {shown_value(value)}")
     if not lo <= value <= hi:
         raise error(f"{where}: {value} is out of range [{lo}, {hi}]")
     return value
@@ -250,8 +267,8 @@ def integer(value: Any, where: str, error: type[Exception], lo: int, hi: int) ->
 
 def number(value: Any, where: str, error: type[Exception], lo: float = -math.inf, hi: float = math.inf,
            lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise error(f"{where}: expected a finite number, got {_shown(value)}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise error(f"{where}: expected a finite number, got {shown_value(value)}")
     if value < lo or value > hi or (lo_open and value == lo):
         raise error(f"{where}: {value} is out of range {'(' if lo_open else '['}{lo:g}, {hi:g}]")
     return float(value)
@@ -259,7 +276,7 @@ def number(value: Any, where: str, error: type[Exception], lo: float = -math.inf
 
 def string_list(value: Any, where: str, error: type[Exception], max_items: int, max_len: int = 1000) -> list[str]:
     if not isinstance(value, (list, tuple)):
-        raise error(f"{where}: expected a list of strings (or a file path), got {type(value).__name__} {_shown(value)}")
+        raise error(f"{where}: expected a list of strings (or a file path), got {type(value).__name__} {shown_value(value)}")
     if not value:
         raise error(f"{where}: the list is empty")
     if len(value) > max_items:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Mapping, NoReturn
 
-from merger.errors import Cancelled, MethodError, listed
+from merger.errors import Cancelled, MethodError, listed, shown_value
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ class Param:
             self.refuse(method, value, "is not a number")
         try:
             number = float(value)
+        except OverflowError:  # an int beyond a float's range
+            self.refuse(method, value, "is not a finite number")
         except (TypeError, ValueError):
             self.refuse(method, value, "is not a number")
         if not math.isfinite(number):
@@ -59,8 +61,8 @@ class Param:
         return number
 
     def refuse(self, method: str, value: Any, reason: str) -> NoReturn:
-        raise MethodError(f"{method}: parameter {self.name}={value!r} {reason}", param=self.name,
-                          reason=f"{value!r} {reason}") from None
+        raise MethodError(f"{method}: parameter {self.name}={shown_value(value)} {reason}", param=self.name,
+                          reason=f"{shown_value(value)} {reason}") from None
 
 
 @dataclass(frozen=True)

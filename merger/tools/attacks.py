@@ -193,6 +193,77 @@ def _bad_spec(field: str, value):
     return prepare
 
 
+def _other_history(root: Path, pool: Path) -> None:
+    import sqlite3
+
+    db = sqlite3.connect(root / "other.sqlite")
+    db.execute("CREATE TABLE evaluations (id INTEGER PRIMARY KEY, score REAL)")
+    db.commit()
+    db.close()
+
+
+def _cached(build_cache: Callable[[Path, Path], None]):
+    """A merge (CART, its preparation cached) with the cache under ``root/cache`` as ``build_cache`` left it:
+    it must equal the merge with no cache, and leave ``root/models`` as it was."""
+    def build(root: Path):
+        from merger.io import disk_cache
+
+        path, _ = _pool(root, n_experts=3)
+        (root / "models").mkdir()
+        (root / "models" / "mine.safetensors").write_bytes(b"the user's file")
+
+        def action():
+            import merger
+            from merger.evaluation.session import PoolSession
+
+            os.environ["MERGER_CACHE_DIR"], worth = str(root / "cache"), disk_cache.WORTH_ENTRIES
+            disk_cache.WORTH_ENTRIES = 0
+            try:
+                first = PoolSession(merger.open_pool(path))
+                honest = first.merges.delta(first.spec("cart"))
+                build_cache(root, path)
+                again = PoolSession(merger.open_pool(path))
+                delta = again.merges.delta(again.spec("cart"))
+                merger.Evaluator(again.pool)
+            finally:
+                del os.environ["MERGER_CACHE_DIR"]
+                os.environ.pop("MERGER_CACHE_GB", None)
+                disk_cache.WORTH_ENTRIES = worth
+            if any(not torch.equal(honest[k], delta[k]) for k in honest):
+                raise AssertionError("the merge read from the cache differs from the merge")
+            if (root / "models" / "mine.safetensors").read_bytes() != b"the user's file":
+                raise AssertionError("a file outside the cache was changed or deleted")
+        return action
+    return build
+
+
+def _forge_entries(root: Path, pool: Path) -> None:
+    """Every cached tensor tripled, the file rewritten with its key (as another pool's would be)."""
+    from safetensors import safe_open
+
+    from merger.io.checkpoints import save_safetensors
+
+    for path in (root / "cache").rglob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as fh:
+            meta, tensors = fh.metadata(), {k: fh.get_tensor(k) * 3 for k in fh.keys()}
+        save_safetensors(tensors, path, metadata={k: v for k, v in meta.items() if k != "tag"})
+
+
+def _fifos_for_entries(root: Path, pool: Path) -> None:
+    for path in (root / "cache").rglob("*"):
+        if path.is_file() and path.name != "secret":
+            path.unlink()
+            os.mkfifo(path)
+
+
+def _cache_linked_to_models(root: Path, pool: Path) -> None:
+    import shutil
+
+    shutil.rmtree(root / "cache" / "computed")
+    (root / "cache" / "computed").symlink_to(root / "models")
+    os.environ["MERGER_CACHE_GB"] = "0"  # the cap's trim runs at every write
+
+
 def _float8(root: Path, spec: dict) -> None:
     from merger.io.checkpoints import load_state_dict, save_safetensors
 
@@ -327,6 +398,23 @@ CASES = [
     Case("CLI: spec experts as a number", _cli(lambda r, p: ["merge", "--spec", str(r / "m.yaml"), "--out",
                                                             str(r / "again.safetensors")], _bad_spec("experts", 3)),
          r"exit 2: error: .*m\.yaml: experts: expected a list, got int"),
+    Case("CLI: eval --lam of 401 digits", _cli(lambda r, p: ["eval", "--pool", str(p), "--method", TASK_ARITHMETIC.name,
+                                                              "--lam", "1" + "0" * 400]),
+         r"exit 2: error: task_arithmetic: parameter lam=an integer of 401 digits is not a finite number"),
+    Case("CLI: spec lam of 5,000 digits", _cli(lambda r, p: ["merge", "--spec", str(r / "m.yaml"), "--out",
+                                                              str(r / "again.safetensors")],
+                                                _bad_spec("params", {"lam": 10**400})),
+         r"exit 2: error: .*m\.yaml: not valid YAML: .*a number of 401 characters \(at most 100\)"),
+    Case("CLI: a history of another program", _cli(lambda r, p: ["sweep", "--pool", str(p), "--methods",
+                                                                 TASK_ARITHMETIC.name, "--history",
+                                                                 str(r / "other.sqlite")], _other_history),
+         r"exit 2: error: --history .*other\.sqlite: its table 'evaluations' has the columns id, score"),
+    Case("CLI: --ray local --workers 1000000", _cli(lambda r, p: ["sweep", "--pool", str(p), "--ray", "local",
+                                                                  "--workers", "1000000", "--history", ""]),
+         r"exit 2: .*argument --workers: '1000000': at most 1024 workers"),
+    Case("cache: forged entries and heads", _cached(_forge_entries), None),
+    Case("cache: FIFOs named as entries", _cached(_fifos_for_entries), None),
+    Case("cache: computed/ a link to models", _cached(_cache_linked_to_models), None),
 ]
 
 

@@ -31,7 +31,8 @@ def build_app(session, history=None, title: str = "merger", cluster=None) -> gr.
     def batch(fn):
         return as_batch(session, fn)
 
-    with gr.Blocks(title=title) as app:
+    # Gradio's copies of the downloads offered (exports, CSVs): every 10 minutes, those over an hour old go
+    with gr.Blocks(title=title, delete_cache=(600, 3600)) as app:
         gr.Markdown(f"# merger · model-merging explorer\nPool **{pool.name}** ({pool.architecture_name}): "
                     f"{len(pool.tasks)} experts: {', '.join(pool.tasks)}.")
         with gr.Tabs():

@@ -1,12 +1,10 @@
 """The History tab: every evaluated spec (SQLite), filtered, reloaded into the Merge tab, exported as CSV."""
 from __future__ import annotations
 
-import uuid
 
 import gradio as gr
 
 from merger import methods
-from merger.ui import merge_tab
 from merger.ui.errors import fail
 
 
@@ -31,7 +29,7 @@ class HistoryTab:
     def history_csv(self, method_filter="", text=""):
         if self.ctl.history is None:
             fail("history is off")
-        out = merge_tab.EXPORT_ROOT / uuid.uuid4().hex / "history.csv"
+        out = self.ctl.downloads.fresh("history.csv")
         return str(self.ctl.history.export_csv(out, method=method_filter or None, pool=self.ctl.pool_ref,
                                                text=_searched(text)))
 

@@ -5,9 +5,6 @@ browser). Per-session state (pins) lives in a ``gr.State``; caches are the pool 
 from __future__ import annotations
 
 import json
-import tempfile
-import uuid
-from pathlib import Path
 from typing import NamedTuple
 
 import gradio as gr
@@ -21,13 +18,12 @@ from merger.methods import PARAM_NAMES
 from merger.spec import WEIGHT_STEP, snap_weight
 from merger.ui.coefficients_panel import build_coefficients_panel, wire_coefficients_panel
 from merger.ui.controls import ControlPanel, control_values, param_control, shown
+from merger.ui.downloads import Downloads
 from merger.ui.errors import fail, notice, warn
 from merger.ui.merge_events import MergeTabEvents
 from merger.ui.offered import OfferedExperts
 from merger.ui.runs import RUNS_LABEL, RunController
 from merger.ui.scheduling import BATCH_EVENT
-
-EXPORT_ROOT = Path(tempfile.gettempdir()) / "merger-exports"
 
 
 class Answer(NamedTuple):
@@ -51,6 +47,7 @@ class Controller(ControlPanel):
         # this process's resident model.
         self.cluster = cluster
         self.offered = OfferedExperts(self.pool)
+        self.downloads = Downloads()
 
     # ---- merge tab ----------------------------------------------------------------------
     def preview(self, experts, method, *values, **options):
@@ -298,7 +295,7 @@ class Controller(ControlPanel):
             delta = None
             if methods.get(spec.method).data_driven:
                 delta = self.run_on_screen(spec).delta
-            out = EXPORT_ROOT / uuid.uuid4().hex / f"merged-{spec.method}.safetensors"
+            out = self.downloads.fresh(f"merged-{spec.method}.safetensors")
             with self.session.batch(), self.session.lock:
                 weights, spec_yaml = export_merge(self.pool, spec, out, delta)
         except (MergerError, OSError) as exc:
