@@ -9,14 +9,18 @@ from merger.pool.task_vectors import TaskVectors
 
 
 def _cos_between_experts(stacked: torch.Tensor) -> torch.Tensor:
-    """Mean pairwise cosine of the task vectors of one tensor ([T, ...] → scalar). One expert is
-    its own neighbour: cos θ = 1 (Model Stock is then that expert)."""
+    """Mean pairwise cosine of the task vectors of one tensor ([T, ...] → fp32 scalar). One expert is
+    its own neighbour: cos θ = 1 (Model Stock is then that expert). In fp64: experts fine-tuned apart
+    are nearly orthogonal, and an fp32 sum of millions of products put a cosine of 1e-3 (and so t and
+    the merge) 1e-3 off."""
     T = stacked.shape[0]
     if T == 1:
-        return stacked.new_tensor(1.0)
-    flat = torch.nn.functional.normalize(stacked.reshape(T, -1), dim=1)
+        return stacked.new_tensor(1.0, dtype=torch.float32)
+    flat = stacked.reshape(T, -1).double()
     gram = flat @ flat.T
-    return (gram.sum() - gram.diagonal().sum()) / (T * (T - 1))
+    norms = gram.diagonal().sqrt().clamp_min(torch.finfo(torch.float64).tiny)
+    cos = gram / norms[:, None] / norms[None, :]
+    return ((cos.sum() - cos.diagonal().sum()) / (T * (T - 1))).float()
 
 
 def interpolation_ratio(cos: torch.Tensor, k: int) -> torch.Tensor:
@@ -28,7 +32,7 @@ def interpolation_ratio(cos: torch.Tensor, k: int) -> torch.Tensor:
 
 def prepare_model_stock(tv: TaskVectors) -> dict:
     T = tv.num_tasks
-    ratio = {k: interpolation_ratio(_cos_between_experts(v), T) for k, v in tv.items32()}
+    ratio = {k: interpolation_ratio(_cos_between_experts(tv.stacked[k]), T) for k in tv.keys}
     # θ = t·θavg + (1 − t)·θ0, i.e. Δ = t·mean τ per tensor: no slider, so Δ is computed here once.
     delta = {k: ratio[k] * v.mean(0) for k, v in tv.items32()}
     # the ratios read back at once: a GPU waited for its queue to drain at each of 152 reads
