@@ -77,7 +77,7 @@ def parse_weights(given, field: str, allowed: Sequence[str], why: str) -> tuple[
         except OverflowError:  # an int beyond a float's range
             w = math.inf
         except (TypeError, ValueError):
-            raise MergerError(f"{field}.{name}: {shown_value(value)} is not a number") from None
+            raise MergerError(f"{field}.{name}: {str(value)[:40]!r} is not a number") from None
         if not math.isfinite(w) or not lo <= w <= hi:
             raise MergerError(f"{field}.{name}: {shown_value(value)} is outside [{lo:g}, {hi:g}] (or not finite)")
         out[name] = w

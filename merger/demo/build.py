@@ -131,7 +131,6 @@ def build(out_dir: str | Path = "assets/demo", config: DemoConfig | None = None,
     out = Path(out_dir).expanduser()
     _check_replaceable(out)  # before minutes of training
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     # progress in "units": one per pretraining epoch and one per fine-tuning epoch
     units = 1 + config.pretrain_epochs + config.ft_epochs * len(config.tasks)
     bar = tqdm(total=units, desc="demo pool", disable=not progress, unit="ep",
@@ -145,7 +144,8 @@ def build(out_dir: str | Path = "assets/demo", config: DemoConfig | None = None,
             bar.set_postfix_str(msg, refresh=False)
         return cb
 
-    try:
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:  # right after the folder is made: a kill (SIGTERM unwinds) in between would leave it behind
         started = time.time()
         pre_x, pre_y = world.generate(config.n_pretrain, config.pretrain_data_seed)
         n_con = min(config.n_contrastive, config.n_pretrain)

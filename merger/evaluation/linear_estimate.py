@@ -215,4 +215,4 @@ class LinearEstimate:
             feats = self._features[(name, split)]
             extra = {"seconds": repr(self._seconds[split])} if name == _BASE and split in self._seconds else {}
             self.disk.put(key, f"image features of {name or 'the base'} ({split})",
-                          {str(i): f.contiguous() for i, f in enumerate(feats)}, [], extra)
+                          {str(i): f.contiguous() for i, f in enumerate(feats)}, None, extra)

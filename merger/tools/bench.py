@@ -145,7 +145,7 @@ def run(what: str, args) -> int:
 
         return bench_open(args)
     if what == "attacks":
-        from merger.tools.attacks import format_outcomes, run_catalogue
+        from merger.tools.attacks_run import format_outcomes, run_catalogue
 
         outcomes, peak = run_catalogue()
         print(format_outcomes(outcomes, peak))
