@@ -10,6 +10,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 UPLOAD_LIMIT = 1024  # bytes a browser may upload: the app has no file input
+# Gradio kept 10,000 sessions' state by default, about 360 KB each: 2,000 calls took the server from 1.2 to 2.0 GB
+MAX_SESSIONS = 100
 
 
 def _port(text: str) -> int:
@@ -23,7 +25,7 @@ def _port(text: str) -> int:
 
 
 def parse_args(argv=None):
-    from merger.cli_jobs import Parser, user_password, worker_count
+    from merger.cli_jobs import Parser, positive_int, user_password, worker_count
     from merger.io.history import DEFAULT_PATH
 
     ap = Parser(description="merger: interactive model-merging explorer")
@@ -38,6 +40,9 @@ def parse_args(argv=None):
     ap.add_argument("--ray", default=None, metavar="auto|local|ADDRESS",
                     help="send Sweep / Auto-tune / Landscape jobs to a Ray cluster (the sliders stay here)")
     ap.add_argument("--workers", type=worker_count, default=2, help="with --ray: workers, each opening the pool once")
+    ap.add_argument("--max-sessions", type=positive_int, default=MAX_SESSIONS,
+                    help=f"browser sessions whose state (pins, landscapes, lab experts) is kept; past it the oldest "
+                    f"session's goes (default {MAX_SESSIONS})")
     ap.add_argument("--roots", default="", help="comma-separated folders the app may read files from "
                     "(besides the pool's own folder); anything else is refused")
     return ap.parse_args(argv)
@@ -107,7 +112,7 @@ def main(argv=None) -> int:
         auth = LoginGate(*args.auth) if args.auth else None
         app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
                    footer_links=["api"], css=None, quiet=True, prevent_thread_lock=True, show_error=True,
-                   max_file_size=UPLOAD_LIMIT)
+                   max_file_size=UPLOAD_LIMIT, state_session_capacity=args.max_sessions)
     except OSError:  # taken since the check above
         print(f"error: --host {args.host} --port {args.port}: cannot serve there: the port is taken, or "
               f"{args.host} is not an address of this machine; pick another --port", file=sys.stderr)

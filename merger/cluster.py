@@ -58,20 +58,38 @@ def connect(address: str, num_cpus: int | None = None) -> None:
                           "start one with `ray start --head`, or use --ray local") from None
 
 
+HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # preface, SETTINGS
+
+
 def _reachable(address: str, timeout_s: float = 5.0) -> None:
-    """A host:port (or ray://host:port) that accepts a TCP connection within ``timeout_s``: Ray itself
-    keeps retrying an unreachable address for minutes."""
+    """A host:port (or ray://host:port) that accepts a TCP connection and answers as a gRPC server
+    does (Ray's GCS and its client server are: an HTTP/2 SETTINGS frame first), within ``timeout_s``:
+    Ray itself kept retrying an unreachable address, or one where something else listens, for minutes."""
     import socket
 
     hostport = address.split("://", 1)[-1]
     host, sep, port = hostport.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise MergerError(f"--ray {address}: expected auto, local, host:port or ray://host:port")
+    host = host.strip("[]") or "127.0.0.1"  # [::1]:6379
     try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            sock.sendall(HTTP2_HELLO)
+            first = b""
+            while len(first) < 9:
+                chunk = sock.recv(9 - len(first))
+                if not chunk:
+                    break
+                first += chunk
+    except socket.timeout:
+        first = b""
     except OSError as exc:
         raise MergerError(f"--ray {address}: no Ray cluster could be reached there ({exc.strerror or exc}); "
                           "start one with `ray start --head`, or use --ray local") from None
+    if len(first) < 9 or first[3] != 0x04:
+        raise MergerError(f"--ray {address}: something listens there, but it does not answer as Ray does (no gRPC "
+                          f"within {timeout_s:g} s); give the address `ray start --head` printed")
 
 
 def _worker_class():

@@ -72,7 +72,14 @@ def loss_bars(result, base=None, title: str = "Cross-entropy per task") -> go.Fi
 
 
 def radar(results: Mapping[str, object], title: str = "Normalised accuracy (merged ÷ expert)") -> go.Figure:
-    """One closed polygon per labelled result, over the tasks, in % of each task's expert."""
+    """One closed polygon per labelled result, over the tasks, in % of each task's expert; bars below
+    three tasks (a radar of two collapses to a line)."""
+    if results and len(next(iter(results.values())).tasks) < 3:
+        fig = go.Figure([go.Bar(x=r.tasks, y=_pct(r.normalized[t] for t in r.tasks), name=label,
+                                marker_color=PALETTE[i % len(PALETTE)]) for i, (label, r) in enumerate(results.items())])
+        fig.update_layout(title=title, barmode="group", yaxis=dict(title="% of the expert's accuracy"), **_LAYOUT)
+        fig.add_hline(y=100, line_dash="dash", line_color="#999")
+        return fig
     traces = []
     top = 110.0
     for i, (label, r) in enumerate(results.items()):

@@ -82,7 +82,7 @@ def test_histogram_thresholds_are_the_partitions_bit_for_bit(block):
     assert torch.equal(*both(ties.magnitude_thresholds, fp32, kept))
 
 
-@pytest.mark.parametrize("name", ["ties", "consensus_ta", "breadcrumbs"])
+@pytest.mark.parametrize("name", ["ties", "dare_linear", "dare_ties", "consensus_ta", "breadcrumbs"])
 def test_compiled_entrywise_merges_are_the_eager_ones(name):
     """The entry-by-entry merges over a whole stack compiled (where a compiler works; eager otherwise)
     against the sliced eager reference, on the largest ViT-B/32 stack (above the compile threshold)."""

@@ -109,6 +109,35 @@ def test_ray_absent_or_unreachable_is_said_with_the_address(pool, monkeypatch):
         cluster_module.connect("local")
 
 
+def test_an_address_where_something_else_listens_is_refused_at_once_and_rays_own_is_taken(cluster):
+    """An HTTP server, or one that never answers, at --ray: Ray itself hung over two minutes there."""
+    import socket
+    import threading
+
+    from merger import cluster as cluster_module
+
+    def serve(answer: bytes | None):
+        server = socket.socket()
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def run():
+            conn, _ = server.accept()
+            if answer is not None:
+                conn.sendall(answer)
+            conn.recv(1024)
+            conn.close()
+        threading.Thread(target=run, daemon=True).start()
+        return f"127.0.0.1:{server.getsockname()[1]}"
+
+    for answer in (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", None):
+        address = serve(answer)
+        with pytest.raises(MergerError, match=f"--ray {address}: something listens there, but it does not answer "
+                                              "as Ray does"):
+            cluster_module._reachable(address, timeout_s=1.0)
+    cluster_module._reachable(ray.get_runtime_context().gcs_address)  # the running instance's own address
+
+
 def test_more_workers_than_the_cluster_can_run_are_refused_in_one_line(pool, cluster):
     """A million local workers crashed Ray (exit 139); more than the cluster's CPUs waited forever."""
     from merger.cluster import MAX_WORKERS, Cluster

@@ -255,7 +255,9 @@ def test_the_scaling_view_offers_its_experts_to_merge_and_to_epoch_dynamics(ex):
     acc, loss, to_merge, to_trace, status = lc.scaling(request, "lr", "0.001, 0.004", 1e-3, 1, 64, 0.5, 7, "adamw",
                                                        0.9, 0.1, "cosine", progress=lambda f, desc=None: None)
     made = [e for e in ex.pool.experts if "@lr=0.004-" in e and ex.pool.expert_info[e]["owner"] == "dddddd-4"]
-    assert len(made) == len(ex.pool.tasks) and status == "Merged with weight averaging (Σλ = 1)."
+    assert len(made) == len(ex.pool.tasks) and status == (
+        "Merged with weight averaging (Σλ = 1). Each expert fine-tuned with epochs 1, batch size 64, data fraction "
+        "0.5, seed 7, optimiser adamw, momentum 0.9, weight decay 0.1, schedule cosine, learning rate as plotted.")
     assert set(made) <= set(to_merge["choices"]) and set(made) <= set(to_trace["choices"])
     assert acc.layout.xaxis.title.text == "learning rate" and loss.layout.title.text.startswith("Merged loss against learning rate")
     assert list(acc.layout.xaxis.ticktext) == ["0.001", "0.004"]  # a log axis ticked at the values run
@@ -269,3 +271,35 @@ def test_a_data_fraction_under_one_batch_trains_on_that_fraction(ex):
     _, _, small = lab.finetune(merger.session_for(ex.pool), t, lab.check_settings(1e-3, 1, 128, 0.02, 0))
     assert small["images"] == round(0.02 * whole["images"]) < 128
     assert "train images %d" % small["images"] in lab.describe_settings(small)
+
+
+def test_a_pages_lab_experts_are_bounded_and_go_when_the_page_closes(tmp_path, monkeypatch):
+    """Lab experts were never freed (744 → 1,792 MB after 130) and a scaling view took 2,000 values."""
+    from types import SimpleNamespace
+
+    from merger.ui.app import session_ended
+    from merger.ui.merge_events import MergeTabEvents
+    from merger.ui.merge_tab import Controller
+
+    session = merger.PoolSession(merger.open_pool(write_pool(tmp_path, n_experts=2, scale=0.1, demo_data=True)))
+    pool, t = session.pool, session.pool.tasks[0]
+    weights = {k: pool.base[k] + pool.task_vectors.row(k, 0) for k in pool.task_vectors.keys}
+    settings = lab.check_settings(1e-3, 1, 64, 0.5, 0)
+    with pytest.raises(MergerError, match=f"lab: 2000 scaling values: at most {lab.MAX_SCALING_VALUES}"):
+        lab.scaling_view(session, "lr", [1e-3] * 2000, settings, [t])
+    monkeypatch.setattr(lab, "MAX_LAB_EXPERTS", 2)
+    lab.add_expert(session, "a1", t, weights, owner="page-a")
+    lab.add_expert(session, "a2", t, weights, owner="page-a")
+    lab.add_expert(session, "b1", t, weights, owner="page-b")
+    with pytest.raises(MergerError, match="this page holds 2 lab expert\\(s\\) and this run adds 1: at most 2 per page"):
+        lab.add_expert(session, "a3", t, weights, owner="page-a")
+    with pytest.raises(MergerError, match="this page holds 0 lab expert\\(s\\) and this run adds 4"):
+        lab.scaling_view(session, "lr", [1e-3, 2e-3], settings, pool.tasks, owner="page-c")  # before fine-tuning
+    stack = pool.task_vectors.nbytes()
+    ctl = Controller(session)
+    session_ended(ctl, MergeTabEvents(ctl, "task_arithmetic", None), SimpleNamespace(session_hash="page-a"))
+    assert pool.experts == [*pool.tasks, "b1"] and pool.task_vectors.nbytes() == stack * 3 // 5
+    assert session.preview(session.spec("task_arithmetic", experts=[t, "b1"])).accuracy  # the rest still merge
+    with pytest.raises(MergerError, match="'a1' named an expert freed with the page that made it"):
+        lab.add_expert(session, "a1", t, weights, owner="page-b")
+    assert lab.unused_name(pool, "a1") == "a1-2"

@@ -120,14 +120,18 @@ def test_dare_is_seeded(world):
 
 
 def test_dare_keeps_each_entry_with_probability_one_minus_p(world):
-    """DARE's draws are uniform integers in [0, LEVELS): the keep rule draw ≥ level(p) keeps 1 − p of them
-    at every rate, and the levels are ordered."""
-    from merger.methods.ties import LEVELS, dare_level, prepare_dare
+    """DARE's draws are uniform integers in [FIRST, FIRST + LEVELS): the keep rule draw ≥ level(p) keeps 1 − p
+    of them at every rate, and the levels are ordered. Read as bf16 (the compiled merges do) they are
+    positive, normal, finite and in the same order."""
+    from merger.methods.ties import FIRST, LEVELS, dare_level, prepare_dare
 
     base, experts, keys, _ = world
     tv = TaskVectors(base, {str(i): e for i, e in enumerate(experts)})
     draws = torch.cat([d.reshape(-1) for d in prepare_dare(tv, 5)["draws"].values()])
-    assert draws.dtype == torch.int16 and int(draws.min()) >= 0 and int(draws.max()) < LEVELS
+    assert draws.dtype == torch.int16 and int(draws.min()) >= FIRST and int(draws.max()) < FIRST + LEVELS
+    every = torch.arange(FIRST, FIRST + LEVELS, dtype=torch.int16).view(torch.bfloat16).float()
+    assert bool(every.isfinite().all()) and float(every[0]) >= torch.finfo(torch.bfloat16).tiny
+    assert bool((every[1:] > every[:-1]).all())
     assert bool((draws >= dare_level(0.0)).all())
     for p in (0.1, 0.5, 0.9, 0.99):
         assert abs(float((draws >= dare_level(p)).float().mean()) - (1 - p)) < 0.01, p

@@ -269,3 +269,20 @@ def test_pickled_checkpoint_refusal_says_how_to_convert(tmp_path):
     torch.save(torch.nn.Linear(2, 2), tmp_path / "whole.pt")  # a whole saved model: named
     with pytest.raises(CheckpointError, match=r"execute code \(it holds a torch\.nn\.modules\.linear\.Linear\)\."):
         checkpoints.load_weights(tmp_path / "whole.pt")
+
+
+def test_a_pool_without_its_image_statistics_says_which_it_uses(folder_pool, caplog):
+    """A missing preprocess scored the demo's expert 92.0 % instead of 95.7 %, and nothing said why."""
+    spec = yaml.safe_load((folder_pool / "pool.yaml").read_text())
+    spec.pop("preprocess", None)
+    (folder_pool / "pool.yaml").write_text(yaml.safe_dump(spec))
+    with caplog.at_level("WARNING", logger="merger.pool.pool"):
+        merger.open_pool(folder_pool / "pool.yaml")
+    assert f"{folder_pool / 'pool.yaml'}: preprocess gives no mean and std: images are normalised with OpenAI " \
+           "CLIP's" in caplog.text
+    spec["preprocess"] = {"image_size": 32, "mean": [0.5] * 3, "std": [0.25] * 3}
+    (folder_pool / "pool.yaml").write_text(yaml.safe_dump(spec))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="merger.pool.pool"):
+        merger.open_pool(folder_pool / "pool.yaml")
+    assert "preprocess" not in caplog.text

@@ -299,6 +299,21 @@ def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch)
     with open(path) as fh:
         data = list(csv.DictReader(fh))
     assert data and all(r["method"] == "iso_c" for r in data)
+    # the table shows percent, the file fractions: its header says so
+    assert 0 <= float(data[0]["average_accuracy (fraction)"]) <= 1 and "normalized_accuracy (fraction)" in data[0]
+
+
+def test_a_radar_of_two_tasks_is_bars(ctl):
+    """A radar over two tasks collapses to a line: below three tasks the normalised accuracy is bars."""
+    import dataclasses
+
+    from merger import plots
+
+    res = ctl.session.preview(ctl.session.spec("task_arithmetic", lam=0.3))
+    two = dataclasses.replace(res, accuracy={t: res.accuracy[t] for t in res.tasks[:2]})
+    fig = plots.radar({"merged": two})
+    assert [t.type for t in fig.data] == ["bar"] and list(fig.data[0].x) == res.tasks[:2]
+    assert [t.type for t in plots.radar({"merged": res}).data] == ["scatterpolar"]
 
 
 def test_a_row_evaluated_again_keeps_its_id_and_the_next_row_takes_the_next_one(ctl, tmp_path):
@@ -346,10 +361,10 @@ def test_api_evaluate(ctl):
 
 
 def test_radar_closes_polygons():
-    r = merger.Result("live", {"a": 0.5, "b": 1.0}, {"a": 1, "b": 2}, {"a": 1.0, "b": 0.5})
+    r = merger.Result("live", {"a": 0.5, "b": 1.0, "c": 0.2}, {"a": 1, "b": 2, "c": 3}, {"a": 1.0, "b": 0.5, "c": 0.4})
     fig = plots.radar({"x": r})
-    assert list(fig.data[0].r) == [50.0, 200.0, 50.0]
-    assert list(fig.data[0].theta) == ["a", "b", "a"]
+    assert list(fig.data[0].r) == [50.0, 200.0, 50.0, 50.0]
+    assert list(fig.data[0].theta) == ["a", "b", "c", "a"]
 
 
 def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):

@@ -17,6 +17,7 @@ from merger.methods.basic import WEIGHT_AVERAGING
 LIMITS = {"lr": (0.0, 1.0), "epochs": (1, 100), "batch_size": (0, 100_000), "data_fraction": (0.0, 1.0),
           "momentum": (0.0, 1.0), "weight_decay": (0.0, 10.0)}
 OPTIMIZERS = ("adamw", "sgd")
+MAX_LAB_EXPERTS = 64  # per page: each is a task vector in memory (3 MB on the demo) until the page closes
 SCHEDULES = ("cosine", "constant")
 ONE_EPOCH = {"epochs": 1}
 # One step of full-batch gradient descent from the base: τ(1) = −lr ∇L(θ0), so
@@ -134,6 +135,33 @@ def check_name(pool, name: str) -> None:
         raise MergerError(f"lab: name {name!r}: use 1-40 letters, digits, '_', '-', '.', '@', '='")
     if name in pool.expert_info:
         raise MergerError(f"lab: an expert named '{name}' already exists (names are shared by every session)")
+    if name in pool.retired:
+        raise MergerError(f"lab: '{name}' named an expert freed with the page that made it; names are not reused "
+                          "(what was computed with it may still be cached): pick another")
+
+
+def unused_name(pool, stem: str) -> str:
+    """``stem``, or ``stem-2``, ``stem-3``… : the first name no expert holds or held."""
+    taken = lambda n: n in pool.expert_info or n in pool.retired  # noqa: E731
+    return next(n for n in (stem, *(f"{stem}-{i}" for i in range(2, len(pool.expert_info) + len(pool.retired) + 3)))
+                if not taken(n))
+
+
+def check_room(pool, owner: str | None, more: int) -> None:
+    """Refuse a lab run that would leave its page holding over MAX_LAB_EXPERTS experts (each a task
+    vector in memory, kept until the page is closed)."""
+    held = len(lab_experts(pool, owner))
+    if held + more > MAX_LAB_EXPERTS:
+        raise MergerError(f"lab: this page holds {held} lab expert(s) and this run adds {more}: at most "
+                          f"{MAX_LAB_EXPERTS} per page (they are freed when the page is closed)")
+
+
+def free_lab_experts(session, owner: str) -> list[str]:
+    """Remove the lab experts a page made (its session ended); their names are never used again."""
+    names = lab_experts(session.pool, owner)
+    if names:
+        session.remove_experts(names)
+    return names
 
 
 def add_expert(session, name: str, like_task: str, weights: dict, hparams: dict | None = None,
@@ -142,6 +170,7 @@ def add_expert(session, name: str, like_task: str, weights: dict, hparams: dict 
     one), made by the session ``owner``. The pool's tasks do not change: results stay per task."""
     pool = session.pool
     check_name(pool, name)
+    check_room(pool, owner, 1)
     if like_task not in pool.expert_info:
         raise MergerError(f"lab: unknown task '{like_task}'")
     session.add_expert(name, pool.task_of(like_task), weights,
@@ -155,6 +184,7 @@ def lab_experts(pool, owner: str | None = None, everyone: bool = False) -> list[
 
 
 # ---- scaling view -------------------------------------------------------------------------
+MAX_SCALING_VALUES = 8
 
 # The paper's predicted shape of the merged loss in one variable (seed 000, §V-B), as basis
 # functions g_i of a least-squares fit a + Σ b_i g_i(x): a fitted *trend*, not a prediction.
@@ -204,6 +234,9 @@ def scaling_view(session, param: str, values: Sequence[float], base_settings: di
         raise MergerError(f"lab: scaling over '{param}' is not supported; one of {', '.join(TRENDS)}")
     if len(values) < 2:
         raise MergerError("lab: the scaling view needs at least two values")
+    if len(values) > MAX_SCALING_VALUES:
+        raise MergerError(f"lab: {len(values)} scaling values: at most {MAX_SCALING_VALUES} (each value fine-tunes an "
+                          "expert per task)")
     if not all(math.isfinite(v) for v in values):
         raise MergerError(f"lab: scaling values {list(values)}: every value must be a finite number")
     if param == "batch_size" and 0 in [float(v) for v in values]:  # said before minutes of fine-tuning
@@ -223,6 +256,7 @@ def scaling_view(session, param: str, values: Sequence[float], base_settings: di
             accs.append(sum(a for a, _ in scores) / len(scores))
             losses.append(sum(lo for _, lo in scores) / len(scores))
     else:
+        check_room(pool, owner, len(values) * len(tasks))  # said before minutes of fine-tuning
         for vi, v in enumerate(values):
             settings = check_settings(**{**base_settings, param: v})
             # the other settings in the name too: a view run again with another optimiser reused these
@@ -230,6 +264,8 @@ def scaling_view(session, param: str, values: Sequence[float], base_settings: di
             names = []
             for ti, t in enumerate(tasks):
                 name = f"{t}@{param}={v:g}-{digest}"
+                if name in pool.retired:  # freed with another page: trained again under a new name
+                    name = unused_name(pool, name)
                 if name not in pool.expert_info:
                     done = (vi * len(tasks) + ti) / (len(values) * len(tasks))
                     sd, traj, hp = finetune(session, t, settings, cancel=cancel,

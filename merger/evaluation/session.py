@@ -379,6 +379,12 @@ class PoolSession:
         return len(self._plane_values)
 
     # ---- experts added later ----------------------------------------------------------------
+    def remove_experts(self, names) -> None:
+        """Remove lab experts (their page closed): the task-vector stack shrinks; their names are
+        never reused, so nothing cached under them is ever taken for another expert's."""
+        with self.queue:
+            self.pool.remove_experts(names)
+
     def add_expert(self, name: str, task: str, weights, info) -> None:
         """Another expert for one of the pool's tasks. Every cache is keyed by the experts it
         merged, by name, and names are never reused: nothing cached depends on the new one, so

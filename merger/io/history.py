@@ -16,6 +16,7 @@ from merger.io.checkpoints import write_text_atomic
 
 DEFAULT_PATH = Path.home() / ".merger" / "history.sqlite"  # the app's and the CLI jobs' history
 
+FRACTION_COLUMNS = ("average_accuracy", "normalized_accuracy", "accuracy")  # in [0, 1]; the page shows percent
 COLUMNS = ("id", "time", "pool", "method", "params", "experts", "split", "average_accuracy",
            "normalized_accuracy", "average_loss", "accuracy", "loss")
 
@@ -151,9 +152,11 @@ class History:
         return dict(zip(COLUMNS, r)) if r else None
 
     def export_csv(self, path: str | Path, **filters) -> Path:
+        """The rows as CSV; accuracies as stored, fractions in [0, 1], which the header says (the page
+        shows percent)."""
         buf = io.StringIO()
         w = csv.DictWriter(buf, fieldnames=COLUMNS)
-        w.writeheader()
+        csv.writer(buf).writerow([f"{c} (fraction)" if c in FRACTION_COLUMNS else c for c in COLUMNS])
         for r in self.rows(limit=1_000_000, **filters):
             w.writerow(r)
         return write_text_atomic(path, buf.getvalue())

@@ -29,7 +29,10 @@ from merger.methods.registry import (CART_README, LAM, SEED, SPARSITY, Method, P
 from merger.pool.task_vectors import TaskVectors
 
 GRID = 100  # sparsity steps whose thresholds are prepared (the slider's 0.01)
-LEVELS = 1 << 15  # DARE's draws: uniform integers in [0, LEVELS)
+# DARE's draws: uniform integers in [FIRST, FIRST + LEVELS). They start at 128 so that a drop-in may read
+# each as the positive normal bf16 number with its bits (such numbers order as their bits do, and the last,
+# 128 + 32512, stays below bf16's infinity): a compiled compare of bf16 ran 6× one of int16.
+FIRST, LEVELS = 0x80, 0x7F00
 
 
 # ---- the definitions, entry by entry (on slices [T, ...] of a tensor's stack: methods/entries.py) ------
@@ -58,28 +61,33 @@ def trimmed(tau: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
 
 
 def kept_draws(tau: torch.Tensor, draws: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
-    """DARE's mask on entries [T, ...]: τt where the draw reaches ``level`` (probability 1 − level/LEVELS),
-    else 0. The rescale by the inverse of that probability is applied to the merge (both merges are
+    """DARE's mask on entries [T, ...]: τt where the draw reaches ``level`` (``dare_level``), else 0. The rescale by the inverse of that probability is applied to the merge (both merges are
     positively homogeneous), so E[τ̃] = τ exactly and the election sees the stored values."""
     return torch.where(draws >= level, tau, 0.0)
 
 
+def keep_probability(level: torch.Tensor) -> float:
+    """P(draw ≥ level): the share of the LEVELS draws at or above it."""
+    return (FIRST + LEVELS - int(level)) / LEVELS
+
+
 def rescale(level: torch.Tensor) -> torch.Tensor:
-    """1 / P(keep) at ``level``."""
-    return LEVELS / (LEVELS - level)
+    """1 / P(keep) at ``level`` (fp32, 0-d)."""
+    return torch.tensor(1.0 / keep_probability(level), dtype=torch.float32)
 
 
 def ties_entries(tau, thresholds, weights):
     return disjoint_merge(trimmed(tau.float(), thresholds), weights)
 
 
-def dare_linear_entries(tau, draws, level, weights):
+def dare_linear_entries(tau, draws, level, scale, weights):
+    """``scale``: rescale(level), computed once per merge."""
     kept = kept_draws(tau.float(), draws, level)
-    return (kept * per_task(weights, kept)).sum(0) * rescale(level)
+    return (kept * per_task(weights, kept)).sum(0) * scale
 
 
-def dare_ties_entries(tau, draws, level, weights):
-    return disjoint_merge(kept_draws(tau.float(), draws, level), weights) * rescale(level)
+def dare_ties_entries(tau, draws, level, scale, weights):
+    return disjoint_merge(kept_draws(tau.float(), draws, level), weights) * scale
 
 
 # ---- TIES -----------------------------------------------------------------------------------
@@ -166,7 +174,7 @@ TIES = register(Method(
 
 def dare_level(p: float) -> torch.Tensor:
     """The draw an entry must reach to be kept at drop rate p: kept with probability 1 − round(p·L)/L."""
-    return torch.tensor(int(round(p * LEVELS)), dtype=torch.int32)
+    return torch.tensor(FIRST + int(round(p * LEVELS)), dtype=torch.int32)
 
 
 def _task_seed(seed: int, task: str) -> int:
@@ -175,10 +183,16 @@ def _task_seed(seed: int, task: str) -> int:
 
 
 def prepare_dare(tv: TaskVectors, seed: int) -> dict:
-    """One uniform draw in [0, LEVELS) per entry and task (int16), from a generator seeded by the task."""
+    """One uniform draw in [FIRST, FIRST + LEVELS) per entry and task (int16), from a generator seeded by
+    the task."""
     gens = [torch.Generator().manual_seed(_task_seed(seed, t)) for t in tv.tasks]
-    draws = {k: torch.stack([torch.randint(0, LEVELS, v.shape[1:], generator=g, dtype=torch.int16) for g in gens])
+    draws = {k: torch.stack([torch.randint(FIRST, FIRST + LEVELS, v.shape[1:], generator=g, dtype=torch.int16)
+                             for g in gens])
              .to(tv.device) for k, v in tv.stacked.items()}
+    level = dare_level(DARE_P.default)
+    for entries in (dare_linear_entries, dare_ties_entries):  # a compiled drop-in compiles here, not in a move
+        first_call(entries, tv.stacked, draws, args=(level.to(tv.device), rescale(level).to(tv.device),
+                                                     _weights(tv, None)))
     return {"tv": tv, "draws": draws}
 
 
@@ -186,7 +200,8 @@ def dare_merge(entries):
     """DARE's merge at λ = 1 for one drop rate (the derive step): ``entries`` over every tensor."""
     def derive(prepared: dict, sparsity: float, task_weights=None) -> dict:
         tv = prepared["tv"]
-        args = (dare_level(sparsity).to(tv.device), _weights(tv, task_weights))
+        level = dare_level(sparsity)
+        args = (level.to(tv.device), rescale(level).to(tv.device), _weights(tv, task_weights))
         return {"merged": {k: entrywise(entries, v, prepared["draws"][k], args=args) for k, v in tv.stacked.items()}}
     return derive
 

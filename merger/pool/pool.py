@@ -48,6 +48,7 @@ class Pool:
         self.architecture = spec["architecture"]
         self.tokenizer_name = spec.get("tokenizer")
         self.preprocess_cfg = dict(spec.get("preprocess") or {})
+        pool_schema.say_default_statistics(spec, source)
         self.preprocess_cfg.setdefault("image_size", self._image_size())
         self._reference = self._meta_state_dict()  # the architecture, checked before any file is read
         self.base_path = self._path(spec["base"], "base")
@@ -55,6 +56,7 @@ class Pool:
         if preloaded is not None:  # an in-memory pool (benchmarks): same checks, no files
             self.base_path = None
         self.tasks: list[str] = list(self.expert_info)
+        self.retired: set[str] = set()  # names of experts removed (Pool.remove_experts): never given again
         self.task_info = self._tasks(spec.get("tasks") or {})
         if preloaded is not None:
             self.base, self.base_format = dict(preloaded["base"]), "open_clip"
@@ -230,6 +232,19 @@ class Pool:
         sd = checkpoints.validate_expert(weights, self.base, f"expert '{name}'")
         self.task_vectors = self.task_vectors.extended(name, sd)
         self.expert_info[name] = {"path": None, **dict(info), "lab_task": task}
+
+    def remove_experts(self, names) -> None:
+        """Remove experts added later (the lab's; the pool's own stay). Call it through
+        ``PoolSession.remove_experts``. Their names go to ``retired``: never given again, since
+        results computed with them may still be cached under those names."""
+        names = list(names)
+        own = [n for n in names if n in self.tasks or n not in self.expert_info]
+        if own:
+            raise PoolError(f"cannot remove {', '.join(own)}: only experts added to the pool can go")
+        self.task_vectors = self.task_vectors.subset([e for e in self.task_vectors.tasks if e not in set(names)])
+        for n in names:
+            del self.expert_info[n]
+        self.retired.update(names)
 
     def make_spec(self, method: str, params: Mapping[str, Any], experts=None, task_weights=None, block_weights=None):
         """A spec over this pool's experts (None: one per task, the pool's own), with per-task and

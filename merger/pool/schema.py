@@ -2,6 +2,7 @@
 allocated. Messages name the file and the key path (``pool.yaml: tasks.cars.data.demo.train.n``)."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 from merger.errors import PoolError
@@ -223,3 +224,14 @@ def _data(data: Any, where: str, source: str, in_memory: bool) -> dict:
         else:
             inputs.check_path(entry, f"{source}: {where}.folder", E)
     return {kind: entry}
+
+
+def say_default_statistics(spec: Mapping, source: str) -> None:
+    """Warn when a pool whose tasks read images gives no mean and std: OpenAI CLIP's are used (a demo
+    pool without its own scored an expert 92.0 % instead of 95.7 %, and nothing said why)."""
+    reads_images = any(isinstance(t, Mapping) and t.get("data") for t in (spec.get("tasks") or {}).values())
+    if reads_images and not {"mean", "std"} <= set(spec.get("preprocess") or {}):
+        logging.getLogger("merger.pool.pool").warning(
+            "%s: preprocess gives no mean and std: images are normalised with OpenAI CLIP's (mean 0.481, 0.458, "
+            "0.408, std 0.269, 0.261, 0.276); if the experts were trained with others, set preprocess: "
+            "{image_size, mean, std}", source)

@@ -284,12 +284,12 @@ def wudi(tau: dict, lam: float, steps: int, lr: float = 1e-5, memo=None) -> dict
 
 def dare_masks(tv, sparsity: float, seed: int) -> tuple[dict, float]:
     """The masks DARE's seeded preparation draws (the definition's m ~ Bernoulli(1 − p), p realised as
-    round(p · LEVELS)/LEVELS), and P(keep)."""
-    from merger.methods.ties import LEVELS, dare_level, prepare_dare
+    round(p · LEVELS)/LEVELS: ties.dare_level), and P(keep)."""
+    from merger.methods.ties import dare_level, keep_probability, prepare_dare
 
     level = dare_level(sparsity)
     keep = {k: d >= level for k, d in prepare_dare(tv, seed)["draws"].items()}
-    return keep, 1 - int(level) / LEVELS
+    return keep, keep_probability(level)
 
 
 @dataclass(frozen=True)

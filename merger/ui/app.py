@@ -5,12 +5,13 @@ from __future__ import annotations
 import gradio as gr
 
 from merger import methods
+from merger.analysis.lab import free_lab_experts
 from merger.ui.analysis_tab import build_analysis_tabs
 from merger.ui.compare_tab import build_compare_tab
 from merger.ui.endpoint import evaluate_endpoint
 from merger.ui.history_tab import build_history_tab
 from merger.ui.landscape_tab import LandscapeController, build_landscape_tabs
-from merger.ui.merge_events import MergeTabEvents
+from merger.ui.merge_events import MergeTabEvents, session_of
 from merger.ui.merge_tab import Controller, build_merge_tab
 from merger.ui.scheduling import PREVIEW_EVENT, as_batch
 from merger.ui.tradeoffs_tab import build_tradeoffs_tab
@@ -53,4 +54,16 @@ def build_app(session, history=None, title: str = "merger", cluster=None) -> gr.
                  [*merge["controls"], merge["about"]], api_visibility="private")
         app.load(events.load, merge["inputs"], merge["outputs"], **PREVIEW_EVENT, api_visibility="private")
         app.load(merge["runs"].under_way, None, merge["under_way"], queue=False, api_visibility="private")
+
+        def ended(request: gr.Request):  # Gradio passes the request to a parameter annotated so
+            session_ended(ctl, events, request)
+        app.unload(ended)
     return app
+
+
+def session_ended(ctl: Controller, events: MergeTabEvents, request: gr.Request) -> None:
+    """A page closed: its lab experts (a task vector each) and what was kept for it go."""
+    who = session_of(request)
+    free_lab_experts(ctl.session, who)
+    events.forget(who)
+    ctl.offered.forget(who)

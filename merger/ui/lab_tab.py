@@ -8,7 +8,8 @@ import gradio as gr
 
 from merger import plots
 from merger.analysis.lab import (GRADIENT_DESCENT, OPTIMIZERS, SCHEDULES, SETTING_LABELS, TRENDS, VARIABLE_LABELS,
-                                 add_expert, check_name, check_settings, describe_settings, finetune, scaling_view)
+                                 add_expert, check_name, check_settings, describe_settings, finetune, scaling_view,
+                                 unused_name)
 from merger.errors import Cancelled, MergerError
 from merger.landscape.trajectories import has_trajectory
 from merger.ui.errors import notice
@@ -58,9 +59,7 @@ class LabController:
     def free_name(self, task, request) -> str:
         """A name left blank: TASK-lab-<this session>, numbered past the ones taken (names are
         shared by every session, so one default for all would refuse everyone's second run)."""
-        stem = f"{task}-lab-{session_of(request)[:6]}"
-        taken = self.pool.expert_info
-        return next(n for n in (stem, *(f"{stem}-{i}" for i in range(2, len(taken) + 3))) if n not in taken)
+        return unused_name(self.pool, f"{task}-lab-{session_of(request)[:6]}")
 
     def _train(self, task, name, settings, progress, flag, request):
         sd, traj, hp = finetune(self.ctl.session, task, settings, progress=lambda f, m: progress(f, desc=m),
@@ -134,7 +133,10 @@ class LabController:
         loss = plots.lines({"merged loss": (r["values"], r["loss"]), r["trend"]["label"]: (r["trend"]["x"], r["trend"]["y"])},
                            label, "loss", f"Merged loss against {label} (dotted: a trend, not a prediction)",
                            log_x=log_x, dashed=[r["trend"]["label"]])
-        return acc, loss, *self.choices(request), f"Merged with {r['merge']}."
+        used = check_settings(*settings)  # the hidden settings a preset left behind, said (SGD, the full batch)
+        return acc, loss, *self.choices(request), (f"Merged with {r['merge']}. Each expert fine-tuned with "
+                                                   f"{describe_settings({k: v for k, v in used.items() if k != param})}"
+                                                   f", {VARIABLE_LABELS[param]} as plotted.")
 
 
 def build_lab_tab(ctl, experts_box, dynamics_task) -> LabController:

@@ -48,6 +48,12 @@ class MergeTabEvents:
         self._evaluated: dict[str, OrderedDict] = {}  # session -> the specs its moves and grids evaluated
         self._lock = threading.Lock()
 
+    def forget(self, who: str) -> None:
+        """A browser session ended (its page closed): what was kept for it goes."""
+        with self._lock:
+            for per_session in (self._targets, self._methods, self._panel, self._shown, self._evaluated):
+                per_session.pop(who, None)
+
     def saw(self, who: str, specs) -> None:
         """Merges a browser session evaluated (its own, for the Trade-offs tab's Pareto front: in a
         workshop nobody sees another person's points)."""

@@ -20,6 +20,10 @@ class OfferedExperts:
         with self._lock:
             (self._everyone.add if everyone else self._everyone.discard)(session)
 
+    def forget(self, session: str) -> None:
+        with self._lock:
+            self._everyone.discard(session)
+
     def to(self, session: str) -> list[str]:
         with self._lock:
             everyone = session in self._everyone
