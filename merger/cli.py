@@ -157,6 +157,15 @@ def cmd_eval(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    if args.action == "export":
+        from merger.demo.export import export_demo
+
+        if not args.out:
+            raise MergerError("demo export: give --out DIR (a new or empty folder)")
+        pool = export_demo(args.out, args.images)
+        print(f"wrote {pool} with its base, experts and image folders: copy and edit them "
+              "(README: Bring your own pool)")
+        return 0
     if args.action == "build":
         from merger.demo.build import DemoConfig, build
         from merger.pool.pool import DEMO_DIR
@@ -196,9 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("demo", help="build or report the built-in demo pool")
-    p.add_argument("action", choices=["build", "report"])
-    p.add_argument("--out", default=None, help="build: output folder (default: the shipped assets/demo)")
+    p = sub.add_parser("demo", help="build, report or export the built-in demo pool")
+    p.add_argument("action", choices=["build", "report", "export"])
+    p.add_argument("--out", default=None, help="build: output folder (default: the shipped assets/demo); export: "
+                   "a new or empty folder for the pool as files and image folders")
+    p.add_argument("--images", type=positive_int, default=100, help="export: images per task and split")
     p.add_argument("--small", action="store_true", help="build: the reduced configuration used in CI")
     p.add_argument("--pool", default="demo", help="report: which pool")
     p.add_argument("--split", default="test", help="report: test (default), train, val, live or probe")

@@ -179,7 +179,7 @@ def test_cart_formula(world, rank_ratio):
     expected = {}
     for k in keys:
         if is_matrix(k, base[k].shape):
-            kk = math.ceil(rank_ratio * min(base[k].shape))  # seed 002, Algorithm 1, line 6: k = ⌈γ · r⌉
+            kk = math.ceil(rank_ratio * min(base[k].shape))  # CART (arXiv 2412.12153), Algorithm 1, line 6: k = ⌈γ · r⌉
             expected[k] = avg[k] + lam * sum(svd_k(e[k] - avg[k], kk) for e in experts)
         else:
             expected[k] = avg[k]

@@ -127,7 +127,7 @@ def merge_mask(tv, method: str, sparsity: float | None = None, seed: int | None 
 
 def heterogeneity(tv, coefficients: Sequence[float], mask: str | None = None, sparsity: float | None = None,
                   seed: int | None = None, task_weights: dict | None = None, **params) -> dict:
-    """ζt² ∝ ‖τt − τ̄‖², τ̄ = Σk λk τk, per task; with a merge's mask M its reduction (seed 000, Eq. 10)
+    """ζt² ∝ ‖τt − τ̄‖², τ̄ = Σk λk τk, per task; with a merge's mask M its reduction (arXiv 2601.21690, Eq. 10)
     δt(M) = Σ_{j dropped from τt} [(τt,j − τ̄j)² − (0 − τ̄~j)²], τ̄~ = Σk λk M(τk) the masked consensus,
     and ζ̂t² = ζt² − δt(M); χ² of the coefficients and simplex warnings. ``task_weights``: the merge's
     wₜ, whose mask is taken on the wₜτₜ it merges (MagMax's largest entry, TIES' elected sign)."""
@@ -164,7 +164,7 @@ def chi_square(coefficients: Sequence[float]) -> dict:
     return {"chi2": chi, "sum": total, "warnings": warnings}
 
 
-# ---- checkpoints over epochs (seed 003) ---------------------------------------------------
+# ---- checkpoints over epochs (arXiv 2508.16082) ---------------------------------------------------
 
 def epoch_dynamics(points: Sequence[torch.Tensor]) -> dict:
     """points = [θ0, θ(1), …, θ(E)] flattened. Update-norm shares, the epoch × epoch cosine matrix
@@ -179,7 +179,7 @@ def epoch_dynamics(points: Sequence[torch.Tensor]) -> dict:
             "cos_to_first": F.cosine_similarity(taus, taus[:1].expand_as(taus), dim=1).tolist()}
 
 
-# ---- features on a probe batch (seed 004) -------------------------------------------------
+# ---- features on a probe batch (arXiv 2402.03660) -------------------------------------------------
 
 def probe_images(evaluator, split: str = "val", per_task: int = 16) -> torch.Tensor:
     """A probe batch with images of every task: the first ``per_task`` of each image source."""
@@ -187,7 +187,7 @@ def probe_images(evaluator, split: str = "val", per_task: int = 16) -> torch.Ten
 
 
 def block_features(model_visual, weights: dict, x: torch.Tensor) -> list[torch.Tensor]:
-    """Per transformer block, its output over all tokens, flattened to [N, tokens × width] (seed 004,
+    """Per transformer block, its output over all tokens, flattened to [N, tokens × width] (arXiv 2402.03660,
     B.1.2: the cosine is taken over the whole token × hidden feature, not the class token)."""
     from torch.func import functional_call
 
@@ -208,7 +208,7 @@ def block_features(model_visual, weights: dict, x: torch.Tensor) -> list[torch.T
 def cross_task_linearity(features, merged: dict, experts: Sequence[dict], weights: Sequence[float],
                          x: torch.Tensor, base: dict | None = None) -> dict:
     """Per layer: 1 − cos(f(θmerged; x), prediction) (mean and quartiles over x), against the
-    baseline: the mean over the endpoints e of 1 − cos(f(θmerged; x), f(e; x)) (seed 004).
+    baseline: the mean over the endpoints e of 1 − cos(f(θmerged; x), f(e; x)) (arXiv 2402.03660).
 
     The prediction is the affine form (1 − Σ wt) f(θ0) + Σ wt f(θt) when ``base`` is given (the
     paper's Eq. 2 for task arithmetic: θ0 + Σ wt τt = (1 − Σ wt) θ0 + Σ wt θt), else Σ wt f(θt).

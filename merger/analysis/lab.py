@@ -21,7 +21,7 @@ MAX_LAB_EXPERTS = 64  # per page: each is a task vector in memory (3 MB on the d
 SCHEDULES = ("cosine", "constant")
 ONE_EPOCH = {"epochs": 1}
 # One step of full-batch gradient descent from the base: τ(1) = −lr ∇L(θ0), so
-# cos(τ(1), −∇L(θ0)) = 1 (seed 003). batch_size 0 = the whole train split.
+# cos(τ(1), −∇L(θ0)) = 1 (arXiv 2508.16082). batch_size 0 = the whole train split.
 GRADIENT_DESCENT = {"optimizer": "sgd", "momentum": 0.0, "weight_decay": 0.0, "schedule": "constant",
                     "epochs": 1, "batch_size": 0, "lr": 0.1}
 # The lab's settings in its controls' order, with the labels the controls show (and its messages use)
@@ -186,7 +186,7 @@ def lab_experts(pool, owner: str | None = None, everyone: bool = False) -> list[
 # ---- scaling view -------------------------------------------------------------------------
 MAX_SCALING_VALUES = 8
 
-# The paper's predicted shape of the merged loss in one variable (seed 000, §V-B), as basis
+# The paper's predicted shape of the merged loss in one variable (arXiv 2601.21690, §V-B), as basis
 # functions g_i of a least-squares fit a + Σ b_i g_i(x): a fitted *trend*, not a prediction.
 TRENDS = {
     "lr": ("a + b·η² (quadratic stability penalty)", (lambda x: x ** 2,)),

@@ -1,6 +1,6 @@
 """The linear estimate: a weighted sum of task vectors answered from forwards already made.
 
-Cross-task linearity (seed 004): the image tower is close to linear along task vectors, so for
+Cross-task linearity (Zhou et al., arXiv 2402.03660): the image tower is close to linear along task vectors, so for
 Δ = Σ wₜτₜ, per image,
 
     f(θ0 + Σ wₜτₜ; x) ≈ f(θ0; x) + Σ wₜ (f(θt; x) − f(θ0; x))

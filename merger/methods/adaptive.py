@@ -135,7 +135,7 @@ def simplex_argmin(value_and_grad: Callable, k: int, iters: int = 25, tol: float
 
 def run_fw(ctx: Context, progress=None, cancel=None, *, soft: bool, steps: int, lam: float, samples: int,
            k: int, seed: int, step_size: float = 1.0) -> Run:
-    """Frank–Wolfe over the convex hull of the experts θ1..θT (seed 001), from θ(0) = θ0 + lam Σ τ.
+    """Frank–Wolfe over the convex hull of the experts θ1..θT (arXiv 2503.12649), from θ(0) = θ0 + lam Σ τ.
 
     The LMO picks the expert minimising ⟨∇ℓ(θ(i)), θt⟩. Hard: θ(i+1) = (1 − γi) θ(i) + γi s(i),
     γi = step_size · 2/(i + 2). Soft: λ* = argmin over the k-simplex of ℓ(Σj λj s̃j) over the

@@ -117,7 +117,7 @@ class Method:
     # state is the prepared state (static) or the Run (data-driven). The Analysis tab, the logit
     # ensemble and cross-task linearity read it.
     weights: Callable[[Mapping[str, Any], int, Any], tuple[list[float], str]] | None = None
-    # Which entries of each τt the merge keeps (seed 000's sparsifying operator M):
+    # Which entries of each τt the merge keeps (the sparsifying operator M of arXiv 2601.21690):
     # mask(task_vectors, **params) -> [T, P] bool over the flattened task vectors, or None.
     mask: Callable[..., Any] | None = None
     objective: str = ""  # data-driven: what the run minimises ("entropy", "calibration loss")
@@ -391,7 +391,7 @@ def lam_times(field: str | None = None) -> Callable[..., dict]:
 
 
 def kept_rank(rank_ratio: float, m: int, n: int) -> int:
-    """CART's kept rank k = ⌈γ · r⌉ (seed 002, Algorithm 1, line 6), r = min(m, n), γ in (0, 1].
+    """CART's kept rank k = ⌈γ · r⌉ (arXiv 2412.12153, Algorithm 1, line 6), r = min(m, n), γ in (0, 1].
 
     The tolerance keeps a product that lands on an integer up to rounding (0.08 · 100) from
     being pushed to the next one."""

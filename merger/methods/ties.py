@@ -249,7 +249,7 @@ DARE_TIES = register(Method(
 ))
 
 
-# ---- the kept entries (seed 000's sparsifying operator M, for the heterogeneity diagnostic) --
+# ---- the kept entries (the sparsifying operator M of arXiv 2601.21690, for the heterogeneity diagnostic) --
 
 def kept_entries(tv: TaskVectors, rule: str, sparsity: float, seed: int | None = None) -> torch.Tensor:
     """Per task, the entries its merge keeps, [T, P] bool over the flattened task vectors: TIES keeps

@@ -22,7 +22,7 @@ def rises_then_falls(curve: Mapping[float, float], margin: float = 0.01) -> bool
 
 
 def bell_at_low_rank(curve: Mapping[float, float], low: float = 0.32, margin: float = 0.01) -> bool:
-    """CART's bell (seed 002): rises from the lowest rank, peaks at a rank ratio ≤ ``low``, falls back."""
+    """CART's bell (arXiv 2412.12153): rises from the lowest rank, peaks at a rank ratio ≤ ``low``, falls back."""
     return rises_then_falls(curve, margin) and max(curve, key=curve.get) <= low
 
 

@@ -212,11 +212,11 @@ def build_analysis_tabs(ctl, inputs, experts_box):
             with gr.Row():
                 lr_spec, lr_ri = gr.Plot(), gr.Plot()
             lr_btn.click(ac.lowrank, [experts_box, layer], [lr_spec, lr_ri], api_visibility="private")
-        with gr.Accordion("Heterogeneity (seed 000): ζ², δ(M), χ²", open=False):
+        with gr.Accordion("Heterogeneity (Li et al., arXiv 2601.21690): ζ², δ(M), χ²", open=False):
             h_btn = gr.Button("Compute")
             h_plot, h_text = gr.Plot(), gr.Markdown()
             h_btn.click(ac.heterogeneity, inputs, [h_plot, h_text], api_visibility="private")
-        with gr.Accordion("Epoch dynamics (seed 003)", open=False):
+        with gr.Accordion("Epoch dynamics (Zhou et al., arXiv 2508.16082)", open=False):
             has = [t for t in pool.tasks if trajectories.has_trajectory(pool, t)]
             d_task = gr.Dropdown(has or pool.tasks, value=(has or pool.tasks)[0], label="expert")
             d_btn = gr.Button("Compute")
@@ -225,7 +225,7 @@ def build_analysis_tabs(ctl, inputs, experts_box):
             d_text = gr.Markdown()
             d_btn.click(as_batch(ctl.session, ac.dynamics), d_task, [d_shares, d_cos, d_first, d_text], **BATCH_EVENT,
                         api_visibility="private")
-        with gr.Accordion("Cross-task linearity (seed 004)", open=False):
+        with gr.Accordion("Cross-task linearity (Zhou et al., arXiv 2402.03660)", open=False):
             l_btn = gr.Button("Compute for the current merge")
             l_plot = gr.Plot()
             l_btn.click(as_batch(ctl.session, ac.linearity), inputs, l_plot, **BATCH_EVENT, api_visibility="private")

@@ -1,5 +1,5 @@
 """The Expert lab tab (demo world): fine-tune experts with chosen settings, presets, Cancel, and
-the scaling view of seed 000."""
+the scaling view of Li et al. (arXiv 2601.21690)."""
 from __future__ import annotations
 
 import traceback
@@ -171,7 +171,7 @@ def build_lab_tab(ctl, experts_box, dynamics_task) -> LabController:
         status = gr.Markdown()
         everyone = gr.Checkbox(False, label="also offer the lab experts other sessions made",
                                info="lab experts belong to the session that made them; the pool's tasks never change")
-        gr.Markdown("### Scaling view (seed 000)\nExpert sets merged by weight averaging (Σλ = 1, as the theory "
+        gr.Markdown("### Scaling view (Li et al., arXiv 2601.21690)\nExpert sets merged by weight averaging (Σλ = 1, as the theory "
                     "assumes); the paper's trend is fitted to the merged loss. `num_tasks` merges random subsets of "
                     "the pool's experts.")
         with gr.Row():
