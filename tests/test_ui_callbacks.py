@@ -863,3 +863,12 @@ def test_wrong_passwords_wait_longer_each_time_and_a_right_one_still_opens():
     now[0] += LoginGate.WINDOW_S
     waits.clear()
     assert gate("ana", "s3cret") and waits == []  # the failures aged out
+
+
+def test_while_a_run_goes_the_headline_says_so_instead_of_asking_for_one(ctl, monkeypatch):
+    spec = ctl.session.spec("adamerging_task")
+    inputs = controls(ctl, method="adamerging_task")
+    assert "press **Run**" in ctl.answer(*inputs).message  # nothing under way: it asks for a run
+    monkeypatch.setattr(ctl.session, "under_way", lambda: {"AdaMerging (task-wise)": spec})
+    ans = ctl.answer(*inputs)
+    assert ans.result is None and "is learning for these experts now: its progress is under" in ans.message

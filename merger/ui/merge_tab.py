@@ -68,7 +68,13 @@ class Controller(ControlPanel):
         try:
             spec = self.spec_from_controls(experts, method, *values)
             m = methods.get(spec.method)
-            if m.data_driven and self.session.cached_run(spec) is None:
+            waiting = m.data_driven and self.session.cached_run(spec) is None
+            if (waiting or self.session.prepare_is_slow(spec)) and self._under_way(spec):
+                return Answer(spec, None, False,
+                              f"**{m.display_name}** is {'learning' if m.data_driven else 'preparing'} for these "
+                              f"experts now: its progress is under **{RUNS_LABEL}** below the controls, and its "
+                              "result shows here when it ends.", "under way")
+            if waiting:
                 return Answer(spec, None, False,
                               f"**{m.display_name}** learns its coefficients from validation data: set its "
                               f"parameters, open **{RUNS_LABEL}** below the controls and press **Run**.",
@@ -104,6 +110,11 @@ class Controller(ControlPanel):
         return (plots.accuracy_bars(ans.result, base, experts_acc, guides=guides(model, ans.spec.method)),
                 plots.loss_bars(ans.result, base),
                 plots.radar({ans.spec.label(): ans.result}))
+
+    def _under_way(self, spec) -> bool:
+        """A run or slow preparation of this method over these experts is going on (any page's)."""
+        return any(s.method == spec.method and tuple(s.experts) == tuple(spec.experts)
+                   for s in self.session.under_way().values())
 
     @staticmethod
     def no_result(message: str, why: str):
