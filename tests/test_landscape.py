@@ -230,3 +230,16 @@ def test_3d_markers_sit_at_their_own_measured_value(land):
     base_res = merger.evaluate(pool, pool.base, "probe")
     assert {t.name: t.z[0] for t in acc.data if t.type == "scatter3d"}["base"] == pytest.approx(
         100 * base_res.accuracy[pool.tasks[0]])
+
+
+def test_a_live_merge_outside_the_computed_grid_says_so(land):
+    """The live marker beyond the grid sat on no measured surface, and nothing said it."""
+    from merger.landscape.figure import landscape_figure
+
+    pts = land.named_points(["base", "experts"])
+    plane = pca_plane(pts)
+    surface = land.surface(plane, (-1.0, 1.0, -1.0, 1.0), 3)
+    inside = landscape_figure(land, plane, surface, "loss", None, pts, [], "contour", ("ta", 0.5, -0.5, 0.0))
+    outside = landscape_figure(land, plane, surface, "loss", None, pts, [], "contour", ("ta", 1.5, 0.0, 0.0))
+    assert "outside the computed grid" not in inside.layout.title.text
+    assert "the live merge (★) lies outside the computed grid" in outside.layout.title.text

@@ -91,8 +91,11 @@ def landscape_figure(land: Landscape, plane, surface, metric: str, task: str | N
         if live_values is None:
             raise MergerError("3-D landscape: the live merge's values are needed for its marker")
         heights["live"] = lay["scale"] * Surface.metric_of(live_values, lay["metric"], lay["task"])
+    title = lay["title"]
+    if live is not None and not (lay["xs"][0] <= live[1] <= lay["xs"][-1] and lay["ys"][0] <= live[2] <= lay["ys"][-1]):
+        title += "<br><sub>the live merge (★) lies outside the computed grid: the surface there was not measured</sub>"
     return plots.landscape(lay["xs"], lay["ys"], lay["z"], lay["label"], lay["coords"], lay["drawn"], live,
-                           lay["view"], title=lay["title"], heights=heights)
+                           lay["view"], title=title, heights=heights)
 
 
 def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_names: Sequence[str], grid: int,
