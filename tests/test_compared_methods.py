@@ -1,6 +1,7 @@
 """The methods people compare against (issue 7/8): each against a direct implementation of its
 formula on small random state dicts, the identities between them, and their bad input."""
 import math
+import re
 
 import pytest
 import torch
@@ -486,8 +487,11 @@ def test_a_job_is_as_large_as_the_methods_it_names_whatever_the_list(data_pool, 
     monkeypatch.setattr(tuning, "grid_points", lambda m: [{"lam": 0.3}, {"lam": 0.5}])
     rows = tuning.auto_tune(session, ["ties"] * 100_000 + ["TIES", "task_arithmetic", "ties"])
     assert [r["method"] for r in rows] == ["ties", "task_arithmetic"] and len(points) == 2 * 2 + 2
-    out = tuning.sweep(session, ["task_arithmetic"] * 1000, "lam", [0.2, 0.4])
-    assert list(out) == ["task_arithmetic"] and out["task_arithmetic"]["x"] == [0.2, 0.4]
+    said = []
+    out = tuning.sweep(session, ["task_arithmetic"] * 1000, "lam", [0.2, 0.4, 0.6], progress=lambda f, m: said.append(m))
+    assert list(out) == ["task_arithmetic"] and out["task_arithmetic"]["x"] == [0.2, 0.4, 0.6]
+    # each point says how long the rest should take, at the pace so far (the last: nothing left)
+    assert [re.search(r" · about \d+ s left$", m) is not None for m in said] == [True, True, False]
 
 
 def test_a_preparation_on_disk_is_keyed_by_the_helpers_it_calls_too():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import time
 from typing import Callable, Sequence
 
 from merger import methods
@@ -69,16 +70,20 @@ def evaluate_all(session, items: Sequence[tuple], progress: Progress = None, wha
         else:
             todo.append(i)
     done = len(items) - len(todo)
+    started, computed = time.monotonic(), 0
 
     def finished(j, result):
-        nonlocal done
+        nonlocal done, computed
         i = todo[j]
         out[i] = result
         done += 1
+        computed += 1
         if on_result:
             on_result(items[i][0], result)
         if progress:
-            progress(done / max(1, len(items)), f"{what} {done}/{len(items)}: {items[i][0].label()}")
+            left = (time.monotonic() - started) / computed * (len(items) - done)  # at this job's pace so far
+            eta = f" · about {_duration(left)} left" if done < len(items) else ""
+            progress(done / max(1, len(items)), f"{what} {done}/{len(items)}: {items[i][0].label()}{eta}")
 
     # a spec naming an expert the workers lack (one added in the app's lab) is evaluated here
     remote = [j for j, i in enumerate(todo) if cluster is not None and cluster.serves(items[i][0])]
@@ -88,6 +93,10 @@ def evaluate_all(session, items: Sequence[tuple], progress: Progress = None, wha
         spec, split = items[todo[j]]
         finished(j, session.preview(spec, split=split))
     return out
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def auto_tune(session, method_names: Sequence[str], experts=None, progress: Progress = None, *,
