@@ -234,7 +234,8 @@ def test_sweeps(ctl):
     assert out == gr.skip()  # one output: the value itself (a 1-tuple would be that plot's value)
     with pytest.warns(UserWarning, match="tick at least one method to auto-tune"):
         assert CompareTab(ctl).auto_tune(None, [], ctl.pool.tasks, progress=lambda *a, **k: None) == (gr.skip(),) * 3
-    # Cancel stops a sweep and an auto-tune at their next point; the plots shown stay
+    # Cancel stops a sweep and an auto-tune at their next point; auto-tune's plots stay, the sweep's curve
+    # goes (the previous sweep's would stand under the new choices)
     from types import SimpleNamespace
 
     tab, me, reports = CompareTab(ctl), SimpleNamespace(session_hash="me"), []
@@ -244,7 +245,8 @@ def test_sweeps(ctl):
         tab.cancel(me)
 
     with pytest.warns(UserWarning, match=r"sweep cancelled after \d+ % of its points; those it evaluated are cached"):
-        assert tab.sweep(me, "lam", ["ties"], "val", ctl.pool.tasks, progress=press_cancel) == gr.skip()
+        fig = tab.sweep(me, "lam", ["ties"], "val", ctl.pool.tasks, progress=press_cancel)
+    assert fig.layout.annotations[0].text == "Sweep cancelled: no curve for these choices"
     assert len(reports) == 1  # one point, then stopped (a sweep of ties' λ values on val: 16 points)
     with pytest.warns(UserWarning, match=r"auto-tune cancelled after \d+ %"):
         assert tab.auto_tune(me, ["ties"], ctl.pool.tasks, progress=press_cancel) == (gr.skip(),) * 3
@@ -872,3 +874,20 @@ def test_while_a_run_goes_the_headline_says_so_instead_of_asking_for_one(ctl, mo
     monkeypatch.setattr(ctl.session, "under_way", lambda: {"AdaMerging (task-wise)": spec})
     ans = ctl.answer(*inputs)
     assert ans.result is None and "is learning for these experts now: its progress is under" in ans.message
+
+
+def test_a_cancelled_sweep_leaves_no_earlier_curve_under_the_new_choices(ctl, monkeypatch):
+    from types import SimpleNamespace
+
+    from merger.errors import Cancelled
+    from merger.ui.compare_tab import CompareTab
+
+    tab = CompareTab(ctl)
+
+    def cancelled(*args, **kwargs):
+        raise Cancelled("cancelled")
+    monkeypatch.setattr(tab, "_sweep", cancelled)
+    with pytest.warns(UserWarning, match="cancelled"):
+        fig = tab.sweep(SimpleNamespace(session_hash="me"), "lam", ["task_arithmetic"], "live", None,
+                        progress=lambda *a, **k: None)
+    assert fig.layout.annotations[0].text == "Sweep cancelled: no curve for these choices"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import gradio as gr
 
 from merger import methods, plots
-from merger.errors import MergerError
+from merger.errors import Cancelled, MergerError
 from merger.evaluation.tuning import auto_tune, sweep, sweep_axes, sweep_num_tasks, sweep_values, tunable_methods
-from merger.ui.errors import keeps_outputs
+from merger.ui.errors import keeps_outputs, warn
 from merger.ui.merge_events import session_of
 from merger.ui.scheduling import BATCH_EVENT, CancelFlags
 
@@ -86,7 +86,11 @@ class CompareTab:
     @keeps_outputs(1)
     def sweep(self, request: gr.Request, axis, method_names, split, experts, progress=gr.Progress()):
         with self._cancel.job(session_of(request)) as flag:
-            return self._sweep(axis, method_names, split, experts, CancelFlags.reporting(flag, progress, "sweep"))
+            try:
+                return self._sweep(axis, method_names, split, experts, CancelFlags.reporting(flag, progress, "sweep"))
+            except Cancelled as exc:  # the previous sweep's plot would stand under these choices as theirs
+                warn(exc)
+                return plots.empty("Sweep cancelled: no curve for these choices")
 
     def _sweep(self, axis, method_names, split, experts, progress):
         experts = list(experts) if experts else None
