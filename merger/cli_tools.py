@@ -83,7 +83,8 @@ def cmd_cache(args) -> int:
         n, _ = heads.clear()
         print(f"{heads.root}: removed {n} zero-shot heads")
     if not cache.enabled:
-        print(f"the disk cache of prepared methods is off ({'MERGER_DISK_CACHE=off' if cache.root is None else 'above'})")
+        why = "MERGER_DISK_CACHE=off" if cache.root is None else "the warning above says why"
+        print(f"the disk cache of prepared methods is off ({why})")
         return 0
     if args.action == "clear":
         n, size = cache.clear()

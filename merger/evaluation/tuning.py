@@ -39,8 +39,9 @@ def distinct_methods(method_names: Sequence[str]) -> list[str]:
     if isinstance(method_names, str):
         method_names = [method_names]
     seen: dict[str, None] = {}
+    every = len(methods.names())
     for name in method_names:
-        if len(seen) == len(methods.names()):
+        if len(seen) == every:
             break  # every method named: the rest repeats them
         seen.setdefault(methods.get(name).name)
     return list(seen)

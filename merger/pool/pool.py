@@ -241,7 +241,8 @@ class Pool:
         own = [n for n in names if n in self.tasks or n not in self.expert_info]
         if own:
             raise PoolError(f"cannot remove {', '.join(own)}: only experts added to the pool can go")
-        self.task_vectors = self.task_vectors.subset([e for e in self.task_vectors.tasks if e not in set(names)])
+        gone = set(names)
+        self.task_vectors = self.task_vectors.subset([e for e in self.task_vectors.tasks if e not in gone])
         for n in names:
             del self.expert_info[n]
         self.retired.update(names)
