@@ -6,6 +6,8 @@ from typing import Mapping, Sequence
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from merger.plot_labels import place_labels, wrapped
+
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D",
            "#BAB0AC", "#EECA3B")
 # Figures are rebuilt on every slider move, and plotly deep-copies a figure's template into it:
@@ -160,9 +162,11 @@ def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), pa
             raise ValueError(f"3-D landscape: no measured height for {', '.join(missing)}")
         traces.append(go.Surface(x=xs, y=ys, z=z, colorscale="Viridis", opacity=0.9, name=metric_label,
                                  colorbar=dict(title=metric_label)))
+        where = _label_positions(points, xs, ys, plot_px=420)
         for label, (x, y, off, kind) in points.items():
             sym, col = MARKERS.get(kind, MARKERS["merge"])
             traces.append(go.Scatter3d(x=[x], y=[y], z=[heights[label]], mode="markers+text", text=[label],
+                                       textposition=where[label],
                                        name=label, marker=dict(symbol=SYMBOLS_3D.get(sym, sym), size=6, color=col),
                                        hovertext=_hover(label, x, y, off) + f"<br>{metric_label} {heights[label]:.4g}"))
         for i, (name, (pxs, pys, labels)) in enumerate(paths.items()):
@@ -176,7 +180,7 @@ def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), pa
                                                    line=dict(width=2, color="black")),
                                        hovertext=_hover(label, x, y, off) + f"<br>{metric_label} {heights['live']:.4g}"))
         return _figure(traces, title=title, scene=dict(zaxis_title=metric_label), height=560,
-                       margin=dict(l=0, r=0, t=40, b=0))
+                       margin=dict(l=0, r=0, t=_title_px(title), b=0))
     traces.append(go.Contour(x=xs, y=ys, z=z, colorscale="Viridis", ncontours=24, name=metric_label,
                              colorbar=dict(title=metric_label), hovertemplate="(%{x:.3g}, %{y:.3g}): %{z:.4g}<extra></extra>"))
     for i, (name, (pxs, pys, labels)) in enumerate(paths.items()):
@@ -187,12 +191,11 @@ def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), pa
     kinds: dict[str, list] = {}  # one trace per kind of marker: the figure is rebuilt on every move
     for label, (x, y, off, kind) in points.items():
         kinds.setdefault(kind if kind in MARKERS else "merge", []).append((label, x, y, off))
+    where = _label_positions(points, xs, ys, plot_px=560)
     for kind, members in kinds.items():
         sym, col = MARKERS[kind]
-        # merges sit near the base at small λ: their names below, the base's and experts' above
-        below = kind in ("merge", "pinned")
         traces.append(go.Scatter(x=[m[1] for m in members], y=[m[2] for m in members], mode="markers+text",
-                                 text=[m[0] for m in members], textposition="bottom center" if below else "top center",
+                                 text=[m[0] for m in members], textposition=[where[m[0]] for m in members],
                                  textfont=_LABEL_FONT, name=kind,
                                  marker=dict(symbol=sym, size=13, color=col, line=dict(width=1, color="white")),
                                  hovertext=[_hover(*m) for m in members], hoverinfo="text", showlegend=False))
@@ -205,24 +208,49 @@ def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), pa
     # axis gives up width rather than stretching its range past the data.
     # Taller than the other plots: with equal scales the plane is as tall as the panel lets it be.
     return _figure(traces, title=title, xaxis=dict(title="direction 1", constrain="domain"),
-                   yaxis=dict(title="direction 2", scaleanchor="x"), height=720, legend=dict(orientation="h", y=-0.1))
+                   yaxis=dict(title="direction 2", scaleanchor="x"), height=720, legend=dict(orientation="h", y=-0.1),
+                   margin={**_LAYOUT["margin"], "t": _title_px(title)})
 
 
-def trajectory_curves(curves: Mapping[str, dict], metric: str, x_title: str = "step / parameter",
-                      task: str | None = None, missing: Sequence[str] = ()) -> go.Figure:
-    """curves: name -> {"steps", "accuracy", "loss", "per_task": {task: {"accuracy", "loss"}}};
-    ``task``: one task's values instead of the mean; ``missing``: trajectories not drawn, and why."""
-    fig = go.Figure()
+def _label_positions(points: Mapping[str, tuple], xs, ys, plot_px: float) -> dict[str, str]:
+    """Each point's textposition, its name clear of the other markers and names (``place_labels``);
+    ``plot_px``: about how many pixels the longer side of the grid takes (equal scales)."""
+    span = max(float(xs[-1]) - float(xs[0]), float(ys[-1]) - float(ys[0]), 1e-12)
+    # merges sit near the base at small λ: their names below first, the base's and experts' above
+    prefer = ["bottom center" if kind in ("merge", "pinned") else "top center" for *_, kind in points.values()]
+    order = [(label, x, y) for label, (x, y, _, _) in points.items()]
+    return dict(zip(points, place_labels(order, plot_px / span, prefer)))
+
+
+def _title_px(title: str) -> int:
+    """The top margin a title of several lines (<br>) needs."""
+    return 24 + 22 * (title.count("<br>") + 1)
+
+
+def trajectory_curves(curves: Mapping[str, dict], metric: str, task: str | None = None,
+                      missing: Sequence[str] = ()) -> go.Figure:
+    """curves: name -> {"steps", "x_title", "accuracy", "loss", "per_task": {task: {"accuracy", "loss"}}};
+    ``task``: one task's values instead of the mean; ``missing``: trajectories not drawn, and why.
+    Curves whose x counts different things (epochs, λ, iterations) get one panel each, with its own
+    x axis: on one axis, epoch 3 and λ = 3 would read as the same place."""
+    from plotly.subplots import make_subplots
+
+    x_titles = list(dict.fromkeys(c.get("x_title", "step") for c in curves.values()))
+    fig = make_subplots(rows=len(x_titles), cols=1, vertical_spacing=0.3 / max(1, len(x_titles)))
     for i, (name, c) in enumerate(curves.items()):
         values = c["per_task"][task][metric] if task is not None else c[metric]
         ys = _pct(values) if metric == "accuracy" else values
         fig.add_trace(go.Scatter(x=c["steps"], y=ys, mode="lines+markers", name=name,
-                                 line=dict(color=PALETTE[i % len(PALETTE)])))
+                                 line=dict(color=PALETTE[i % len(PALETTE)])),
+                      row=x_titles.index(c.get("x_title", "step")) + 1, col=1)
     what = "accuracy %" if metric == "accuracy" else "loss"
+    for row, x_title in enumerate(x_titles, start=1):
+        fig.update_xaxes(title_text=x_title, row=row, col=1)
+        fig.update_yaxes(title_text=what, row=row, col=1)
     title = f"{task + ' ' if task else 'Average '}{what} along trajectories"
     if missing:
-        title += "<br><sub>not drawn: " + "; ".join(m[:80] for m in missing) + "</sub>"
-    fig.update_layout(title=title, xaxis=dict(title=x_title), yaxis=dict(title=what), **_CURVES)
+        title += "<br><sub>" + wrapped("not drawn: " + "; ".join(missing), 110, 2) + "</sub>"
+    fig.update_layout(title=title, **{**_CURVES, "height": max(_CURVES.get("height", 420), 300 * len(x_titles))})
     return fig
 
 

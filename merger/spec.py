@@ -161,12 +161,16 @@ class Spec:
                            given=self)
 
     def label(self) -> str:
-        args = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.params)
-        out = f"{self.method}({args})"
-        for tag, weights in (("w", self.task_weights), ("b", self.block_weights)):
-            if weights:
-                out += f" {tag}[" + ", ".join(f"{n}={w:g}" for n, w in weights) + "]"
-        return out
+        return f"{self.method}({self.arguments()})" + self.weights_text()
+
+    def arguments(self) -> str:
+        """The parameters as ``label`` writes them: "lam=0.3, sparsity=0.8"."""
+        return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.params)
+
+    def weights_text(self) -> str:
+        """The set task and block weights as ``label`` writes them (" w[a=0.5] b[block0=2]"), or ""."""
+        return "".join(f" {tag}[" + ", ".join(f"{n}={w:g}" for n, w in weights) + "]"
+                       for tag, weights in (("w", self.task_weights), ("b", self.block_weights)) if weights)
 
     def as_dict(self) -> dict:
         out = {"method": self.method, "params": self.kwargs, "experts": list(self.experts)}

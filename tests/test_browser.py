@@ -119,3 +119,31 @@ def test_the_upload_route_takes_no_file(server):
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=30)
     assert refused.value.code == 413
+
+
+def test_a_refused_lambda_goes_back_to_the_value_on_screen_with_one_warning(server):
+    """λ = 5 typed and the box left at once: one toast, the box back to the λ on screen, and the
+    browser's clamp to 3 neither computed nor recorded."""
+    import sqlite3
+    import time
+
+    from playwright.sync_api import sync_playwright
+
+    _, url, history = server
+    with sync_playwright() as p:
+        b, page = browser.open_page(p, url)
+        shown = browser.shown(page)["params"]["lam"]
+        box = page.locator("#ctl-lam input[type=number]")
+        box.fill("5")
+        page.locator("#summary").click()  # the box loses focus before the answer arrives
+        deadline = time.time() + 30
+        while time.time() < deadline and float(box.input_value()) != shown:
+            time.sleep(0.2)
+        time.sleep(2)  # any move the clamp set off has answered
+        toasts = page.locator(".toast-body").all_inner_texts()
+        after = browser.shown(page)["params"]["lam"], float(box.input_value())
+        b.close()
+    assert after == (shown, shown)
+    assert len(toasts) == 1 and "5 is outside [-3, 3]" in toasts[0]
+    rows = sqlite3.connect(history).execute("SELECT params FROM evaluations WHERE params LIKE '%\"lam\": 3%'")
+    assert rows.fetchall() == []

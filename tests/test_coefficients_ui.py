@@ -30,7 +30,7 @@ def test_a_weight_slider_move_costs_what_a_lambda_move_costs(ctl):
     for method in ("task_arithmetic", "ties"):
         for w in (0.37, 1.62):
             before = work(ctl)
-            numbers, _ = list(events.move(person(), None, *with_weights(ctl, controls(ctl, method, lam=0.45),
+            *_, numbers, _ = list(events.move(person(), None, *with_weights(ctl, controls(ctl, method, lam=0.45),
                                                                          {first: w}, {"block0": 0.5})))
             after = work(ctl)
             assert (after[0] - before[0], after[1] - before[1]) == (1, 1), (method, w)

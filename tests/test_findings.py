@@ -67,6 +67,21 @@ def test_one_unavailable_trajectory_does_not_fail_the_plot_and_a_task_can_be_pic
                                                    "all tasks (mean)", *controls(ctl)))
 
 
+def test_trajectories_that_count_different_things_get_their_own_x_axis(ctl):
+    """Epochs, λ and rank ratios on one x axis read as the same places: one panel per axis title."""
+    from merger.ui.landscape_tab import LandscapeController
+
+    lc = LandscapeController(ctl)
+    fig = lc.curves(["λ path (current method)", "rank path (CART / TSV-M)"], "accuracy", "live", "all tasks (mean)",
+                    *controls(ctl))
+    axes = {tr.name: (tr.xaxis or "x") for tr in fig.data}
+    assert axes["task_arithmetic lam path"] != axes["cart rank_ratio path"]
+    titles = {name: fig.layout["xaxis" + axis[1:]].title.text for name, axis in axes.items()}
+    assert titles == {"task_arithmetic lam path": "λ", "cart rank_ratio path": "rank ratio"}
+    one = lc.curves(["λ path (current method)"], "loss", "live", "all tasks (mean)", *controls(ctl))
+    assert fig.layout.height > one.layout.height and one.layout.xaxis.title.text == "λ"
+
+
 def test_sweeps_say_which_methods_they_skipped(ctl):
     fig = CompareTab(ctl).sweep(None, "sparsity", ["ties", "cart"], "live", None, progress=lambda *a, **k: None)
     assert "not swept: cart (no sparsity)" in fig.layout.title.text
@@ -200,3 +215,57 @@ def test_results_are_plain_json_even_with_infinite_losses():
     out = json.loads(json.dumps(res.to_dict(), allow_nan=False))  # what the endpoint's encoder demands
     assert out["loss"]["a"] is None and out["average_loss"] is None and out["normalized"]["a"] is None
     assert out["accuracy"] == {"a": 0.0, "b": 0.5}
+
+
+def test_a_method_change_replaces_the_previous_message_before_its_merge_is_made(ctl):
+    """SLERP's two-expert message stayed on screen while the next method prepared: the move says
+    what it computes at once, then answers."""
+    from merger.ui.merge_events import MergeTabEvents
+
+    events, me = MergeTabEvents(ctl, "slerp"), SimpleNamespace(session_hash="switcher")
+    *_, (said,) = [frame[3:4] for frame in events.move(me, None, *controls(ctl, "slerp"))]
+    assert "two" in said.lower() or "2" in said  # three experts ticked: SLERP's message, no result
+    frames = list(events.move(me, None, *controls(ctl, "tsv_m", rank_ratio=0.31)))
+    assert frames[0][3].startswith("**TSV-M") and "preparing and merging `tsv_m(" in frames[0][3]
+    assert "tsv_m(" in frames[-2][3] and "%" in frames[-2][3]  # then its numbers
+    # a move of the same method, its preparation cached: no status line in between
+    again = list(events.move(me, None, *controls(ctl, "tsv_m", rank_ratio=0.29, lam=0.9)))
+    assert len(again) == len(frames) - 1 and "lam=0.9" in again[0][3]
+
+
+def test_a_refused_value_goes_back_to_the_one_on_screen_and_the_browsers_clamp_computes_nothing(ctl):
+    """λ = 5 stayed in the box, and the browser's clamp to 3 when it lost focus computed and pinned
+    λ = 3 unseen: one warning, the box back to the value on screen, nothing computed."""
+    import gradio as gr
+
+    from merger.methods import PARAM_NAMES
+    from merger.ui.merge_events import MergeTabEvents
+
+    events, me = MergeTabEvents(ctl, "task_arithmetic"), SimpleNamespace(session_hash="typist")
+    lam_at = PARAM_NAMES.index("lam")
+    n_controls = len(PARAM_NAMES) + len(ctl.weight_experts) + len(ctl.weight_blocks)
+
+    def move(**values):
+        inputs = helpers.with_weights(ctl, controls(ctl, **{k: v for k, v in values.items() if k != "w"}),
+                                      tasks=values.get("w"))
+        return list(events.move_or_restore(me, None, *inputs))
+
+    list(move(lam=0.4))  # on screen: λ = 0.4
+    work = ctl.session.evaluator.forwards
+    with pytest.warns(UserWarning, match=r"λ \(merge coefficient\): 5 is outside \[-3, 3\]") as said:
+        (frame,) = move(lam=5)
+    assert len(said) == 1 and len(frame) == events.MOVE_OUTPUTS + n_controls
+    assert frame[:events.MOVE_OUTPUTS] == (gr.skip(),) * events.MOVE_OUTPUTS  # the result on screen stays
+    restored = frame[events.MOVE_OUTPUTS:]
+    assert restored[lam_at] == gr.update(value=0.4) and all(u == gr.skip() for i, u in enumerate(restored) if i != lam_at)
+    (echo,) = move(lam=3)  # the browser's clamp, sent when the box lost focus: silent, restored again
+    assert echo[events.MOVE_OUTPUTS + lam_at] == gr.update(value=0.4)
+    assert ctl.session.evaluator.forwards == work  # nothing computed at 5 or at 3
+    assert "lam=3" in move(lam=3)[-2][3]  # λ = 3 set again by the person: computed
+    first = ctl.weight_experts[0]
+    with pytest.warns(UserWarning, match=f"w · {first}: 7 is outside"):
+        (frame,) = move(lam=3, w={first: 7})
+    assert frame[events.MOVE_OUTPUTS + len(PARAM_NAMES)] == gr.update(value=1.0)
+    with pytest.warns(UserWarning, match="empty or not a number"):  # an emptied box
+        (frame,) = move(lam=None)
+    assert frame[events.MOVE_OUTPUTS + lam_at] == gr.update(value=3)

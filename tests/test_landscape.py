@@ -243,3 +243,53 @@ def test_a_live_merge_outside_the_computed_grid_says_so(land):
     outside = landscape_figure(land, plane, surface, "loss", None, pts, [], "contour", ("ta", 1.5, 0.0, 0.0))
     assert "outside the computed grid" not in inside.layout.title.text
     assert "the live merge (★) lies outside the computed grid" in outside.layout.title.text
+
+
+def _label_boxes(points, positions, px):
+    """The pixel boxes of the markers and of the names at ``positions`` (plot_labels' geometry)."""
+    from merger.plot_labels import CHAR_PX, LINE_PX, MARKER_PX, POSITIONS
+
+    r, markers, names = MARKER_PX / 2, [], []
+    for (label, x, y), pos in zip(points, positions):
+        cx, cy = x * px, y * px
+        markers.append((cx - r, cy - r, cx + r, cy + r))
+        w, h = CHAR_PX * len(label) / 2, LINE_PX / 2
+        dx, dy = POSITIONS[pos]
+        nx, ny = cx + dx * (w + r), cy + dy * (h + r)
+        names.append((nx - w, ny - h, nx + w, ny + h))
+    return markers, names
+
+
+def test_point_names_hide_neither_each_other_nor_a_marker():
+    """The demo's base and experts sit close on a PCA plane: their names overlapped and hid the base."""
+    from merger.plot_labels import _overlap, place_labels
+
+    points = [("base", 0.0, 0.0), ("dots", 0.02, 0.0), ("size", 0.0, 0.02), ("shape", 0.02, 0.02),
+              ("task_arithmetic(lam=0.3)", 0.01, -0.01)]
+    px = 560 / 0.5  # a grid half a unit wide on a 560-pixel plot
+    everything_on_top = ["top center"] * len(points)
+    markers, names = _label_boxes(points, everything_on_top, px)
+    assert any(_overlap(a, b) for i, a in enumerate(names) for b in names[i + 1:])  # the old placement
+    positions = place_labels(points, px, ["top center"] * 4 + ["bottom center"])
+    markers, names = _label_boxes(points, positions, px)
+    assert not any(_overlap(a, b) for i, a in enumerate(names) for b in names[i + 1:])
+    assert not any(_overlap(name, marker) for name in names for marker in markers)
+    assert place_labels([("base", 0.0, 0.0), ("dots", 1.0, 1.0)], px, ["top center", "bottom center"]) == [
+        "top center", "bottom center"]  # the first choice wherever it is free
+
+
+def test_a_long_plane_name_is_wrapped_between_words_never_cut(land):
+    from merger.landscape.figure import landscape_figure
+
+    pts = land.named_points(["base", "experts"])
+    plane = pca_plane(pts, label="PCA of " + ", ".join(f"task_arithmetic(lam=0.{i})" for i in range(1, 10)))
+    surface = land.surface(plane, (-1.0, 1.0, -1.0, 1.0), 3)
+    for view in ("contour", "surface"):
+        fig = landscape_figure(land, plane, surface, "loss", None, pts, [], view)
+        title = fig.layout.title.text
+        assert "task_ari…" not in title and title.count("<br>") >= 2
+        whole = set(plane.label.replace(",", " ").split()) | {"mean", "loss", "on", "(probe", "split)", "…",
+                                                              "more", "words)"}
+        assert all(w.rstrip(",") in whole or w.strip("()").isdigit()
+                   for w in title.replace("<br>", " ").split()), title
+        assert fig.layout.margin.t >= 24 + 22 * (title.count("<br>") + 1)

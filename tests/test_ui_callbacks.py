@@ -134,15 +134,22 @@ def test_pin_and_compare(ctl):
     table, bars, radar = CompareTab(ctl).compare(pins, "live")
     assert len(table) == 2 and len(bars.data) == 2 and len(radar.data) == 2
     ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "cart", lam=1.5, rank_ratio=0.1))
-    assert table[1][3] == pytest.approx(round(100 * ref.average_accuracy, 2))
-    assert table[1][2] == "live" and "(live split)" in bars.layout.title.text and "live split" in radar.layout.title.text
+    assert table[1][4] == pytest.approx(round(100 * ref.average_accuracy, 2))
+    assert table[1][3] == "live" and "(live split)" in bars.layout.title.text and "live split" in radar.layout.title.text
+    # the method by its name and the parameters apart, each broken only between words
+    assert table[1][:2] == ["CART (centred low-rank)", "lam=1.5, rank_ratio=0.1"]
+    tab = CompareTab(ctl)
+    widths = dict(zip(tab.compare_headers(), (float(w[:-1]) for w in tab.compare_widths())))
+    per_char = widths["loss"] / (6 + 4)  # a number column: six characters and the cell padding
+    assert widths["method"] >= per_char * (len("AdaMerging") + 4) * 0.99
+    assert widths["parameters"] >= per_char * (len("rank_ratio=0.08,") + 4) * 0.99
     # two pins that differ only in their experts: two rows and two bars, each with its own numbers
     two = [ctl.session.spec("task_arithmetic", lam=0.3, experts=ctl.pool.tasks[:n]) for n in (2, 3)]
     table, bars, _ = CompareTab(ctl).compare(two, "live")
     assert len(table) == 2 and len(bars.data) == 2 and bars.data[0].name.endswith(f"[{', '.join(ctl.pool.tasks[:2])}]")
     for row, spec in zip(table, two):
         ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, "task_arithmetic", lam=0.3, experts=spec.experts))
-        assert row[1] == ", ".join(spec.experts) and row[3] == pytest.approx(round(100 * ref.average_accuracy, 2))
+        assert row[2] == ", ".join(spec.experts) and row[4] == pytest.approx(round(100 * ref.average_accuracy, 2))
 
 
 def test_export_offers_the_cli_files(ctl):
@@ -268,6 +275,9 @@ def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch)
     assert len(HistoryTab(ctl).history_rows("iso_c", f"{t0}=0")) == 1  # the summary's w[t0=0], stored as 0.0
     assert HistoryTab(ctl).history_rows("", "%") == [] and HistoryTab(ctl).history_rows("", "iso_") != []
     assert HistoryTab(ctl).history_rows("", "is_c") == []  # '_' once matched any character
+    # a click anywhere on a row fills the reload box with that row's id
+    click = gr.SelectData(None, {"index": [0, 3], "value": rows[0][3], "row_value": rows[0]})
+    assert HistoryTab.picked_id(click) == str(rows[0][0])
     experts, method, *values = ctl.reload(rows[0][0])
     from merger.methods import PARAM_NAMES
     by_name = dict(zip(PARAM_NAMES, values))
@@ -415,7 +425,8 @@ def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
     *_, (_, fig) = lc.compute(None, pins, "pca", None, None, "", "loss", "all tasks (mean)", 5, "contour", [],
                               *controls(ctl), progress=lambda *a, **k: None)
     title = fig.layout.title.text
-    assert len(title) <= 110 and title.endswith("… (probe split)") and title.startswith("mean loss on PCA of base")
+    assert title.endswith("(probe split)") and title.startswith("mean loss on PCA of base")
+    assert all(len(line) <= 72 for line in title.split("<br>")) and "…" not in title  # wrapped, not cut
     # a data-driven merge never run: drawn without its marker, and never run here unseen
     never_run = controls(ctl, "adamerging_task", steps=2, samples=5, seed=7)  # no other test runs it
     with pytest.warns(UserWarning, match=r"Not drawn: the live merge ★: no AdaMerging \(task-wise\) run"):
@@ -891,3 +902,23 @@ def test_a_cancelled_sweep_leaves_no_earlier_curve_under_the_new_choices(ctl, mo
         fig = tab.sweep(SimpleNamespace(session_hash="me"), "lam", ["task_arithmetic"], "live", None,
                         progress=lambda *a, **k: None)
     assert fig.layout.annotations[0].text == "Sweep cancelled: no curve for these choices"
+
+
+def test_the_method_text_shows_this_pools_own_best_setting_once_known(tmp_path):
+    """"λ ≈ 0.3 for 8 tasks" stood beside a 7-task pool whose best is 0.55: the pool's own best on
+    val, from the history, for the ticked experts."""
+    c = ui_controller(tmp_path)
+    *_, about = c.method_controls("task_arithmetic", c.pool.tasks)
+    assert "best setting is not known yet" in about and "Auto-tune" in about and "≈ 0.3 for 8" not in about
+    results = {}
+    for lam in (0.3, 0.55, 0.9):
+        spec = c.session.spec("task_arithmetic", lam=lam)
+        results[lam] = c.session.preview(spec, "val")
+        c.history.record(c.pool_ref, spec, results[lam])
+    c.history.record(c.pool_ref, c.session.spec("task_arithmetic", lam=0.7), c.session.preview(
+        c.session.spec("task_arithmetic", lam=0.7), "test"))  # another split: not a tuning result
+    best = max(results, key=lambda lam: (results[lam].average_accuracy, -lam))
+    *_, about = c.method_controls("task_arithmetic", c.pool.tasks)
+    assert f"`lam={best:g}`, {100 * results[best].average_accuracy:.1f} % (of 3 val evaluations" in about
+    *_, about = c.method_controls("task_arithmetic", c.pool.tasks[:2])  # other experts: not theirs
+    assert "not known yet" in about

@@ -146,6 +146,17 @@ class History:
                                  "experts = ? AND split = ?", key).fetchone()
         return dict(zip(COLUMNS, r)) if r else None
 
+    def best(self, pool: str, method: str, experts, split: str = "val") -> tuple[dict, int] | None:
+        """(the row of highest average accuracy, how many rows were compared) among one method's
+        evaluations of exactly these experts on one split, or None when there are none."""
+        key = (pool, method, ",".join(experts), split)
+        where = "WHERE pool = ? AND method = ? AND experts = ? AND split = ?"
+        with self._lock:
+            r = self._db.execute(f"SELECT * FROM evaluations {where} ORDER BY average_accuracy DESC, id LIMIT 1",
+                                 key).fetchone()
+            n = self._db.execute(f"SELECT COUNT(*) FROM evaluations {where}", key).fetchone()[0]
+        return (dict(zip(COLUMNS, r)), n) if r else None
+
     def get(self, row_id: int) -> dict | None:
         with self._lock:
             r = self._db.execute("SELECT * FROM evaluations WHERE id = ?", (int(row_id),)).fetchone()

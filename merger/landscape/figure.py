@@ -11,6 +11,7 @@ from merger.io import inputs
 from merger.io.checkpoints import write_text_atomic
 from merger.landscape import trajectories
 from merger.landscape.surface import Landscape, Surface, extent_of, pca_plane, task_vector_plane, three_point_plane
+from merger.plot_labels import wrapped
 
 PLANES = ("pca", "tasks", "points")
 METRICS = ("loss", "accuracy")
@@ -31,12 +32,6 @@ def make_plane(land: Landscape, kind: str, points: dict, tasks: Sequence[str] = 
                               f"{', '.join(names)})")
         return three_point_plane(*(points[n] for n in names), names=names)
     raise MergerError(f"unknown plane '{kind}'; one of {', '.join(PLANES)}")
-
-
-def _short(text: str, most: int = 80) -> str:
-    """A plane's label for a figure's title, which plotly neither wraps nor cuts: a PCA of many
-    pinned merges ran off both edges (its JSON keeps the whole label; the legend names each point)."""
-    return text if len(text) <= most else text[:most - 1].rstrip(", ") + "…"
 
 
 def point_kind(label: str, pool) -> str:
@@ -76,7 +71,7 @@ def landscape_layers(land: Landscape, plane, surface, metric: str, task: str | N
         heights = {name: height(v) for name, v in points.items()}
         heights.update({tr.name: [height(p) for p in tr.points] for tr in paths})
     return {"coords": coords, "drawn": drawn, "label": label, "scale": scale, "z": z, "heights": heights,
-            "title": f"{label} on {_short(plane.label)} ({surface.split} split)", "metric": metric, "task": task,
+            "title": wrapped(f"{label} on {plane.label} ({surface.split} split)"), "metric": metric, "task": task,
             "view": view, "xs": surface.xs, "ys": surface.ys}
 
 

@@ -24,12 +24,20 @@ class Trajectory:
     steps: list[float]  # the x of its curves: epoch/step or parameter value
     points: list[torch.Tensor] = field(repr=False)  # flattened weights, same order
     labels: list[str] = field(default_factory=list)
+    x_title: str = ""  # what its steps count: trajectories of different x titles are drawn on separate axes
 
     def __post_init__(self):
         if not self.points:
             raise MergerError(f"trajectory {self.name}: no points")
         if not self.labels:
             self.labels = [f"{self.kind}={s:g}" for s in self.steps]
+        if not self.x_title:
+            self.x_title = X_TITLES.get(self.kind, self.kind)
+
+
+# A parameter path's x is the parameter's value; a run's, its iteration.
+X_TITLES = {"finetune": "fine-tuning step (the number in each checkpoint's name)", "lam": "λ",
+            "rank_ratio": "rank ratio", "sparsity": "sparsity", "iterates": "iteration"}
 
 
 def _step_of(path: Path) -> int:
@@ -81,7 +89,7 @@ def finetune_trajectory(landscape, task: str) -> Trajectory:
         base = landscape.pool.task_vectors.base
         points = [landscape.base_point()] + [landscape.space.flatten({k: sd[k] for k in base}) for sd in info["lab_trajectory"]]
         return Trajectory(f"fine-tuning {task}", "finetune", list(range(len(points))), points,
-                          ["base"] + [f"epoch {i}" for i in range(1, len(points))])
+                          ["base"] + [f"epoch {i}" for i in range(1, len(points))], x_title="epoch")
     if not info.get("trajectory"):
         raise MergerError(f"expert '{task}' has no trajectory (experts.{task}.trajectory in {landscape.pool.source})")
     try:
@@ -117,7 +125,7 @@ def run_path(landscape, run) -> Trajectory:
               for d in run.iterate_deltas(base)]
     kind = methods.get(run.method).iterate
     return Trajectory(f"{run.method} iterates", "iterates", list(range(len(points))), points,
-                      [f"{kind} {i}" for i in range(len(points))])
+                      [f"{kind} {i}" for i in range(len(points))], x_title=f"{kind} (iteration)")
 
 
 # Path points per axis: fewer than a sweep's (each point is a forward per plane cell it lands on).
@@ -157,4 +165,5 @@ def evaluate_along(landscape, trajectory: Trajectory, split: str = "live") -> di
             per_task.setdefault(t, {"accuracy": [], "loss": []})
             per_task[t]["accuracy"].append(a[t])
             per_task[t]["loss"].append(lo[t])
-    return {"steps": trajectory.steps, "accuracy": acc, "loss": loss, "per_task": per_task}
+    return {"steps": trajectory.steps, "x_title": trajectory.x_title, "accuracy": acc, "loss": loss,
+            "per_task": per_task}

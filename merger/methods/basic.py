@@ -52,7 +52,8 @@ TASK_ARITHMETIC = register(Method(
     featured=True,
     display_name="Task arithmetic",
     paper=Paper("Editing models with task arithmetic", "2212.04089"),
-    description="θ0 + λ Σ wₜτₜ (wₜ = 1 unless set); λ ≈ 0.3 for 8 tasks, negative λ negates tasks.",
+    description="θ0 + λ Σ wₜτₜ (wₜ = 1 unless set); the paper tunes λ on validation (0.3 for its 8 ViT "
+                "tasks); negative λ negates tasks.",
     params=(with_default(LAM, 0.3),),
     prepare=prepare_sum,
     apply=apply_task_arithmetic,

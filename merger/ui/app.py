@@ -42,9 +42,12 @@ def build_app(session, history=None, title: str = "merger", cluster=None) -> gr.
             build_tradeoffs_tab(ctl, merge, events, batch)
             land_state, land_plot = build_landscape_tabs(landscape, merge["pins"], merge["inputs"], batch)
             # One listener per control: the Merge plots, the data-driven panel and the landscape marker
-            # from one merge and one forward (MergeTabEvents.move).
+            # from one merge and one forward (MergeTabEvents.move). It takes the values as the browser
+            # sent them: a value out of range goes back to the one on screen (move_or_restore), where
+            # Gradio's check would refuse it and leave it in the box.
             for c in merge["inputs"]:
-                c.change(events.move, [land_state, *merge["inputs"]], [*merge["outputs"], *merge["learned"], land_plot],
+                c.change(events.move_or_restore, [land_state, *merge["inputs"]],
+                         [*merge["outputs"], *merge["learned"], land_plot, *merge["inputs"][2:]], preprocess=False,
                          trigger_mode="always_last", **PREVIEW_EVENT, show_progress="hidden", api_visibility="private")
             build_analysis_tabs(ctl, merge["inputs"], merge["experts"])
             build_history_tab(ctl, events, merge)

@@ -45,7 +45,8 @@ class CompareTab:
             return [], empty, empty
         with self.ctl.session.batch():
             results = {pin_name(s, pins): self.ctl.session.preview(s, split) for s in pins}
-        table = [[s.label(), ", ".join(s.experts), split, round(100 * r.average_accuracy, 2),
+        table = [[methods.get(s.method).display_name, (s.arguments() + s.weights_text()).strip() or "-",
+                  ", ".join(s.experts), split, round(100 * r.average_accuracy, 2),
                   round(100 * r.normalized_accuracy, 2), round(r.average_loss, 4)]
                  + [round(100 * r.accuracy[t], 1) for t in self.ctl.pool.tasks]
                  for r, s in zip(results.values(), pins)]
@@ -54,13 +55,20 @@ class CompareTab:
                 plots.radar(results, f"Normalised accuracy (merged ÷ expert), {split} split"))
 
     def compare_headers(self) -> list[str]:
-        return ["spec", "experts", "split", "avg acc %", "normalised %", "loss"] + list(self.ctl.pool.tasks)
+        return ["method", "parameters", "experts", "split", "avg acc %", "normalised %", "loss"] + list(self.ctl.pool.tasks)
 
     def compare_widths(self) -> list[str]:
-        """Widths in proportion to what each column must show on one line (its header, or a number;
-        the table's font has one width for every character): the spec and experts columns wrap, and
-        a header is never broken mid-word ("positi/on", "normalise/d %" in equal task columns)."""
-        chars = [20, 12] + [max(len(h), 6) + 4 for h in self.compare_headers()[2:]]  # + the cell padding
+        """Widths in proportion to what each column must show on one line (its longest word, or a
+        number; the table's font has one width for every character): the method, parameters and
+        experts columns wrap between words, and nothing is broken mid-word ("task_arithm/etic(lam",
+        "positi/on", "normalise/d %" in equal columns)."""
+        def longest_word(texts) -> int:
+            return max(len(word) for text in texts for word in text.split())
+
+        method_words = longest_word(m.display_name for m in methods.all_methods())
+        parameter_words = longest_word(f"{p.name}=-0.0000," for m in methods.all_methods() for p in m.params)
+        chars = ([method_words + 4, parameter_words + 4, longest_word(self.ctl.pool.tasks) + 5]
+                 + [max(len(h), 6) + 4 for h in self.compare_headers()[3:]])  # + the cell padding
         return [f"{100 * c / sum(chars):.2f}%" for c in chars]
 
     def _record(self, spec, result) -> None:

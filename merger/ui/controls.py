@@ -5,12 +5,16 @@ a method shows the ones it uses and hides the rest. Values travel in ``PARAM_NAM
 """
 from __future__ import annotations
 
+import json
 import math
 
 import gradio as gr
 
 from merger import methods
 from merger.errors import MergerError, MethodError
+from merger.io.export import pool_reference
+from merger.spec import WEIGHT_RANGE
+from merger.ui.ranged import refusal
 from merger.methods import PARAM_NAMES
 from merger.methods.registry import param_record
 
@@ -115,9 +119,11 @@ def shown(method, name: str, **changes):
 class ControlPanel:
     """Controls → specs, and the control updates a method change or an expert change needs."""
 
-    def __init__(self, session):
+    def __init__(self, session, history=None):
         self.session = session
         self.pool = session.pool
+        self.history = history  # History (SQLite) of evaluated specs, or None
+        self.pool_ref = pool_reference(self.pool)
         # The coefficient sliders after the parameter controls: one per expert the pool had when
         # the app was built (a lab expert added later merges with weight 1), one per block group.
         self.weight_experts: list[str] = list(self.pool.experts)
@@ -162,6 +168,68 @@ class ControlPanel:
             raise MethodError(f"{m.param(exc.param).label or exc.param}: {exc.reason}", param=exc.param,
                               reason=exc.reason) from None
 
+    def control_labels(self) -> list[str]:
+        """The weight sliders' labels, in the order of the values after the parameter controls."""
+        return [f"w · {e}" for e in self.weight_experts] + [f"b · {b}" for b in self.weight_blocks]
+
+    @staticmethod
+    def as_entered(method, values) -> list:
+        """``values`` as a listener gets them from Gradio's checks, for one that takes the browser's
+        own: a whole-number parameter's 5.0 as 5 (what a box of precision 0 hands on)."""
+        try:
+            m = methods.get(method)
+        except MethodError:
+            return list(values)
+        out = list(values)
+        for i, name in enumerate(PARAM_NAMES[:len(out)]):
+            v = out[i]
+            if name in m.param_names and m.param(name).kind == "int" and isinstance(v, float) and v.is_integer():
+                out[i] = int(v)
+        return out
+
+    def out_of_range(self, experts, method, values) -> tuple[int, str, float] | None:
+        """(position among ``values``, the refusal naming the control, the value the browser puts
+        in the box when it loses focus) of the first shown control whose range refuses its value,
+        ranges as the page shows them; None when every value is in range (or the method is unknown:
+        the spec's own check says so)."""
+        try:
+            m = methods.get(method)
+        except MethodError:
+            return None
+        n = max(1, len(experts or []))
+        ranges = []
+        for name in PARAM_NAMES:
+            if name in m.param_names:
+                p = m.param(name)
+                ranges.append((p.label or name, m.bounds(name, n)[0], slider_top(m, name, n), p.kind != "int",
+                               (p.min_open, p.max_open)))
+            else:
+                ranges.append(None)
+        ranges += [(label, *WEIGHT_RANGE, True, (False, False)) for label in self.control_labels()]
+        for i, (value, limits) in enumerate(zip(values, ranges)):
+            if limits is None:
+                continue
+            label, lo, hi, required, open_ends = limits
+            message = refusal(label, value, lo, hi, required, open_ends)
+            if message is not None:
+                try:
+                    number = float(value) if value is not None else 0.0  # an emptied box reads 0
+                except (TypeError, ValueError, OverflowError):
+                    number = 0.0
+                return i, message, min(max(number, lo), hi) if math.isfinite(number) else lo
+        return None
+
+    def values_of(self, spec, method, num_experts: int) -> list:
+        """The controls' values (PARAM_NAMES order, then the weight sliders) that show ``spec``, or
+        the method's defaults where ``spec`` is None or of another method."""
+        m = methods.get(method)
+        shows = spec is not None and spec.method == m.name
+        params = spec.kwargs if shows else default_params(m, max(1, num_experts))
+        tw = dict(spec.task_weights) if shows else {}
+        bw = dict(spec.block_weights) if shows else {}
+        return (control_values(m, params, num_experts) + [tw.get(e, 1.0) for e in self.weight_experts]
+                + [bw.get(b, 1.0) for b in self.weight_blocks])
+
     def method_controls(self, method, experts, *values, previous: str | None = None):
         """Control updates for a method: its parameters shown with their ranges, the others hidden.
         A value the person set in the ``previous`` method (a parameter both share, moved from that
@@ -194,7 +262,22 @@ class ControlPanel:
             about += f"  \nConventions: {m.conventions}"
         if not m.params:
             about += "  \nThis method has no parameters: the merge is fixed by the experts."
-        return (*updates, about)
+        return (*updates, about + self.best_known(m, experts))
+
+    def best_known(self, m, experts) -> str:
+        """This pool's own best setting of a method for these experts on the validation split, as the
+        history holds it (Auto-tune, sweeps), or "": a paper's value (TA's λ ≈ 0.3 for 8 ViT tasks) is
+        no one pool's."""
+        if self.history is None or not m.params:
+            return ""
+        found = self.history.best(self.pool_ref, m.name, ticked(experts or self.pool.tasks))
+        if found is None:
+            return "  \nThis pool's best setting is not known yet: **Auto-tune** (Compare tab) finds it on val."
+        row, n = found
+        params = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in json.loads(row["params"]).items())
+        return (f"  \nBest on this pool's val split so far: `{params}`, {100 * row['average_accuracy']:.1f} % "
+                f"(of {n} val evaluation{'s' if n != 1 else ''} in the History tab).")
 
     def refresh_limits(self, experts, method, *values):
         """The expert subset changed: ranges that depend on T follow it (TSV-M's rank ratio ≤ 1/T),

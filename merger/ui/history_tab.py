@@ -26,6 +26,12 @@ class HistoryTab:
                  None if r["normalized_accuracy"] is None else round(100 * r["normalized_accuracy"], 2),
                  round(r["average_loss"], 4)] for r in rows]
 
+    @staticmethod
+    def picked_id(evt: gr.SelectData):
+        """The id of the row a click landed on, for the reload box (the table's first column)."""
+        row = evt.row_value or []
+        return str(row[0]) if row and row[0] not in (None, "") else gr.update()
+
     def history_csv(self, method_filter="", text=""):
         if self.ctl.history is None:
             fail("history is off")
@@ -58,6 +64,7 @@ def build_history_tab(ctl, events, merge: dict) -> HistoryTab:
         hist_file = gr.File(label="history CSV", interactive=False)
         for trig in (hist_refresh.click, hist_method.change, hist_text.submit, history_tab.select):
             trig(tab.history_rows, [hist_method, hist_text], hist_table, api_visibility="private")
+        hist_table.select(tab.picked_id, None, hist_id, api_visibility="private")
         hist_reload.click(events.reload, [hist_id, *merge["inputs"]], merge["inputs"], api_visibility="private")
         hist_csv_btn.click(tab.history_csv, [hist_method, hist_text], hist_file, api_visibility="private")
     return tab

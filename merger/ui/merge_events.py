@@ -28,6 +28,7 @@ from merger.evaluation.work_queue import Superseded
 from merger.ui.errors import kept, notice, warn
 
 EXPIRY_S = 10.0  # a reload whose target never shows up stops guarding the session after this
+CLAMP_S = 2.0  # how long after a refusal the browser's clamp of that box is expected (see move_or_restore)
 EVALUATED_PER_SESSION = 4096  # the merges a browser session remembers as its own (Trade-offs' Pareto)
 
 
@@ -46,12 +47,15 @@ class MergeTabEvents:
         self._panel: dict[str, int | None] = {}  # the run each session's data-driven panel shows
         self._shown: dict[str, object] = {}  # session -> the spec its Merge tab's controls last set
         self._evaluated: dict[str, OrderedDict] = {}  # session -> the specs its moves and grids evaluated
+        self._said: dict[str, str | None] = {}  # session -> the method whose result its summary shows (None: a message)
+        self._clamped: dict[str, tuple[int, float, float]] = {}  # session -> (control, value, until): see restore
         self._lock = threading.Lock()
 
     def forget(self, who: str) -> None:
         """A browser session ended (its page closed): what was kept for it goes."""
         with self._lock:
-            for per_session in (self._targets, self._methods, self._panel, self._shown, self._evaluated):
+            for per_session in (self._targets, self._methods, self._panel, self._shown, self._evaluated, self._said,
+                                self._clamped):
                 per_session.pop(who, None)
 
     def saw(self, who: str, specs) -> None:
@@ -220,10 +224,17 @@ class MergeTabEvents:
                 yield (*self.ctl.preview(experts, method, *values, **first), *learned, gr.skip())
                 if queue.superseded(who, ticket):
                     return  # a newer move will answer; this one stops at its partial answer
+            else:
+                computing = self._computing(who, experts, method, values)
+                if computing is not None:
+                    yield (*skip3, computing, *learned, gr.skip())
+                    learned = skip3
             ans = self.ctl.answer(experts, method, *values, record=record, session=who, ticket=ticket)
         except Superseded:
             yield skip
             return
+        with self._lock:
+            self._said[who] = ans.spec.method if ans.result is not None else None
         if ans.result is None:  # no merge on screen: the landscape's marker leaves the last one too
             marker = self.landscape.move_live(land_state, experts, method, *values) if self.landscape else gr.skip()
             yield (*self.ctl.no_result(ans.message, ans.why), *learned, marker)
@@ -234,6 +245,71 @@ class MergeTabEvents:
         yield (*skip3, self.ctl.summary(ans.spec, ans.result, ans.cached, estimated), *learned, gr.skip())
         marker = self.landscape.move_live(land_state, experts, method, *values) if self.landscape else gr.skip()
         yield (*self.ctl.figures(ans), gr.skip(), *skip3, marker)
+
+    def move_or_restore(self, request: gr.Request, land_state, experts, method, *values):
+        """The app's listener of every Merge-tab control (its values taken as the browser sent them):
+        ``move``'s outputs, then one update per value control. A value its control's range refuses
+        is one warning, and the box goes back to the value on screen; nothing is computed. The
+        browser then puts the refused value in range when the box loses focus (λ 5 → 3, an emptied
+        box → 0) and sends that as a move: unless the restored value reached the box first, that
+        move is the browser's, not the person's, and is restored the same way, silently."""
+        who = session_of(request)
+        values = self.ctl.as_entered(method, values)
+        refused = self.ctl.out_of_range(experts, method, values)
+        if refused is not None:
+            position, message, clamped = refused
+            warn(message)
+            with self._lock:
+                self._clamped[who] = (position, clamped, time.monotonic() + CLAMP_S)
+        else:
+            position = self._clamp_echo(who, experts, method, values)
+        controls = [gr.skip()] * len(values)
+        if position is not None:
+            with self._lock:
+                shown = self._shown.get(who)
+            restored = self.ctl.values_of(shown, method, len(experts or []))[position]
+            controls[position] = gr.update(value=restored)
+            yield (gr.skip(),) * self.MOVE_OUTPUTS + tuple(controls)
+            return
+        for frame in self.move(request, land_state, experts, method, *values):
+            yield (*frame, *controls)
+
+    def _clamp_echo(self, who: str, experts, method, values) -> int | None:
+        """The control whose value is the browser's putting a refused one in range (see
+        ``move_or_restore``), or None. Where that value is the one on screen anyway, the move is
+        no one's change and goes on (its answer is cached)."""
+        with self._lock:
+            entry = self._clamped.pop(who, None)
+            shown = self._shown.get(who)
+        if entry is None:
+            return None
+        position, clamped, until = entry
+        if time.monotonic() > until or not _same(values[position], clamped):
+            return None
+        try:
+            on_screen = self.ctl.values_of(shown, method, len(experts or []))[position]
+        except MergerError:
+            return None
+        return None if _same(on_screen, clamped) else position
+
+    def _computing(self, who: str, experts, method, values) -> str | None:
+        """A status line for the summary while a merge not yet computed is made, where the summary
+        shows another method's result or a message (SLERP's two-expert rule stayed on screen while
+        TSV-M prepared); None where it shows this method's result, which the answer replaces."""
+        spec = self._spec(experts, method, values)
+        with self._lock:
+            said = self._said.get(who, spec.method if spec is not None else None)
+        session = self.ctl.session
+        if spec is None or said == spec.method or session.cached(spec) is not None:
+            return None
+        m = methods.get(spec.method)
+        if m.data_driven or session.prepare_is_slow(spec):
+            return None  # its answer is a message at once (press Run)
+        prepared = session.is_prepared(spec)
+        if prepared and said is not None:
+            return None  # another method's result, replaced within one apply
+        doing = "merging" if prepared else "preparing and merging"
+        return f"**{m.display_name}**: {doing} `{spec.label()}`, then evaluating it on every task…"
 
     def _learned(self, who: str, experts, method, values) -> tuple:
         """The data-driven panel, or skips when it would show what it already shows (every move of a
@@ -261,3 +337,10 @@ class MergeTabEvents:
         if methods.get(spec.method).data_driven or session.prepare_is_slow(spec):
             return None
         return {"images": session.partial_images}
+
+
+def _same(a, b) -> bool:
+    try:
+        return a is not None and b is not None and abs(float(a) - float(b)) <= 1e-9
+    except (TypeError, ValueError, OverflowError):
+        return False

@@ -13,7 +13,7 @@ from merger import methods, plots
 from merger.errors import MergerError
 from merger.evaluation.linear_estimate import LABEL as LINEAR_LABEL
 from merger.evaluation.work_queue import Superseded
-from merger.io.export import export_merge, pool_reference
+from merger.io.export import export_merge
 from merger.methods import PARAM_NAMES
 from merger.spec import WEIGHT_STEP, snap_weight
 from merger.ui.coefficients_panel import build_coefficients_panel, wire_coefficients_panel
@@ -40,9 +40,7 @@ class Controller(ControlPanel):
     tabs reach the session, the pool and the history through it."""
 
     def __init__(self, session, history=None, cluster=None):
-        super().__init__(session)
-        self.history = history
-        self.pool_ref = pool_reference(self.pool)
+        super().__init__(session, history)
         # A Ray cluster (app --ray) that runs the Sweep / Auto-tune / Landscape jobs; the sliders keep
         # this process's resident model.
         self.cluster = cluster

@@ -24,27 +24,34 @@ from merger.methods.registry import param_record
 from merger.ui.errors import fail
 
 
-def _check(label: str, value, minimum, maximum, required: bool = False, open_ends=(False, False)) -> None:
+def refusal(label: str, value, minimum, maximum, required: bool = False, open_ends=(False, False)) -> str | None:
+    """Why a control's range refuses ``value``, naming its label and range, or None."""
     label = label or "value"
     lo = "-∞" if minimum is None else f"{minimum:g}"
     hi = "∞" if maximum is None else f"{maximum:g}"
     span = f"{'(' if open_ends[0] else '['}{lo}, {hi}{')' if open_ends[1] else ']'}"
     if value is None:
-        if required:  # a slider's box cleared, or text typed in it (the browser sends no number)
-            fail(f"{label}: empty or not a number; type a number in {span}")
-        return
+        # a slider's box cleared, or text typed in it (the browser sends no number)
+        return f"{label}: empty or not a number; type a number in {span}" if required else None
     try:
         number = float(value)
     except (TypeError, ValueError, OverflowError):  # through the API: a string, a 10**400
-        fail(f"{label}: {str(value)[:40]!r} is not a number")
+        return f"{label}: {str(value)[:40]!r} is not a number"
     if not math.isfinite(number) and minimum is None and maximum is None:
-        fail(f"{label}: {number:g} is not a finite number")
+        return f"{label}: {number:g} is not a finite number"
     # an open end itself (the rank ratio's 0) goes on to the listener, whose check refuses it and
     # keeps the outputs (a refusal here puts an error badge on each); the range reads as the method's
     below = minimum is not None and number < minimum
     above = maximum is not None and number > maximum
     if not math.isfinite(number) or below or above:
-        fail(f"{label}: {number:g} is outside {span}")
+        return f"{label}: {number:g} is outside {span}"
+    return None
+
+
+def _check(label: str, value, minimum, maximum, required: bool = False, open_ends=(False, False)) -> None:
+    message = refusal(label, value, minimum, maximum, required, open_ends)
+    if message is not None:
+        fail(message)
 
 
 def _open_ends(component) -> tuple[bool, bool]:
