@@ -205,12 +205,39 @@ def test_auto_tune_picks_the_best_on_validation(ctl, monkeypatch):
 
     ta = registry.get("task_arithmetic")
     monkeypatch.setitem(registry._REGISTRY, "task_arithmetic", dataclasses.replace(ta, tune_grid={"lam": (0.1, 0.5, 1.0)}))
-    table, bars, radar = CompareTab(ctl).auto_tune(None, ["task_arithmetic"], ctl.pool.tasks, progress=lambda *a, **k: None)
+    (table, bars, radar), = CompareTab(ctl).auto_tune(None, ["task_arithmetic"], ctl.pool.tasks,
+                                                       progress=lambda *a, **k: None)
     ex = ctl.session
     vals = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "val").average_accuracy for lam in (0.1, 0.5, 1.0)}
     best = max(vals, key=vals.get)
     assert table[0][1] == f"lam={best:g}" + (" (at the grid's edge: lam)" if best in (0.1, 1.0) else "")
     assert table[0][4] == pytest.approx(round(100 * ex.preview(ex.spec("task_arithmetic", lam=best), "test").average_accuracy, 2))
+
+
+def test_auto_tune_shows_each_methods_best_as_it_finishes_on_one_progress_bar(ctl, monkeypatch):
+    """Three grids showed nothing for eight minutes and drew the bar three times."""
+    import dataclasses
+
+    from merger.methods import registry
+
+    for name, grid in (("task_arithmetic", {"lam": (0.2, 0.6)}), ("ties", {"lam": (0.5, 1.0), "sparsity": (0.8,)})):
+        monkeypatch.setitem(registry._REGISTRY, name, dataclasses.replace(registry.get(name), tune_grid=grid))
+    reports = []
+    tab = CompareTab(ctl)
+    frames = list(tab.auto_tune(None, ["task_arithmetic", "ties"], ctl.pool.tasks,
+                                progress=lambda f, desc="": reports.append((f, desc))))
+    (first, bars1, _), (final, bars2, _) = frames
+    assert [r[0] for r in first] == ["task_arithmetic", "ties"] and first[1][1:] == ["tuning now…", 2, None, None, None]
+    assert first[0][3] is not None and "1 of 2 methods tuned" in bars1.layout.title.text
+    assert [r[0] for r in final] == ["task_arithmetic", "ties"] and final[1][3] is not None
+    assert final[0] == first[0] and "(tuned)" in bars2.layout.title.text
+    fractions = [f for f, _ in reports]
+    assert fractions == sorted(fractions) and fractions[-1] == pytest.approx(1.0) and len(fractions) == 6
+    assert any("left" in d for _, d in reports[:-1]) and all(d.startswith(("task_arithmetic: ", "ties: ")) for _, d in reports)
+    from merger.ui.app import build_app
+
+    listener = next(bf for bf in build_app(ctl.session).fns.values() if bf.name == "auto_tune")
+    assert [type(c) for c in listener.show_progress_on] == [gr.Dataframe]  # the bar drawn once, on the table
 
 
 def test_a_best_setting_at_the_edge_of_its_grid_is_named():
@@ -240,7 +267,8 @@ def test_sweeps(ctl):
         out = CompareTab(ctl).sweep(None, "sparsity", ["cart"], "live", ctl.pool.tasks, progress=lambda *a, **k: None)
     assert out == gr.skip()  # one output: the value itself (a 1-tuple would be that plot's value)
     with pytest.warns(UserWarning, match="tick at least one method to auto-tune"):
-        assert CompareTab(ctl).auto_tune(None, [], ctl.pool.tasks, progress=lambda *a, **k: None) == (gr.skip(),) * 3
+        assert list(CompareTab(ctl).auto_tune(None, [], ctl.pool.tasks, progress=lambda *a, **k: None)) == [
+            (gr.skip(),) * 3]
     # Cancel stops a sweep and an auto-tune at their next point; auto-tune's plots stay, the sweep's curve
     # goes (the previous sweep's would stand under the new choices)
     from types import SimpleNamespace
@@ -256,7 +284,7 @@ def test_sweeps(ctl):
     assert fig.layout.annotations[0].text == "Sweep cancelled: no curve for these choices"
     assert len(reports) == 1  # one point, then stopped (a sweep of ties' λ values on val: 16 points)
     with pytest.warns(UserWarning, match=r"auto-tune cancelled after \d+ %"):
-        assert tab.auto_tune(me, ["ties"], ctl.pool.tasks, progress=press_cancel) == (gr.skip(),) * 3
+        assert list(tab.auto_tune(me, ["ties"], ctl.pool.tasks, progress=press_cancel)) == [(gr.skip(),) * 3]
     pin = ctl.session.spec("task_arithmetic", lam=0.3, experts=ctl.pool.tasks[:2])
     with pytest.warns(UserWarning, match="unknown split 'dev'"):
         assert CompareTab(ctl).compare([pin], "dev") == (gr.skip(),) * 3

@@ -57,10 +57,13 @@ def _check_expert_counts(session, method_names, experts) -> None:
 
 
 def evaluate_all(session, items: Sequence[tuple], progress: Progress = None, what: str = "point", *,
-                 cluster=None, on_result: Callable | None = None, known: Callable | None = None) -> list:
+                 cluster=None, on_result: Callable | None = None, known: Callable | None = None,
+                 eta: bool = True) -> list:
     """The results of (spec, split) items, in order: each from ``known(spec, split)`` where it gives
     one (a resumed job), else evaluated here (previews of this session) or on a ``cluster``.
-    ``on_result(spec, result)`` is called once per evaluated item as it finishes (the one writer)."""
+    ``on_result(spec, result)`` is called once per evaluated item as it finishes (the one writer).
+    ``eta``: progress messages say the time left at this call's pace (off where a caller says the
+    whole job's)."""
     items = [(spec.snap(), split) for spec, split in items]  # what each point computes, as its result is keyed
     out: list = [None] * len(items)
     todo = []
@@ -83,8 +86,8 @@ def evaluate_all(session, items: Sequence[tuple], progress: Progress = None, wha
             on_result(items[i][0], result)
         if progress:
             left = (time.monotonic() - started) / computed * (len(items) - done)  # at this job's pace so far
-            eta = f" · about {_duration(left)} left" if done < len(items) else ""
-            progress(done / max(1, len(items)), f"{what} {done}/{len(items)}: {items[i][0].label()}{eta}")
+            said = f" · about {_duration(left)} left" if eta and done < len(items) else ""
+            progress(done / max(1, len(items)), f"{what} {done}/{len(items)}: {items[i][0].label()}{said}")
 
     # a spec naming an expert the workers lack (one added in the app's lab) is evaluated here
     remote = [j for j, i in enumerate(todo) if cluster is not None and cluster.serves(items[i][0])]
@@ -104,30 +107,41 @@ def auto_tune(session, method_names: Sequence[str], experts=None, progress: Prog
               cluster=None, on_result=None, known=None) -> list[dict]:
     """For each method: best parameters on the validation split, then that setting on test. Batch
     work: each grid point is a chunk, and waiting previews go first (or a cluster's workers run them)."""
+    return list(tune_rows(session, method_names, experts, progress, cluster=cluster, on_result=on_result,
+                          known=known))
+
+
+def tune_rows(session, method_names: Sequence[str], experts=None, progress: Progress = None, *,
+              cluster=None, on_result=None, known=None):
+    """``auto_tune``'s rows, yielded one per method as soon as its grid and its test point are done
+    (a page shows each best as it finishes, not all after many minutes); one progress over every
+    method, its time left at the whole job's pace. Batch work is marked per method: a caller may
+    resume the generator on another thread."""
     method_names = distinct_methods(method_names)
     _check_expert_counts(session, method_names, experts)
-    with session.batch(chunks=sum(len(grid_points(m)) + 1 for m in method_names)):
-        plans = [(m, [session.spec(m, experts=experts, **p) for p in grid_points(m)]) for m in method_names]
-        n_val = sum(len(specs) for _, specs in plans)
-        total = n_val + len(plans)
+    plans = [(m, [session.spec(m, experts=experts, **p) for p in grid_points(m)]) for m in method_names]
+    total = sum(len(specs) + 1 for _, specs in plans)
+    started, before = time.monotonic(), 0
+    run = dict(cluster=cluster, on_result=on_result, known=known, eta=False)
 
-        def stage(offset, n):  # one bar over both stages: validation grid, then test
-            return (lambda f, msg: progress((offset + f * n) / total, msg)) if progress else None
+    def stage(method, offset, n):  # the method's part of the one bar
+        def report(f, msg):
+            whole = (offset + f * n) / total
+            left = (time.monotonic() - started) * (1 - whole) / whole if 0 < whole < 1 else 0
+            progress(whole, f"{method}: {msg}" + (f" · about {_duration(left)} left" if left else ""))
+        return report if progress else None
 
-        run = dict(cluster=cluster, on_result=on_result, known=known)
-        val = evaluate_all(session, [(s, "val") for _, specs in plans for s in specs], stage(0, n_val), "grid point",
-                           **run)
-        rows, at = [], 0
-        for m, specs in plans:
-            scores = val[at:at + len(specs)]
-            at += len(specs)
+    for m, specs in plans:
+        with session.batch(chunks=len(specs) + 1):
+            scores = evaluate_all(session, [(s, "val") for s in specs], stage(m, before, len(specs)), "grid point",
+                                  **run)
             best = max(range(len(specs)), key=lambda i: (scores[i].average_accuracy, -i))  # the first of equals
-            rows.append({"method": m, "spec": specs[best], "params": specs[best].kwargs, "grid_points": len(specs),
-                         "val_accuracy": scores[best].average_accuracy, "at_edge": grid_edges(specs, best)})
-        tests = evaluate_all(session, [(r["spec"], "test") for r in rows], stage(n_val, len(rows)), "test", **run)
-        for r, test in zip(rows, tests):
-            r.update(test_accuracy=test.average_accuracy, test_normalized=test.normalized_accuracy, test=test)
-        return rows
+            row = {"method": m, "spec": specs[best], "params": specs[best].kwargs, "grid_points": len(specs),
+                   "val_accuracy": scores[best].average_accuracy, "at_edge": grid_edges(specs, best)}
+            (test,) = evaluate_all(session, [(row["spec"], "test")], stage(m, before + len(specs), 1), "test", **run)
+        before += len(specs) + 1
+        row.update(test_accuracy=test.average_accuracy, test_normalized=test.normalized_accuracy, test=test)
+        yield row
 
 
 def grid_edges(specs: Sequence, best: int) -> list[str]:

@@ -6,8 +6,9 @@ import gradio as gr
 
 from merger import methods, plots
 from merger.errors import Cancelled, MergerError
-from merger.evaluation.tuning import auto_tune, sweep, sweep_axes, sweep_num_tasks, sweep_values, tunable_methods
-from merger.ui.errors import keeps_outputs, warn
+from merger.evaluation.tuning import (distinct_methods, grid_points, sweep, sweep_axes, sweep_num_tasks,
+                                      sweep_values, tunable_methods, tune_rows)
+from merger.ui.errors import kept, keeps_outputs, warn
 from merger.ui.merge_events import session_of
 from merger.ui.scheduling import BATCH_EVENT, CancelFlags
 
@@ -76,20 +77,41 @@ class CompareTab:
         if self.ctl.history is not None:
             self.ctl.history.record(self.ctl.pool_ref, spec, result)  # evaluate_all's: snapped
 
-    @keeps_outputs(3)
     def auto_tune(self, request: gr.Request, method_names, experts, progress=gr.Progress()):
-        if not method_names:
-            raise MergerError("tick at least one method to auto-tune")
-        with self._cancel.job(session_of(request)) as flag:
-            rows = auto_tune(self.ctl.session, method_names, experts=list(experts) if experts else None,
-                             progress=CancelFlags.reporting(flag, progress, "auto-tune"), cluster=self.ctl.cluster,
-                             on_result=self._record)
+        """Generator: the table and plots after each method's grid (its best on val, then on test),
+        with a row per method still to come; a refusal or Cancel keeps what is shown."""
+        rows = []
+        try:
+            names = distinct_methods(method_names or [])
+            if not names:
+                raise MergerError("tick at least one method to auto-tune")
+            with self._cancel.job(session_of(request)) as flag:
+                for row in tune_rows(self.ctl.session, names, experts=list(experts) if experts else None,
+                                     progress=CancelFlags.reporting(flag, progress, "auto-tune"),
+                                     cluster=self.ctl.cluster, on_result=self._record):
+                    rows.append(row)
+                    yield self._tuned(rows, names)
+        except Cancelled as exc:  # the methods tuned before it stay, the others are no longer "to come"
+            warn(exc)
+            yield self._tuned(rows, [r["method"] for r in rows]) if rows else (gr.skip(),) * 3
+        except MergerError as exc:
+            yield kept(exc, 3)
+
+    auto_tune.keeps_outputs = 3  # a generator: it yields kept(...) itself
+
+    @staticmethod
+    def _tuned(rows, names) -> tuple:
+        """(table, bars, radar) of the methods tuned so far; the others named as still to come."""
         table = [[r["method"], (", ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items()) or "-")
                   + (f" (at the grid's edge: {', '.join(r['at_edge'])})" if r["at_edge"] else ""),
                   r["grid_points"], round(100 * r["val_accuracy"], 2), round(100 * r["test_accuracy"], 2),
                   round(100 * r["test_normalized"], 2)] for r in rows]
+        table += [[m, "tuning now…" if i == 0 else "waiting", len(grid_points(m)), None, None, None]
+                  for i, m in enumerate(names[len(rows):])]
         results = {f"{r['method']} (best)": r["test"] for r in rows}
-        return table, plots.grouped_bars(results, "Auto-tuned: test accuracy per task"), plots.radar(results)
+        done = f"{len(rows)} of {len(names)} methods tuned" if len(rows) < len(names) else "tuned"
+        return (table, plots.grouped_bars(results, f"Auto-tuned ({done}): test accuracy per task"),
+                plots.radar(results))
 
     @keeps_outputs(1)
     def sweep(self, request: gr.Request, axis, method_names, split, experts, progress=gr.Progress()):
@@ -166,8 +188,9 @@ def build_compare_tab(ctl, pins, experts, batch) -> CompareTab:
         with gr.Row():
             tune_bars = gr.Plot(elem_id="tune-bars")
             tune_radar = gr.Plot()
+        # one progress bar (on the table), not one over each output
         tune_btn.click(batch(tab.auto_tune), [tune_methods, experts], [tune_table, tune_bars, tune_radar],
-                       **BATCH_EVENT, api_visibility="private")
+                       show_progress_on=tune_table, **BATCH_EVENT, api_visibility="private")
         gr.Markdown("### Sweeps")
         axes = sweep_axes()
         swept = [m.name for m in methods.all_methods() if not m.data_driven]
