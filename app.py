@@ -25,7 +25,7 @@ def _port(text: str) -> int:
 
 
 def parse_args(argv=None):
-    from merger.cli_jobs import Parser, positive_int, user_password, worker_count
+    from merger.cli_jobs import Parser, positive_float, positive_int, user_password, worker_count
     from merger.io.history import DEFAULT_PATH
 
     ap = Parser(description="merger: interactive model-merging explorer")
@@ -43,6 +43,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-sessions", type=positive_int, default=MAX_SESSIONS,
                     help=f"browser sessions whose state (pins, landscapes, lab experts) is kept; past it the oldest "
                     f"session's goes (default {MAX_SESSIONS})")
+    ap.add_argument("--memory-gb", type=positive_float, default=None,
+                    help="the server's memory budget: freed memory goes back to the system, and past the budget "
+                    "its caches (results, landscape values, derived states) are dropped (default: 4 GB, or 2x what "
+                    "the open pool takes if more)")
     ap.add_argument("--roots", default="", help="comma-separated folders the app may read files from "
                     "(besides the pool's own folder); anything else is refused")
     return ap.parse_args(argv)
@@ -66,6 +70,9 @@ def main(argv=None) -> int:
     from merger import runtime
 
     runtime.configure()  # before Gradio is imported
+    from merger.evaluation.memory import limit_arenas
+
+    limit_arenas()  # before the server's threads start (see merger/evaluation/memory.py)
     import merger
     from merger.cli_jobs import new_folders
     from merger.io.history import History
@@ -96,6 +103,15 @@ def main(argv=None) -> int:
         return 2
     if cluster is not None:
         print(f"jobs (Sweep, Auto-tune, Landscape) go to {args.workers} Ray workers ({args.ray})", flush=True)
+    from merger.evaluation.memory import MemoryKeeper, default_budget_gb, resident_gb
+
+    held = resident_gb()
+    keeper = MemoryKeeper(session, args.memory_gb or default_budget_gb(held))
+    if held is not None:
+        print(f"memory: {held:.2f} GB held with the pool open; budget {keeper.budget_gb:g} GB (--memory-gb)"
+              + ("; over it already: caches will be dropped as they fill" if held > keeper.budget_gb else ""),
+              flush=True)
+    keeper.start()
     print(f"{pool.name}: one live forward {1e3 * forward_s:.0f} ms; " + (
         f"moves answer first on {session.partial_images} images per task, then on all" if session.partial_images
         else "moves answer on the whole live split at once"), flush=True)

@@ -10,7 +10,7 @@ import threading
 
 from merger import methods, runtime
 from merger.cli_jobs import (POOL_HELP, Parser, add_job_args, add_job_commands, cmd_landscape, new_folders,
-                             positive_int, progress_bar, user_password)
+                             positive_float, positive_int, progress_bar, user_password)
 from merger.cli_tools import cmd_bench, cmd_cache, cmd_report, cmd_screenshot
 from merger.errors import MergerError
 from merger.methods import PARAM_NAMES
@@ -264,14 +264,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (medians and ratios in one run)")
     p.add_argument("what", choices=["merge", "accel", "live", "browser", "workshop", "api", "landscape", "scale",
-                                    "load", "attacks", "open", "cluster"],
+                                    "load", "attacks", "open", "cluster", "soak"],
                    help="merge: prepare/apply per method on ViT-B-32; accel: each speed-up piece off and on "
                         "(what it speeds, the ratio, the difference); live: the Merge tab's listener per move "
                         "(time, forwards, applies); browser: Chromium slider → shown result; workshop: 10 clients "
                         "drag while browsers run batch jobs; api: the evaluate endpoint through gradio_client; "
                         "scale: ViT-B-32 pool (first partial answer); open: a ViT-B-32 pool from files, cold and warm "
                         "(disk cache); cluster: a sweep and a landscape here and on a local Ray instance "
-                        "(--clients workers, 2); attacks: the bad-input catalogue")
+                        "(--clients workers, 2); attacks: the bad-input catalogue; soak: an hour of a workshop "
+                        "compressed (Chromium rounds and 2,000 HTTP calls), the server's memory sampled")
     p.add_argument("--jobs", default="sweep,autotune", help="workshop: batch jobs (sweep, autotune, landscape)")
     p.add_argument("--url", default=None, help="api / load: a running app to target (default: start one)")
     p.add_argument("--auth", type=user_password, default=None,
@@ -293,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="scale: cpu or cuda")
     p.add_argument("--naive", type=int, default=30, help="live: how many of them to repeat naively")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods")
+    p.add_argument("--rounds", type=positive_int, default=None, help="soak: rounds of a person in Chromium (12)")
+    p.add_argument("--calls", type=positive_int, default=None, help="soak: evaluate calls over HTTP (2000)")
+    p.add_argument("--memory-gb", type=positive_float, default=None, help="soak: the server's --memory-gb (its default)")
     p.set_defaults(func=cmd_bench)
     for command in sub.choices.values():  # --debug also after the command's name
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,

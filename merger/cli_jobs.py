@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,17 @@ def positive_int(text: str, least: int = 1) -> int:
         value = least - 1
     if value < least:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ {least}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (a budget in GB)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
     return value
 
 

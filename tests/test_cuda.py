@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 import merger
 from merger import methods
+from merger.analysis.coefficients import effective_weights
 from merger.io.export import export_merge
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -84,7 +85,7 @@ def test_data_driven_methods_run_on_the_gpu(pools, name):
     delta = gpu.delta(spec)
     assert all(torch.isfinite(v).all() for v in delta.values()), name
     assert run.trace, name
-    weights, _ = gpu.effective_weights(spec)
+    weights, _ = effective_weights(gpu, spec)
     assert all(math.isfinite(w) for w in weights)
 
 

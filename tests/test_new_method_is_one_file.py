@@ -36,6 +36,7 @@ PROBE = '''
 import gradio as gr, torch, yaml
 import merger
 from merger import methods
+from merger.analysis.coefficients import effective_weights
 from merger.cli import build_parser, method_params
 from merger.evaluation.tuning import grid_points, sweep_axes
 from merger.ui.controls import param_control
@@ -56,7 +57,7 @@ out = evaluate_endpoint(ctl)(method="toy_scale", temperature=2.0)
 ref = merger.evaluate(pool, merger.merge(pool, "task_arithmetic", lam=0.5), "live")
 assert abs(out["average_accuracy"] - ref.average_accuracy) < 1e-9, (out["average_accuracy"], ref.average_accuracy)
 spec = ctl.session.spec("toy_scale", temperature=2.0)
-assert ctl.session.effective_weights(spec)[0] == [0.5] * len(pool.tasks)
+assert effective_weights(ctl.session, spec)[0] == [0.5] * len(pool.tasks)
 again = yaml.safe_load(yaml.safe_dump(spec.as_dict()))
 assert ctl.session.spec(again["method"], **again["params"]) == spec
 print("reached every surface")

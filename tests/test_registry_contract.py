@@ -13,6 +13,7 @@ from helpers import ui_controller
 
 import merger
 from merger import methods
+from merger.analysis.coefficients import effective_weights
 from merger.cli import build_parser, method_params
 from merger.evaluation.tuning import grid_points, sweep_axes, tunable_methods
 from merger.methods import PARAM_NAMES
@@ -79,7 +80,7 @@ def test_method_reaches_every_surface(name, ctl):
     out = endpoint(method=name, split="live", experts=experts, **kwargs)
     ref = merger.evaluate(ctl.pool, merger.merge(ctl.pool, name, experts=experts, **kwargs), "live")
     assert out["average_accuracy"] == pytest.approx(ref.average_accuracy)
-    weights, how = ctl.session.effective_weights(spec)
+    weights, how = effective_weights(ctl.session, spec)
     assert len(weights) == T and all(math.isfinite(w) for w in weights) and how
     # determinism: a fresh session gives the same Δ
     d1 = ctl.session.delta(spec.snap())

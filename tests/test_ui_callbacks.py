@@ -422,7 +422,7 @@ def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
     live2 = next(t for t in moved.data if t.name == "live merge")
     assert (live.x[0], live.y[0]) != (live2.x[0], live2.y[0])
     assert lc.land.cached_points() == n  # the surface was not recomputed
-    x, y, _ = state["plane"].coords(lc.land.spec_point(ctl.session.spec("task_arithmetic", lam=0.9)))
+    x, y, _ = lc.plane_of(state).coords(lc.land.spec_point(ctl.session.spec("task_arithmetic", lam=0.9)))
     assert (live2.x[0], live2.y[0]) == pytest.approx((x, y))
     # another metric or view: the surface shown is redrawn at once, with no point computed
     restyled, fig = lc.restyle(None, state, "accuracy", ctl.pool.tasks[0], "contour", *controls(ctl, lam=0.9))
@@ -950,3 +950,46 @@ def test_the_method_text_shows_this_pools_own_best_setting_once_known(tmp_path):
     assert f"`lam={best:g}`, {100 * results[best].average_accuracy:.1f} % (of 3 val evaluations" in about
     *_, about = c.method_controls("task_arithmetic", c.pool.tasks[:2])  # other experts: not theirs
     assert "not known yet" in about
+
+
+def test_a_pages_landscape_state_holds_no_weights_and_its_3d_view_makes_them_again(ctl):
+    """Each page's landscape state held every point's and path step's weights (a model's worth each:
+    gigabytes per page on ViT-B/32, kept an hour after the page closed)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from merger.ui.landscape_tab import LandscapeController
+
+    lc = LandscapeController(ctl)
+    pin = ctl.session.spec("task_arithmetic", lam=0.7)
+    *_, (state, contour) = lc.compute(None, [pin], "pca", None, None, "", "loss", "all tasks (mean)", 5, "contour",
+                                      ["λ path (current method)"], *controls(ctl, lam=0.3),
+                                      progress=lambda *a, **k: None)
+    size = ctl.pool.task_vectors.numel()
+
+    def tensors(value):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, dict):
+            for v in value.values():
+                yield from tensors(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                yield from tensors(v)
+
+    assert not any(t.numel() >= size // 2 for v in state.values() for t in tensors(v))
+    # the plane (three models' worth) is shared by the pages that computed it, a few kept
+    *_, (other, _) = lc.compute(SimpleNamespace(session_hash="another page"), [pin], "pca", None, None, "", "loss",
+                                "all tasks (mean)", 5, "contour", ["λ path (current method)"],
+                                *controls(ctl, lam=0.3), progress=lambda *a, **k: None)
+    assert other["plane_key"] == state["plane_key"] and len(lc._planes) == 1
+    lc._planes.clear()  # gone (other planes computed since): the marker's move makes it again
+    moved = lc.move_live(state, *controls(ctl, lam=0.9))
+    assert any(t.name == "live merge" for t in moved.data) and list(lc._planes) == [state["plane_key"]]
+    _, surface = lc.restyle(None, state, "loss", "all tasks (mean)", "surface", *controls(ctl, lam=0.3))
+    heights = {t.name: t.z[0] for t in surface.data if t.type == "scatter3d" and t.name == "base"}
+    base = ctl.session.landscape.point_values(ctl.session.landscape.base_point(), state["surface"].split)[1]
+    assert heights["base"] == pytest.approx(sum(base.values()) / len(base))
+    names = {t.name for t in contour.data}
+    assert pin.label() in {text for t in contour.data if t.text for text in t.text} and "task_arithmetic lam path" in names

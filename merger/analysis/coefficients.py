@@ -17,6 +17,23 @@ MAP_VALUES = tuple(round(0.2 * i, 2) for i in range(11))  # 0, 0.2, …, 2: the 
 UP_VALUES = tuple(round(0.1 * i, 2) for i in range(21))  # 0, 0.1, …, 2: "turn one up"
 
 
+def effective_weights(session, spec: Spec) -> tuple[list[float], str]:
+    """How the spec's merge weights each expert (the method's own reading, see the registry)."""
+    m = methods.get(spec.method)
+    if m.data_driven:
+        state = session.cached_run(spec)
+        if state is None:
+            raise MergerError(f"{m.name}: press Run in the Merge tab first")
+    else:
+        with session.queue:
+            state = session.prepared_for(spec)[1]
+    weights, how = m.weights(spec.snap().kwargs, len(spec.experts), state)
+    if spec.task_weights:  # the method combines the weighted task vectors wₜτₜ
+        weights = [v * w for v, w in zip(weights, spec.task_weight_list())]
+        how += ", times each task's weight wₜ"
+    return weights, how
+
+
 @dataclass
 class Learned:
     """A run's coefficients as the sliders of task arithmetic at λ = 1: θ0 + Σt wₜ·b_g(k)·τt."""

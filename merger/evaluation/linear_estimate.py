@@ -51,6 +51,10 @@ class LinearEstimate:
         self.disk = disk_cache.DiskCache()
 
     # ---- which merges it answers ------------------------------------------------------------
+    def forget_shown(self) -> None:
+        """Drop the estimates shown (``PoolSession.shrink``); the features stay."""
+        self._shown.clear()
+
     def applies(self, spec: Spec) -> bool:
         """The spec's Δ is exactly Σ wₜτₜ (no block weights; a data-driven method once it has run)."""
         m = methods.get(spec.method)

@@ -117,6 +117,14 @@ class Merges:
         self.counts["prepares"] += 1
         return lru_put(self._prepared, key, state, 3)
 
+    def shrink(self) -> None:
+        """Over the memory budget: every derived state and Δ, and each preparation but the newest."""
+        with self.queue:
+            self._derived.clear()
+            self._deltas.clear()
+            while len(self._prepared) > 1:
+                self._prepared.popitem(last=False)
+
     def forget_derived(self) -> None:
         """Drop the derived states and Δs (benches: the next move of each setting derives again)."""
         with self.queue:

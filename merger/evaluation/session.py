@@ -48,6 +48,8 @@ def session_for(pool) -> "PoolSession":
 
 
 class PoolSession:
+    PLANE_VALUES_KEPT = 50_000  # about 50 MB of per-task numbers for 7 tasks: a hundred 21 × 21 landscapes
+    POINT_VALUES_KEPT = 10_000
     def __init__(self, pool, cache_size: int = 1024, deltas: int = 2):
         from merger.pool.pool import require_open
 
@@ -63,8 +65,10 @@ class PoolSession:
         self._running = SharedWork()  # runs under way, each followed by every caller of its settings
         self._run_model = None
         self._statistics: OrderedDict = OrderedDict()  # data statistics of runs (Context.statistic), 2 kept
-        self._plane_values: dict[tuple, tuple[dict, dict]] = {}
-        self._point_values: dict[tuple, tuple[dict, dict]] = {}
+        # landscape grid points and single points measured: (accuracy, loss) per task, LRU (a room's
+        # landscapes over an hour: 441 points each on a 21 × 21 grid)
+        self._plane_values: OrderedDict[tuple, tuple[dict, dict]] = OrderedDict()
+        self._point_values: OrderedDict[tuple, tuple[dict, dict]] = OrderedDict()
         self._coords: OrderedDict = OrderedDict()  # (plane, spec) -> where its merge sits on the plane
         self._landscape = None
         self._point_buf: torch.Tensor | None = None
@@ -152,22 +156,6 @@ class PoolSession:
         if methods.get(spec.method).data_driven:
             return self.run(spec).delta
         return self.merges.delta(spec)
-
-    def effective_weights(self, spec: Spec) -> tuple[list[float], str]:
-        """How the spec's merge weights each expert (the method's own reading, see the registry)."""
-        m = methods.get(spec.method)
-        if m.data_driven:
-            state = self.cached_run(spec)
-            if state is None:
-                raise MergerError(f"{m.name}: press Run in the Merge tab first")
-        else:
-            with self.queue:
-                state = self.prepared_for(spec)[1]
-        weights, how = m.weights(spec.snap().kwargs, len(spec.experts), state)
-        if spec.task_weights:  # the method combines the weighted task vectors wₜτₜ
-            weights = [v * w for v, w in zip(weights, spec.task_weight_list())]
-            how += ", times each task's weight wₜ"
-        return weights, how
 
     # ---- data-driven runs -------------------------------------------------------------------
     def run(self, spec: Spec, progress=None, cancel=None):
@@ -346,20 +334,24 @@ class PoolSession:
     def values_on_plane(self, plane, x: float, y: float, split: str) -> tuple[dict, dict]:
         """(accuracy, loss) per task at a grid point of a plane (cached per plane point)."""
         key = (plane.key, round(x, 9), round(y, 9), split)
-        if key not in self._plane_values:
+        values = self._plane_values.get(key)
+        if values is None:
             with self.queue:
-                if key not in self._plane_values:
+                values = self._plane_values.get(key)
+                if values is None:
                     self._point_buf = plane.point(x, y, out=self._point_buf)
-                    self._plane_values[key] = self._forward_point(self._point_buf, split)
-        return self._plane_values[key]
+                    values = lru_put(self._plane_values, key, self._forward_point(self._point_buf, split),
+                                     self.PLANE_VALUES_KEPT)
+        return values
 
     def values_at_point(self, vec: torch.Tensor, split: str = "probe") -> tuple[dict, dict]:
         """(accuracy, loss) per task at a flattened point (one forward; cached by its bytes)."""
         key = (hashlib.sha1(vec.detach().cpu().numpy().tobytes()).hexdigest(), split)
-        if key not in self._point_values:
+        values = self._point_values.get(key)
+        if values is None:
             with self.queue:
-                self._point_values[key] = self._forward_point(vec, split)
-        return self._point_values[key]
+                values = lru_put(self._point_values, key, self._forward_point(vec, split), self.POINT_VALUES_KEPT)
+        return values
 
     def _forward_point(self, vec: torch.Tensor, split: str) -> tuple[dict, dict]:
         self.evaluator.load(self.landscape.space.unflatten(vec))
@@ -374,6 +366,18 @@ class PoolSession:
             self._coords.move_to_end(key)
             return self._coords[key]
         return lru_put(self._coords, key, plane.coords(self.landscape.spec_point(spec)), 4096)
+
+    def shrink(self) -> None:
+        """Over the memory budget (``MemoryKeeper``): the caches of what can be computed again go
+        (results, partial answers, landscape values, derived states, older preparations, every
+        run but the newest); the pool, lab experts and the newest run stay."""
+        with self.queue:
+            for cache in (self._results, self._partials, self._plane_values, self._point_values, self._coords):
+                cache.clear()
+            while len(self._runs) > 1:
+                self._runs.pop(next(iter(self._runs)))
+            self.linear.forget_shown()
+        self.merges.shrink()
 
     def cached_plane_points(self) -> int:
         return len(self._plane_values)

@@ -53,15 +53,26 @@ def resolve_paths(land: Landscape, names: Sequence[str]) -> list:
     return out
 
 
-def landscape_layers(land: Landscape, plane, surface, metric: str, task: str | None, points: dict, paths: list,
-                     view: str = "contour") -> dict:
-    """What a landscape figure draws besides the live merge: computed once per surface (projections
-    and, in 3-D, each marker's measured height), so a slider move only adds its own marker."""
+def projection(land: Landscape, plane, points: dict, paths: list) -> dict:
+    """Where the points and paths sit on the plane ({"coords", "drawn", "plane_label"}): what a
+    contour needs of them, without their weights (a page's state keeps this, not a model's worth of
+    weights per point)."""
     coords = {label: (*plane.coords(v), point_kind(label, land.pool)) for label, v in points.items()}
     drawn = {}
     for tr in paths:
         xs, ys, offs = trajectories.project(plane, tr)
         drawn[tr.name] = (xs, ys, [f"{lab} (off-plane {o:.3g})" for lab, o in zip(tr.labels, offs)])
+    return {"coords": coords, "drawn": drawn, "plane_label": plane.label}
+
+
+def landscape_layers(land: Landscape, plane, surface, metric: str, task: str | None, points: dict | None,
+                     paths: list | None, view: str = "contour", projected: dict | None = None) -> dict:
+    """What a landscape figure draws besides the live merge: computed once per surface (projections
+    and, in 3-D, each marker's measured height), so a slider move only adds its own marker.
+    ``projected``: ``projection``'s answer, computed before; the points' weights are then needed
+    for the 3-D view alone (its heights)."""
+    projected = projected or projection(land, plane, points, paths)
+    coords, drawn = projected["coords"], projected["drawn"]
     label = f"{'mean ' if task is None else task + ' '}{metric}"
     scale = 100.0 if metric == "accuracy" else 1.0
     z = [[scale * v for v in row] for row in surface.values(metric, task)]
@@ -70,9 +81,9 @@ def landscape_layers(land: Landscape, plane, surface, metric: str, task: str | N
         height = lambda v: scale * Surface.metric_of(land.point_values(v, surface.split), metric, task)  # noqa: E731
         heights = {name: height(v) for name, v in points.items()}
         heights.update({tr.name: [height(p) for p in tr.points] for tr in paths})
+    title = wrapped(f"{label} on {projected['plane_label']} ({surface.split} split)")
     return {"coords": coords, "drawn": drawn, "label": label, "scale": scale, "z": z, "heights": heights,
-            "title": wrapped(f"{label} on {plane.label} ({surface.split} split)"), "metric": metric, "task": task,
-            "view": view, "xs": surface.xs, "ys": surface.ys}
+            "title": title, "metric": metric, "task": task, "view": view, "xs": surface.xs, "ys": surface.ys}
 
 
 def landscape_figure(land: Landscape, plane, surface, metric: str, task: str | None, points: dict,

@@ -132,6 +132,10 @@ def run(what: str, args) -> int:
         return getattr(bench_http, f"bench_{what}")(args)
     if what == "landscape":
         return bench_landscape(args)
+    if what == "soak":
+        from merger.tools.bench_soak import bench_soak
+
+        return bench_soak(args)
     if what == "scale":
         from merger.tools.bench_scale import bench_scale
 

@@ -39,14 +39,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(pool: str, port: int, history: str, timeout: float = 120.0) -> subprocess.Popen:
+def start_server(pool: str, port: int, history: str, timeout: float = 120.0, extra=()) -> subprocess.Popen:
     """``python app.py`` on a loopback port; returns once the page answers. Its output goes to a
     log next to the history (``server_log(proc)``): a pipe nobody reads would block the server once
     its buffer is full."""
     app = Path(__file__).resolve().parents[2] / "app.py"
     log = Path(history).with_suffix(".log")
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(app), "--pool", pool, "--port", str(port), "--history", history],
+        proc = subprocess.Popen([sys.executable, str(app), "--pool", pool, "--port", str(port), "--history", history,
+                                 *extra],
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
     proc.log = log
     deadline = time.time() + timeout

@@ -5,6 +5,7 @@ import gradio as gr
 
 from merger import methods, plots
 from merger.analysis import diagnostics as analysis
+from merger.analysis.coefficients import effective_weights
 from merger.errors import MergerError
 from merger.landscape import trajectories
 from merger.ui.controls import ticked
@@ -83,7 +84,7 @@ class AnalysisController:
         tv = self._tv(spec.experts)
         v = spec.kwargs
         name = spec.method
-        lam, how = self.ex.effective_weights(spec)
+        lam, how = effective_weights(self.ex, spec)
         mask = name if name in analysis.masking_methods() else None
         h = analysis.heterogeneity(tv, lam, mask, task_weights=dict(spec.task_weights), **v)
         series = {"ζt²": h["zeta2"]}
@@ -144,7 +145,7 @@ class AnalysisController:
         idx = [tv.tasks.index(t) for t in spec.experts]
         delta = self.ex.delta(spec)
         merged = {k: tv.base[k] + delta[k] for k in tv.keys}
-        w, _ = self.ex.effective_weights(spec)
+        w, _ = effective_weights(self.ex, spec)
         x = analysis.probe_images(self.ex.evaluator)
         lin = analysis.cross_task_linearity(self._features, merged, [tv.expert(i) for i in idx], w, x, base=tv.base)
         blocks = [f"block {i}" for i in range(len(lin["mean"]))]
@@ -179,7 +180,7 @@ class AnalysisController:
     def ensemble(self, experts, method, *values):
         """The merged model's accuracy next to the logit ensemble of its experts with the same weights."""
         spec = self._current(experts, method, values)
-        w, how = self.ex.effective_weights(spec)
+        w, how = effective_weights(self.ex, spec)
         tv = self.pool.task_vectors
         experts_w = [tv.expert(tv.tasks.index(t)) for t in spec.experts]
         ens = analysis.logit_ensemble_accuracy(self.ex.evaluator, experts_w, w, "test", lock=self.ex.lock,

@@ -60,6 +60,11 @@ def build_app(session, history=None, title: str = "merger", cluster=None) -> gr.
 
         def ended(request: gr.Request):  # Gradio passes the request to a parameter annotated so
             session_ended(ctl, events, request)
+            # Gradio keeps a closed page's gr.State values (pins, landscapes) for an hour, for a reload
+            # that here opens a new session anyway: they go now
+            holder = getattr(app, "state_holder", None)
+            if holder is not None and hasattr(holder, "delete_state"):
+                holder.delete_state(session_of(request))
         app.unload(ended)
     return app
 
@@ -69,4 +74,6 @@ def session_ended(ctl: Controller, events: MergeTabEvents, request: gr.Request) 
     who = session_of(request)
     free_lab_experts(ctl.session, who)
     events.forget(who)
+    if events.landscape is not None:
+        events.landscape.forget(who)
     ctl.offered.forget(who)

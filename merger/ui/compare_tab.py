@@ -171,7 +171,7 @@ def build_compare_tab(ctl, pins, experts, batch) -> CompareTab:
         cmp_table = gr.Dataframe(headers=tab.compare_headers(), interactive=False, wrap=True,
                                  column_widths=tab.compare_widths())
         with gr.Row():
-            cmp_bars = gr.Plot()
+            cmp_bars = gr.Plot(elem_id="compare-bars")
             cmp_radar = gr.Plot()
         cmp_btn.click(batch(tab.compare), [pins, cmp_split], [cmp_table, cmp_bars, cmp_radar],
                       **BATCH_EVENT, api_visibility="private")

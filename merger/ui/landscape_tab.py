@@ -1,12 +1,16 @@
 """Landscape and Trajectories tabs: callbacks and layout."""
 from __future__ import annotations
 
+import functools
+import threading
+from collections import OrderedDict
+
 import gradio as gr
 
 from merger import methods, plots
 from merger.errors import MergerError
 from merger.landscape import trajectories
-from merger.landscape.figure import landscape_figure, landscape_layers, make_plane
+from merger.landscape.figure import landscape_figure, landscape_layers, make_plane, projection
 from merger.landscape.surface import extent_of
 from merger.methods.registry import with_param
 from merger.ui.errors import keeps_outputs, kept, warn
@@ -32,6 +36,34 @@ class LandscapeController:
         self.pool = controller.pool
         self._cancel = CancelFlags()
         self._styles: dict[str, tuple] = {}  # browser session -> the (metric, task, view) its tab shows
+        # Planes (an origin and two directions: three models' worth of weights) shared by the pages
+        # that computed them (a room computes the default PCA plane many times over), a few kept;
+        # a page whose plane went makes it again from its points.
+        self._planes: OrderedDict[str, object] = OrderedDict()
+        self._planes_lock = threading.Lock()
+
+    PLANES_KEPT = 4
+
+    def forget(self, who: str) -> None:
+        """A page closed: the view it showed goes (its landscape state is Gradio's, deleted with it)."""
+        self._styles.pop(who, None)
+
+    def _keep_plane(self, plane):
+        """The plane kept under its key: the one already there when another page computed it."""
+        with self._planes_lock:
+            kept = self._planes.setdefault(plane.key, plane)
+            self._planes.move_to_end(plane.key)
+            while len(self._planes) > self.PLANES_KEPT:
+                self._planes.popitem(last=False)
+        return kept
+
+    def plane_of(self, state):
+        """The plane of a page's landscape: kept, or made again from its points (same key)."""
+        with self._planes_lock:
+            plane = self._planes.get(state["plane_key"])
+        if plane is None:
+            plane = self._keep_plane(state["remake_plane"]())
+        return plane
 
     def path_choices(self) -> list[str]:
         ft = [f"fine-tuning: {t}" for t in self.pool.tasks if trajectories.has_trajectory(self.pool, t)]
@@ -94,17 +126,16 @@ class LandscapeController:
         try:
             spec = self.ctl.spec_from_controls(experts, method, *values)
             names = ["base", "experts"] if plane_kind != "points" else [n.strip() for n in (three or "").split(",")]
-            points = self.land.named_points(names, runs=False)  # a data-driven point: its run on screen only
-            if plane_kind == "points" and (len(points) != 3 or len([n for n in names if n]) != 3):
+            rebuild = functools.partial(self._vectors, names, list(pins or []), chosen_paths, spec)
+            plane_points, points, paths, problems = rebuild()
+            if plane_kind == "points" and (len(plane_points) != 3 or len([n for n in names if n]) != 3):
                 # never filled up with pins, nor cut to the first three: the plane is the one typed
-                raise MergerError(f"three points: {len(points)} different point(s) in {(three or '').strip()!r}; "
-                                  "type three, separated by commas (base, a task, file:PATH or METHOD:param=value)")
-            plane_points = dict(points)
-            for s in pins or []:
-                points.setdefault(s.label(), self.land.spec_point(s))
-            plane = make_plane(self.land, plane_kind, plane_points if plane_kind == "points" else points,
-                               [task_a, task_b])
-            paths, problems = self._paths(chosen_paths, spec.method, spec.kwargs, spec)
+                raise MergerError(f"three points: {len(plane_points)} different point(s) in "
+                                  f"{(three or '').strip()!r}; type three, separated by commas (base, a task, "
+                                  "file:PATH or METHOD:param=value)")
+            remake_plane = functools.partial(self._plane, plane_kind, [task_a, task_b], rebuild)
+            plane = self._keep_plane(self._plane(plane_kind, [task_a, task_b], rebuild,
+                                                 (plane_points, points, paths, problems)))
             marked = self._marked(spec)
             if marked is None:
                 problems.append(f"the live merge ★: no {methods.get(spec.method).display_name} run for these "
@@ -125,12 +156,15 @@ class LandscapeController:
                         if self.ctl.cluster is not None else
                         self.land.progressive(plane, extent, int(grid), progress=shown, cancel=flag.is_set))
             self._styles[who] = (metric, task, view)
+            # the page keeps where the points sit, and how to make them again for a 3-D view's heights:
+            # their weights (a model's worth each) in every page's state took the server past its memory
+            projected = projection(self.land, plane, points, paths)
             for surface in surfaces:
                 # the metric, task and view the page shows now: chosen again while this computed
                 metric, task, view = self._styles.get(who, (metric, task, view))
-                state = {"plane": plane, "surface": surface, "points": points, "paths": paths,
-                         "metric": metric, "task": task, "view": view}
-                yield state, self.figure(state, marked)
+                state = {"plane_key": plane.key, "remake_plane": remake_plane, "surface": surface,
+                         "projected": projected, "rebuild": rebuild, "metric": metric, "task": task, "view": view}
+                yield state, self.figure(state, marked, vectors=(points, paths))
         except MergerError as exc:
             yield kept(exc, 2)
 
@@ -149,10 +183,26 @@ class LandscapeController:
             spec = None
         return state, self.figure(state, spec)
 
-    def figure(self, state, spec=None):
+    def _vectors(self, names, pins, chosen_paths, spec) -> tuple[dict, dict, list, list[str]]:
+        """(the named points, those and the pins, the paths, why a path could not be drawn): the
+        weights of everything a landscape draws."""
+        named = self.land.named_points(names, runs=False)  # a data-driven point: its run on screen only
+        points = dict(named)
+        for s in pins:
+            points.setdefault(s.label(), self.land.spec_point(s))
+        paths, problems = self._paths(chosen_paths, spec.method, spec.kwargs, spec)
+        return named, points, paths, problems
+
+    def _plane(self, kind, tasks, rebuild, vectors=None):
+        plane_points, points, _, _ = vectors or rebuild()
+        return make_plane(self.land, kind, plane_points if kind == "points" else points, tasks)
+
+    def figure(self, state, spec=None, vectors=None):
+        """The landscape of ``state`` with the live marker of ``spec``; ``vectors``: (points, paths)
+        where the caller holds them (else made again, for a 3-D view's heights only)."""
         live = live_values = None
         if spec is not None:
-            x, y, off = self.ctl.session.coords_on_plane(state["plane"], spec)
+            x, y, off = self.ctl.session.coords_on_plane(self.plane_of(state), spec)
             live = (spec.label(), x, y, off)
             if state["view"] == "surface":  # the marker sits at the merge's own measured value
                 live_values = self._measured(spec, state["surface"].split)
@@ -160,10 +210,13 @@ class LandscapeController:
         key = (state["metric"], state["task"], state["view"])
         layers = state.setdefault("layers", {})
         if key not in layers:
-            layers[key] = landscape_layers(self.land, state["plane"], state["surface"], *key[:2], state["points"],
-                                           state["paths"], key[2])
-        return landscape_figure(self.land, state["plane"], state["surface"], state["metric"], state["task"],
-                                state["points"], state["paths"], state["view"], live, live_values, layers[key])
+            if key[2] == "surface" and vectors is None:
+                vectors = state["rebuild"]()[1:3]
+            points, paths = vectors if key[2] == "surface" else (None, None)
+            layers[key] = landscape_layers(self.land, None, state["surface"], *key[:2], points, paths,
+                                           key[2], projected=state["projected"])
+        return landscape_figure(self.land, None, state["surface"], state["metric"], state["task"],
+                                None, None, state["view"], live, live_values, layers[key])
 
     def _measured(self, spec, split: str) -> tuple[dict, dict]:
         """(accuracy, loss) of the live merge on the surface's split: from the move's own live

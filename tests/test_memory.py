@@ -1,0 +1,62 @@
+"""The server's memory budget (app --memory-gb): past it, the caches of what can be computed again
+are dropped and freed memory goes back to the system; the pool, lab experts and the newest run stay."""
+import sys
+
+import pytest
+from helpers import write_pool
+
+import merger
+from merger.evaluation import memory
+from merger.evaluation.memory import MemoryKeeper
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    pool = merger.open_pool(write_pool(tmp_path_factory.mktemp("memory"), n_experts=3, scale=0.2, demo_data=True))
+    return merger.PoolSession(pool)
+
+
+def test_over_the_budget_the_caches_go_and_what_cannot_be_remade_stays(session, capsys):
+    for lam in (0.2, 0.4, 0.6):
+        session.preview(session.spec("task_arithmetic", lam=lam))
+    session.preview(session.spec("ties", lam=0.5, sparsity=0.7))
+    session._runs.update({"older run": object(), "newest run": object()})  # runs are minutes of work
+    experts = list(session.pool.experts)
+    held = memory.resident_gb()
+    keeper = MemoryKeeper(session, budget_gb=1e6)
+    assert (keeper.check() is None) == (held is None)
+    assert len(session.results()) == 4 and keeper.shrinks == 0  # under the budget: nothing dropped
+    if held is None:
+        pytest.skip("this system does not say the resident memory cheaply (no /proc): the keeper only trims")
+    keeper = MemoryKeeper(session, budget_gb=0.01)
+    keeper.check()
+    assert keeper.shrinks == 1 and session.results() == [] and list(session._runs) == ["newest run"]
+    assert len(session.merges._prepared) <= 1 and not session.merges._derived and not session.merges._deltas
+    assert list(session.pool.experts) == experts
+    said = capsys.readouterr().err
+    assert "over the 0.01 GB budget (--memory-gb): caches dropped" in said
+    # the next move computes again, as after a restart
+    assert session.preview(session.spec("task_arithmetic", lam=0.2)).average_accuracy >= 0
+    session._runs.clear()
+
+
+def test_freed_memory_goes_back_and_arenas_are_capped_on_glibc_only():
+    import platform
+
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert memory.release_freed_memory() is glibc
+    assert memory.limit_arenas(memory.ARENAS) is glibc  # the app's start-up setting; import merger makes none
+    assert memory.default_budget_gb(None) == memory.DEFAULT_GB
+    assert memory.default_budget_gb(3.0) == 6.0 and memory.default_budget_gb(1.0) == memory.DEFAULT_GB
+
+
+def test_the_budget_flag_is_checked(capsys):
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    import app
+
+    for bad in ("0", "-1", "nan", "lots"):
+        with pytest.raises(SystemExit):
+            app.parse_args(["--memory-gb", bad])
+        assert "--memory-gb" in capsys.readouterr().err
+    assert app.parse_args(["--memory-gb", "2.5"]).memory_gb == 2.5
+    assert app.parse_args([]).memory_gb is None
