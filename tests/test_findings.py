@@ -269,3 +269,10 @@ def test_a_refused_value_goes_back_to_the_one_on_screen_and_the_browsers_clamp_c
     with pytest.warns(UserWarning, match="empty or not a number"):  # an emptied box
         (frame,) = move(lam=None)
     assert frame[events.MOVE_OUTPUTS + lam_at] == gr.update(value=3)
+    # what the page never sends (a client of the queue's own): one message naming the field, nothing done
+    for bad, field in (([["shape"]], "experts"), ("shape", "experts"), ({"a": 1}, "method")):
+        inputs = helpers.with_weights(ctl, controls(ctl))
+        inputs[0 if field == "experts" else 1] = bad
+        with pytest.warns(UserWarning, match=f"{field}: expected"):
+            (frame,) = list(events.move_or_restore(me, None, *inputs))
+        assert all(u == gr.skip() for u in frame)

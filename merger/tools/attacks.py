@@ -26,6 +26,7 @@ import yaml
 from merger.errors import MergerError
 from merger.methods.basic import TASK_ARITHMETIC
 from merger.methods.ties import TIES
+from merger.tools.attacks_app import at, clamp_after_refusal, first_weight, inflated_auto_tune, sent, slot
 from merger.tools.attacks_disk import cache_linked_to_models, cached, fifos_for_entries, forge_entries, other_history
 
 
@@ -340,4 +341,14 @@ CASES = [
     Case("cache: forged entries and heads", cached(forge_entries), None),
     Case("cache: FIFOs named as entries", cached(fifos_for_entries), None),
     Case("cache: computed/ a link to models", cached(cache_linked_to_models), None),
+    # the Merge tab's listener takes the values as sent: one warning naming the field, nothing computed
+    Case("app: λ = 5 typed in its box", sent(at("lam", 5)), r"^λ \(merge coefficient\): 5 is outside \[-3, 3\]$"),
+    Case("app: the browser's clamp of λ = 5 to 3", clamp_after_refusal, None),
+    Case("app: a task weight of 7", sent(first_weight(7)), r"^w · \w+: 7 is outside \[-3, 3\]$"),
+    Case("app: λ box emptied", sent(at("lam", None)), r"^λ \(merge coefficient\): empty or not a number"),
+    Case("app: λ of 401 digits", sent(at("lam", 10**400)), r"^λ \(merge coefficient\): an integer of 401 digits is not a number$"),
+    Case("app: λ as a list", sent(at("lam", [0.3])), r"^λ \(merge coefficient\): \[0\.3\] is not a number$"),
+    Case("app: experts as nested lists", sent(slot(0, [["a"]])), r"^experts: expected a list of expert names"),
+    Case("app: method as a mapping", sent(slot(1, {"name": TIES.name})), r"^method: expected a method's name"),
+    Case("app: auto-tune of one method × 100 000", inflated_auto_tune, None),
 ]

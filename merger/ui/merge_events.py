@@ -254,6 +254,11 @@ class MergeTabEvents:
         box → 0) and sends that as a move: unless the restored value reached the box first, that
         move is the browser's, not the person's, and is restored the same way, silently."""
         who = session_of(request)
+        malformed = _malformed(experts, method)
+        if malformed is not None:  # not what the page sends (a client of the queue's own): said, nothing done
+            warn(malformed)
+            yield (gr.skip(),) * (self.MOVE_OUTPUTS + len(values))
+            return
         values = self.ctl.as_entered(method, values)
         refused = self.ctl.out_of_range(experts, method, values)
         if refused is not None:
@@ -344,3 +349,13 @@ def _same(a, b) -> bool:
         return a is not None and b is not None and abs(float(a) - float(b)) <= 1e-9
     except (TypeError, ValueError, OverflowError):
         return False
+
+
+def _malformed(experts, method) -> str | None:
+    """Why the experts or the method are not what the Merge tab sends (a list of names, a name), or
+    None: the listener takes the browser's values unchecked by Gradio (``move_or_restore``)."""
+    if not isinstance(experts, (list, tuple)) or not all(isinstance(e, str) for e in experts):
+        return f"experts: expected a list of expert names, got {str(experts)[:60]!r}"
+    if not isinstance(method, str):
+        return f"method: expected a method's name, got {str(method)[:60]!r}"
+    return None

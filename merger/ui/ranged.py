@@ -19,7 +19,7 @@ import math
 
 import gradio as gr
 
-from merger.errors import MethodError
+from merger.errors import MethodError, shown_value
 from merger.methods.registry import param_record
 from merger.ui.errors import fail
 
@@ -36,7 +36,7 @@ def refusal(label: str, value, minimum, maximum, required: bool = False, open_en
     try:
         number = float(value)
     except (TypeError, ValueError, OverflowError):  # through the API: a string, a 10**400
-        return f"{label}: {str(value)[:40]!r} is not a number"
+        return f"{label}: {shown_value(value)} is not a number"
     if not math.isfinite(number) and minimum is None and maximum is None:
         return f"{label}: {number:g} is not a finite number"
     # an open end itself (the rank ratio's 0) goes on to the listener, whose check refuses it and
