@@ -51,7 +51,8 @@ def test_a_move_costs_one_forward_and_one_apply_and_a_hit_none(ctl, land_state, 
     shift = 0.0 if view == "contour" else 0.3  # values no earlier move computed
     for lam, method in ((0.65 + shift, "task_arithmetic"), (0.7 + shift, "ties"), (0.75 + shift, "tsv_m")):
         before = work(ctl)
-        numbers, views = list(events.move(person(), state, *controls(ctl, method, lam=lam)))
+        *preparing, numbers, views = list(events.move(person(), state, *controls(ctl, method, lam=lam)))
+        assert all("preparing and merging" in frame[3] for frame in preparing)  # a method switch: said first
         after = work(ctl)
         assert (after[0] - before[0], after[1] - before[1]) == (1, 1), method
         assert f"lam={lam:g}" in numbers[3]  # the numbers first, then the figures and the marker

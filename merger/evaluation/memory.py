@@ -9,7 +9,6 @@ returns memory on its own and nothing is done."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 import threading
@@ -58,7 +57,8 @@ def _glibc():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        # the running process's own symbols (dlopen(NULL)): no library file is loaded
+        libc = ctypes.CDLL(None)
         libc.malloc_trim, libc.mallopt  # noqa: B018 (musl has neither)
     except (OSError, AttributeError):
         return None

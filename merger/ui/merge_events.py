@@ -298,9 +298,9 @@ class MergeTabEvents:
         return None if _same(on_screen, clamped) else position
 
     def _computing(self, who: str, experts, method, values) -> str | None:
-        """A status line for the summary while a merge not yet computed is made, where the summary
-        shows another method's result or a message (SLERP's two-expert rule stayed on screen while
-        TSV-M prepared); None where it shows this method's result, which the answer replaces."""
+        """A status line for the summary while a method prepares for a move, where the summary shows
+        another method's result or a message (SLERP's two-expert rule stayed on screen while TSV-M
+        prepared); None where the answer comes within one apply."""
         spec = self._spec(experts, method, values)
         with self._lock:
             said = self._said.get(who, spec.method if spec is not None else None)
@@ -310,11 +310,9 @@ class MergeTabEvents:
         m = methods.get(spec.method)
         if m.data_driven or session.prepare_is_slow(spec):
             return None  # its answer is a message at once (press Run)
-        prepared = session.is_prepared(spec)
-        if prepared and said is not None:
-            return None  # another method's result, replaced within one apply
-        doing = "merging" if prepared else "preparing and merging"
-        return f"**{m.display_name}**: {doing} `{spec.label()}`, then evaluating it on every task…"
+        if not m.slow_prepare or session.is_prepared(spec):
+            return None  # a quick preparation or one apply: the answer replaces what is shown at once
+        return f"**{m.display_name}**: preparing and merging `{spec.label()}`, then evaluating it on every task…"
 
     def _learned(self, who: str, experts, method, values) -> tuple:
         """The data-driven panel, or skips when it would show what it already shows (every move of a
