@@ -143,17 +143,19 @@ def _hover(label, x, y, off):
 
 def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), paths: Mapping[str, tuple] = (),
               live: tuple | None = None, view: str = "contour", title: str = "",
-              heights: Mapping[str, float | list] | None = None) -> go.Figure:
+              heights: Mapping[str, float | list] | None = None, labels: Mapping[str, str] | None = None) -> go.Figure:
     """Contour (or 3-D surface) of a metric on a plane.
 
     points: label -> (x, y, off_plane, kind) with kind in MARKERS; paths: name -> (xs, ys, labels);
     live: (label, x, y, off_plane) for the live merge marker. Hover texts give off-plane distances.
     The 3-D view needs ``heights``: label (and "live", and each path's name: a list) -> the metric
     measured at the point itself, not read off the surface (which holds it at the projection).
+    ``labels``: each point's textposition (``label_positions``), where the caller keeps them.
     """
     traces = []
     points = dict(points or {})
     paths = dict(paths or {})
+    where = labels if labels is not None else label_positions(points, xs, ys, view)
     if view == "surface":
         heights = dict(heights or {})
         missing = [label for label in [*points, *paths] if label not in heights] + (
@@ -162,7 +164,6 @@ def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), pa
             raise ValueError(f"3-D landscape: no measured height for {', '.join(missing)}")
         traces.append(go.Surface(x=xs, y=ys, z=z, colorscale="Viridis", opacity=0.9, name=metric_label,
                                  colorbar=dict(title=metric_label)))
-        where = _label_positions(points, xs, ys, plot_px=420)
         for label, (x, y, off, kind) in points.items():
             sym, col = MARKERS.get(kind, MARKERS["merge"])
             traces.append(go.Scatter3d(x=[x], y=[y], z=[heights[label]], mode="markers+text", text=[label],
@@ -191,7 +192,6 @@ def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), pa
     kinds: dict[str, list] = {}  # one trace per kind of marker: the figure is rebuilt on every move
     for label, (x, y, off, kind) in points.items():
         kinds.setdefault(kind if kind in MARKERS else "merge", []).append((label, x, y, off))
-    where = _label_positions(points, xs, ys, plot_px=560)
     for kind, members in kinds.items():
         sym, col = MARKERS[kind]
         traces.append(go.Scatter(x=[m[1] for m in members], y=[m[2] for m in members], mode="markers+text",
@@ -212,9 +212,10 @@ def landscape(xs, ys, z, metric_label: str, points: Mapping[str, tuple] = (), pa
                    margin={**_LAYOUT["margin"], "t": _title_px(title)})
 
 
-def _label_positions(points: Mapping[str, tuple], xs, ys, plot_px: float) -> dict[str, str]:
-    """Each point's textposition, its name clear of the other markers and names (``place_labels``);
-    ``plot_px``: about how many pixels the longer side of the grid takes (equal scales)."""
+def label_positions(points: Mapping[str, tuple], xs, ys, view: str = "contour") -> dict[str, str]:
+    """Each point's textposition in ``landscape``, its name clear of the other markers and names
+    (``place_labels``); the plot is about 560 pixels on its longer side, 420 in 3-D (equal scales)."""
+    plot_px = 420 if view == "surface" else 560
     span = max(float(xs[-1]) - float(xs[0]), float(ys[-1]) - float(ys[0]), 1e-12)
     # merges sit near the base at small λ: their names below first, the base's and experts' above
     prefer = ["bottom center" if kind in ("merge", "pinned") else "top center" for *_, kind in points.values()]

@@ -106,6 +106,11 @@ def _on_step(m, param, value: float, num_experts: int) -> float:
     return value
 
 
+def arguments_text(params) -> str:
+    """(name, value) pairs as a spec's label writes them: "lam=0.3, sparsity=0.8"."""
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params)
+
+
 @dataclass(frozen=True)
 class Spec:
     """A method, its resolved parameter values and the expert subset: canonical and hashable.
@@ -165,7 +170,7 @@ class Spec:
 
     def arguments(self) -> str:
         """The parameters as ``label`` writes them: "lam=0.3, sparsity=0.8"."""
-        return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.params)
+        return arguments_text(self.params)
 
     def weights_text(self) -> str:
         """The set task and block weights as ``label`` writes them (" w[a=0.5] b[block0=2]"), or ""."""

@@ -119,9 +119,8 @@ class Merges:
 
     def shrink(self) -> None:
         """Over the memory budget: every derived state and Δ, and each preparation but the newest."""
+        self.forget_derived()
         with self.queue:
-            self._derived.clear()
-            self._deltas.clear()
             while len(self._prepared) > 1:
                 self._prepared.popitem(last=False)
 

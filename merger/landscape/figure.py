@@ -83,7 +83,8 @@ def landscape_layers(land: Landscape, plane, surface, metric: str, task: str | N
         heights.update({tr.name: [height(p) for p in tr.points] for tr in paths})
     title = wrapped(f"{label} on {projected['plane_label']} ({surface.split} split)")
     return {"coords": coords, "drawn": drawn, "label": label, "scale": scale, "z": z, "heights": heights,
-            "title": title, "metric": metric, "task": task, "view": view, "xs": surface.xs, "ys": surface.ys}
+            "title": title, "metric": metric, "task": task, "view": view, "xs": surface.xs, "ys": surface.ys,
+            "labels": plots.label_positions(coords, surface.xs, surface.ys, view)}
 
 
 def landscape_figure(land: Landscape, plane, surface, metric: str, task: str | None, points: dict,
@@ -101,7 +102,7 @@ def landscape_figure(land: Landscape, plane, surface, metric: str, task: str | N
     if live is not None and not (lay["xs"][0] <= live[1] <= lay["xs"][-1] and lay["ys"][0] <= live[2] <= lay["ys"][-1]):
         title += "<br><sub>the live merge (★) lies outside the computed grid: the surface there was not measured</sub>"
     return plots.landscape(lay["xs"], lay["ys"], lay["z"], lay["label"], lay["coords"], lay["drawn"], live,
-                           lay["view"], title=title, heights=heights)
+                           lay["view"], title=title, heights=heights, labels=lay["labels"])
 
 
 def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_names: Sequence[str], grid: int,

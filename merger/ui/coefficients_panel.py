@@ -75,13 +75,14 @@ def build_coefficients_panel(ctl) -> dict:
                     "in that block of the image tower. 1 everywhere is the plain method. Data-driven methods "
                     "learn their own coefficients: these sliders apply to static methods; **Start from learned** "
                     "loads what a run learned into them.")
-        tasks = [gr.Slider(lo, hi, value=1.0, step=WEIGHT_STEP, label=f"w · {e}", elem_id=f"w-task-{i}")
-                 for i, e in enumerate(ctl.weight_experts)]
+        labels = ctl.weight_labels()  # the experts' sliders, then the blocks'
+        tasks = [gr.Slider(lo, hi, value=1.0, step=WEIGHT_STEP, label=labels[i], elem_id=f"w-task-{i}")
+                 for i in range(len(ctl.weight_experts))]
         with gr.Row():
             reset = gr.Button("Reset task weights", size="sm")
             learned = gr.Button("Start from learned", size="sm", elem_id="start-learned")
-        blocks = [gr.Slider(lo, hi, value=1.0, step=WEIGHT_STEP, label=f"b · {b}", elem_id=f"w-block-{b}")
-                  for b in ctl.weight_blocks]
+        blocks = [gr.Slider(lo, hi, value=1.0, step=WEIGHT_STEP, label=label, elem_id=f"w-block-{b}")
+                  for b, label in zip(ctl.weight_blocks, labels[len(ctl.weight_experts):])]
         with gr.Row():
             preset = gr.Dropdown(list(PRESETS), value="flat", label="preset to apply to the block sliders",
                                  info="a chooser, not the sliders' state: Apply sets them")

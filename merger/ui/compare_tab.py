@@ -15,10 +15,6 @@ from merger.ui.scheduling import BATCH_EVENT, CancelFlags
 SPLITS_SHOWN = ("live", "val", "test")
 
 
-def _fmt(v) -> str:
-    return f"{v:g}" if isinstance(v, float) else str(v)
-
-
 def featured(names) -> list[str]:
     """The methods ticked by default: the registry's featured ones among ``names``."""
     return [n for n in names if methods.get(n).featured]
@@ -102,7 +98,7 @@ class CompareTab:
     @staticmethod
     def _tuned(rows, names) -> tuple:
         """(table, bars, radar) of the methods tuned so far; the others named as still to come."""
-        table = [[r["method"], (", ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items()) or "-")
+        table = [[r["method"], (r["spec"].arguments() or "-")
                   + (f" (at the grid's edge: {', '.join(r['at_edge'])})" if r["at_edge"] else ""),
                   r["grid_points"], round(100 * r["val_accuracy"], 2), round(100 * r["test_accuracy"], 2),
                   round(100 * r["test_normalized"], 2)] for r in rows]

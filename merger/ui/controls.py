@@ -13,7 +13,7 @@ import gradio as gr
 from merger import methods
 from merger.errors import MergerError, MethodError
 from merger.io.export import pool_reference
-from merger.spec import WEIGHT_RANGE
+from merger.spec import WEIGHT_RANGE, arguments_text
 from merger.ui.ranged import refusal
 from merger.methods import PARAM_NAMES
 from merger.methods.registry import param_record
@@ -56,6 +56,11 @@ def slider_top(method, name: str, num_experts: int) -> float:
     decimals, rounded down (in range), so that the box reads 0.1428 and not 0.14285714285714285;
     a spec reads it as the auto position (``_at_auto``)."""
     return _four_places(method.bounds(name, num_experts)[1])
+
+
+def control_range(method, name: str, num_experts: int) -> tuple[float, float]:
+    """(minimum, maximum) of a parameter's control for this many experts, as the page shows it."""
+    return method.bounds(name, num_experts)[0], slider_top(method, name, num_experts)
 
 
 def _four_places(x: float) -> float:
@@ -168,7 +173,7 @@ class ControlPanel:
             raise MethodError(f"{m.param(exc.param).label or exc.param}: {exc.reason}", param=exc.param,
                               reason=exc.reason) from None
 
-    def control_labels(self) -> list[str]:
+    def weight_labels(self) -> list[str]:
         """The weight sliders' labels, in the order of the values after the parameter controls."""
         return [f"w · {e}" for e in self.weight_experts] + [f"b · {b}" for b in self.weight_blocks]
 
@@ -201,11 +206,10 @@ class ControlPanel:
         for name in PARAM_NAMES:
             if name in m.param_names:
                 p = m.param(name)
-                ranges.append((p.label or name, m.bounds(name, n)[0], slider_top(m, name, n), p.kind != "int",
-                               (p.min_open, p.max_open)))
+                ranges.append((p.label or name, *control_range(m, name, n), p.kind != "int", (p.min_open, p.max_open)))
             else:
                 ranges.append(None)
-        ranges += [(label, *WEIGHT_RANGE, True, (False, False)) for label in self.control_labels()]
+        ranges += [(label, *WEIGHT_RANGE, True, (False, False)) for label in self.weight_labels()]
         for i, (value, limits) in enumerate(zip(values, ranges)):
             if limits is None:
                 continue
@@ -251,7 +255,7 @@ class ControlPanel:
                 updates.append(shown(m, name))
                 continue
             p = m.param(name)
-            lo, hi = m.bounds(name, n)[0], slider_top(m, name, n)
+            lo, hi = control_range(m, name, n)
             value = current.get(name)
             if name not in set_by_person or not _fits(p, value, hi):
                 value = default
@@ -274,8 +278,7 @@ class ControlPanel:
         if found is None:
             return "  \nThis pool's best setting is not known yet: **Auto-tune** (Compare tab) finds it on val."
         row, n = found
-        params = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in json.loads(row["params"]).items())
+        params = arguments_text(json.loads(row["params"]).items())
         return (f"  \nBest on this pool's val split so far: `{params}`, {100 * row['average_accuracy']:.1f} % "
                 f"(of {n} val evaluation{'s' if n != 1 else ''} in the History tab).")
 
@@ -291,7 +294,7 @@ class ControlPanel:
             if name not in limits or name not in m.param_names:
                 updates.append(gr.skip())
                 continue
-            lo, hi = m.bounds(name, n)[0], slider_top(m, name, n)
+            lo, hi = control_range(m, name, n)
             v = values.get(name)
             if v is None or v > hi or (m.param(name).auto and _at_auto(m, name, v, n)):
                 v = hi

@@ -308,10 +308,10 @@ class MergeTabEvents:
         if spec is None or said == spec.method or session.cached(spec) is not None:
             return None
         m = methods.get(spec.method)
-        if m.data_driven or session.prepare_is_slow(spec):
-            return None  # its answer is a message at once (press Run)
-        if not m.slow_prepare or session.is_prepared(spec):
-            return None  # a quick preparation or one apply: the answer replaces what is shown at once
+        # a data-driven method, or a preparation that goes through Run: the answer is a message at
+        # once; a quick preparation, or one apply: it replaces what is shown at once
+        if m.data_driven or session.prepare_is_slow(spec) or not m.slow_prepare or session.is_prepared(spec):
+            return None
         return f"**{m.display_name}**: preparing and merging `{spec.label()}`, then evaluating it on every task…"
 
     def _learned(self, who: str, experts, method, values) -> tuple:
