@@ -11,7 +11,7 @@ Public API (stable)::
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.5.0"
 
 from merger import methods
 from merger.api import evaluate, merge, merge_state_dicts

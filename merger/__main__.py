@@ -1,5 +1,3 @@
-import sys
+from merger.cli import run
 
-from merger.cli import main
-
-sys.exit(main())
+run()

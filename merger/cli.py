@@ -11,7 +11,7 @@ import threading
 from merger import methods, runtime
 from merger.cli_jobs import (POOL_HELP, Parser, add_job_args, add_job_commands, cmd_landscape, new_folders,
                              positive_float, positive_int, progress_bar, user_password)
-from merger.cli_tools import cmd_bench, cmd_cache, cmd_report, cmd_screenshot
+from merger.cli_reports import cmd_cache, cmd_report
 from merger.errors import MergerError
 from merger.methods import PARAM_NAMES
 
@@ -74,6 +74,11 @@ def weights_args(args, record: dict | None = None) -> dict:
 
 
 def cmd_methods(args) -> int:
+    if args.markdown:
+        from merger.catalogue import methods_markdown
+
+        print(methods_markdown(), end="")
+        return 0
     for m in methods.all_methods():
         print(f"{m.name}  ({m.display_name}; {'data-driven' if m.data_driven else 'sliders'})")
         print(f"    paper: {m.paper}")
@@ -164,7 +169,7 @@ def cmd_demo(args) -> int:
             raise MergerError("demo export: give --out DIR (a new or empty folder)")
         pool = export_demo(args.out, args.images)
         print(f"wrote {pool} with its base, experts and image folders: copy and edit them "
-              "(README: Bring your own pool)")
+              "(docs/formats.md)")
         return 0
     if args.action == "build":
         from merger.demo.build import DemoConfig, build
@@ -174,7 +179,7 @@ def cmd_demo(args) -> int:
         print(f"built the demo pool in {out}")
         return 0
     from merger.pool.pool import open_pool
-    from merger.tools.reports import demo_numbers, format_demo_report
+    from merger.reports.demo import demo_numbers, format_demo_report
 
     with progress_bar("demo report") as update:
         numbers = demo_numbers(open_pool(args.pool), split=args.split, progress=update)
@@ -183,11 +188,14 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = Parser(prog="python -m merger", description="Model merging explorer")
+    ap = Parser(prog="merger", description="Model merging explorer (also: python -m merger)")
     ap.add_argument("--debug", action="store_true", help="show a traceback when a command fails")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("methods", help="list the registered merge methods").set_defaults(func=cmd_methods)
+    sub.add_parser("app", help="start the app (merger app --help; the same as merger-app)")
+    p = sub.add_parser("methods", help="list the registered merge methods")
+    p.add_argument("--markdown", action="store_true", help="print the methods page (docs/methods.md) instead")
+    p.set_defaults(func=cmd_methods)
 
     p = sub.add_parser("merge", help="merge a pool's experts and write safetensors + spec YAML")
     p.add_argument("--pool", help='pool YAML (or "demo"); with --spec, the same files opened from there')
@@ -233,23 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_landscape)
     add_job_commands(sub)
 
-    p = sub.add_parser("report", help="measured reports: adaptive (data-driven merges), phenomena (the papers'), "
-                                      "layout (import cycles, method-name literals, module sizes of this code), "
-                                      "coefficients (weight moves), linear (the linear estimate's error), "
-                                      "bf16 (task vectors stored in bf16 against fp32), methods (every method "
-                                      "tuned on validation, on test, with its prepare and move times), precision "
-                                      "(every static merge against its fp64 definition on a random ViT-B-32 pool)")
-    p.add_argument("what", choices=["adaptive", "phenomena", "layout", "coefficients", "linear", "bf16", "methods",
-                                    "precision"])
+    p = sub.add_parser("report", help="measured reports on a pool: methods (every method tuned on validation, "
+                                      "scored on test, with its prepare and move times), adaptive (the "
+                                      "data-driven merges against task arithmetic), linear (the linear "
+                                      "estimate's error), phenomena (the papers' phenomena on the demo pool)")
+    p.add_argument("what", choices=["methods", "adaptive", "linear", "phenomena"])
     p.add_argument("--pool", default="demo", help=POOL_HELP)
-    p.add_argument("--arch", default="ViT-B-32", help="precision: the random pool's architecture")
-    p.add_argument("--experts", type=positive_int, default=8, help="precision: random experts")
-    p.add_argument("--tv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="precision: task-vector storage (auto: bf16 above 1 GB in fp32)")
-    p.add_argument("--methods", default=None, help="precision: a comma-separated subset of methods")
-    p.add_argument("--all-settings", action="store_true",
-                   help="precision: each method's default and two other settings (default: the default)")
-    p.add_argument("--reference", action="store_true", help="precision: the reference routes alone (no drop-ins)")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("cache", help="the disk cache of prepared methods and task vectors: info (entries, size, "
@@ -257,47 +254,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["info", "clear"])
     p.set_defaults(func=cmd_cache)
 
-    p = sub.add_parser("screenshot", help="start the app, drag λ in Chromium, save a screenshot of the Merge tab")
-    p.add_argument("--pool", default="demo", help=POOL_HELP)
-    p.add_argument("--out", default="assets/screenshot-merge.png")
-    p.set_defaults(func=cmd_screenshot)
-
-    p = sub.add_parser("bench", help="benchmarks (medians and ratios in one run)")
-    p.add_argument("what", choices=["merge", "accel", "live", "browser", "workshop", "api", "landscape", "scale",
-                                    "load", "attacks", "open", "cluster", "soak"],
-                   help="merge: prepare/apply per method on ViT-B-32; accel: each speed-up piece off and on "
-                        "(what it speeds, the ratio, the difference); live: the Merge tab's listener per move "
-                        "(time, forwards, applies); browser: Chromium slider → shown result; workshop: 10 clients "
-                        "drag while browsers run batch jobs; api: the evaluate endpoint through gradio_client; "
-                        "scale: ViT-B-32 pool (first partial answer); open: a ViT-B-32 pool from files, cold and warm "
-                        "(disk cache); cluster: a sweep and a landscape here and on a local Ray instance "
-                        "(--clients workers, 2); attacks: the bad-input catalogue; soak: an hour of a workshop "
-                        "compressed (Chromium rounds and 2,000 HTTP calls), the server's memory sampled")
-    p.add_argument("--jobs", default="sweep,autotune", help="workshop: batch jobs (sweep, autotune, landscape)")
-    p.add_argument("--url", default=None, help="api / load: a running app to target (default: start one)")
-    p.add_argument("--auth", type=user_password, default=None,
-                   help="api / load: user:password of a --url app started with --auth")
-    p.add_argument("--grid", type=positive_int, default=21, help="landscape: grid points per side")
-    p.add_argument("--clients", type=positive_int, default=None,
-                   help="load (20) / workshop (10): concurrent clients")
-    p.add_argument("--arch", default="ViT-B-32")
-    p.add_argument("--pool", default="demo", help=POOL_HELP)
-    p.add_argument("--experts", type=positive_int, default=8)
-    p.add_argument("--tv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="merge/scale: task-vector storage (auto: bf16 above 1 GB in fp32)")
-    p.add_argument("--repeats", type=positive_int, default=None,
-                   help="merge: preparations timed per method, each in a fresh session; the median shown (1)")
-    p.add_argument("--moves", type=positive_int, default=None,
-                   help="live / api / scale: distinct λ values per method; load: moves per client (50)")
-    p.add_argument("--images", type=positive_int, default=None,
-                   help="scale: synthetic images per task (128); open: test images per task (32)")
-    p.add_argument("--device", default="cpu", help="scale: cpu or cuda")
-    p.add_argument("--naive", type=int, default=30, help="live: how many of them to repeat naively")
-    p.add_argument("--methods", default=None, help="comma-separated subset of methods")
-    p.add_argument("--rounds", type=positive_int, default=None, help="soak: rounds of a person in Chromium (12)")
-    p.add_argument("--calls", type=positive_int, default=None, help="soak: evaluate calls over HTTP (2000)")
-    p.add_argument("--memory-gb", type=positive_float, default=None, help="soak: the server's --memory-gb (its default)")
-    p.set_defaults(func=cmd_bench)
     for command in sub.choices.values():  # --debug also after the command's name
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help="show a traceback when the command fails")
@@ -312,12 +268,19 @@ def _terminated(signum, frame):
     raise Terminated
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
     """Exit 0 on success; 2 and one line on stderr for bad input (a MergerError names the file,
     key or parameter); 1 and one line for an operation that failed (a disk, a bug); 130 for Ctrl+C
     and 143 for SIGTERM, as a shell counts them (one line: interrupted); 141, quietly, when the
-    reader of the output went away (``| head``). ``--debug`` shows the traceback instead."""
-    args = build_parser().parse_args(argv)
+    reader of the output went away (``| head``). ``--debug`` shows the traceback instead.
+    ``merger app ...`` is the app's own command line (merger/serve.py); ``parser``: another command
+    line run the same way (devtools/cli.py)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if parser is None and argv[:1] == ["app"]:
+        from merger.serve import main as serve
+
+        return serve(argv[1:], prog="merger app")
+    args = (parser or build_parser()).parse_args(argv)
     runtime.configure()
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -328,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def run() -> None:
+    """The ``merger`` command."""
+    sys.exit(main())
 
 
 def _run(args) -> int:

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from merger.errors import MergerError
 
-RAY_PIN = "ray==2.52.1"  # as requirements.txt
+RAY_PIN = "ray>=2.52"  # as the cluster extra in pyproject.toml
 RETRIES = 3  # a worker restarted, and its unfinished tasks retried, this often: a point that kills every
 # worker it meets (out of memory) then reaches the user as an error instead of looping
 START_S = 300  # the workers must have opened the pool by then (a cluster without the resources asked waits)
@@ -26,8 +26,8 @@ def _ray():
     try:
         import ray
     except ImportError:
-        raise MergerError(f"--ray: the ray package is not installed here (pip install '{RAY_PIN}'); "
-                          "leave --ray out to run locally") from None
+        raise MergerError(f"--ray: the ray package is not installed here (pip install '{RAY_PIN}', the cluster "
+                          "extra); leave --ray out to run locally") from None
     return ray
 
 
@@ -45,7 +45,7 @@ def connect(address: str, num_cpus: int | None = None) -> None:
     # Ray's notice about a future default for GPU visibility: nothing the user can act on here
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"ray(\.|$)")
     if address not in ("auto", "local"):
-        _reachable(address)
+        check_reachable(address)
     try:
         if address == "local":
             # address="local": a new instance, never one that RAY_ADDRESS or a running head names
@@ -61,7 +61,7 @@ def connect(address: str, num_cpus: int | None = None) -> None:
 HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # preface, SETTINGS
 
 
-def _reachable(address: str, timeout_s: float = 5.0) -> None:
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """A host:port (or ray://host:port) that accepts a TCP connection and answers as a gRPC server
     does (Ray's GCS and its client server are: an HTTP/2 SETTINGS frame first), within ``timeout_s``:
     Ray itself kept retrying an unreachable address, or one where something else listens, for minutes."""

@@ -1,7 +1,7 @@
 """The field's reference lines for real pools: the pre-trained and fine-tuned averages per
 architecture (8 tasks: SUN397, Cars, RESISC45, EuroSAT, SVHN, GTSRB, MNIST, DTD), and each
 method's published number, which its registry record carries (``Method.published``). Sources:
-the papers' own repositories, summarised in shared/papers/anchors-peer-projects.md."""
+the papers' own repositories, each named beside its number."""
 from __future__ import annotations
 
 from merger import methods

@@ -7,6 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ["MERGER_CACHE_DIR"] = tempfile.mkdtemp(prefix="merger-test-cache-")  # no stale heads
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools/, which is not installed
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,6 +1,6 @@
 """The tests' small random pools: they live in the package (merger.testing), shared with the
 benchmarks and the bad-input catalogue."""
-from merger.tools.testing import TINY_CONFIG, base_and_experts, demo_config, tiny_model, write_pool  # noqa: F401
+from devtools.testing import TINY_CONFIG, base_and_experts, demo_config, tiny_model, write_pool  # noqa: F401
 
 
 def controls(ctl, method="task_arithmetic", experts=None, **values):

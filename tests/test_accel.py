@@ -11,7 +11,7 @@ import torch
 from merger.accel import drop_ins, reference_only, references_asked
 from merger.accel.registry import accelerable, drop_in
 from merger.methods import cart, entries, iso, spectral, ties
-from merger.tools.testing import VIT_B32_BLOCK, realistic_task_vectors
+from devtools.testing import VIT_B32_BLOCK, realistic_task_vectors
 
 IN_PROJ, OUT_PROJ, C_FC, C_PROJ, BIAS = VIT_B32_BLOCK
 

@@ -2,7 +2,7 @@
 file, key and reason, or answered correctly; no raw exception, no hang."""
 import pytest
 
-from merger.tools import attacks, attacks_run
+from devtools import attacks, attacks_run
 
 
 @pytest.mark.parametrize("case", attacks.CASES, ids=[c.name for c in attacks.CASES])

@@ -1,11 +1,11 @@
-"""Task vectors stored in bf16 (issue 18, part 3): merged weights within the rounding bound of fp32,
+"""Task vectors stored in bf16: merged weights within the rounding bound of fp32,
 and the accuracy each static method loses to it."""
 import torch
 
 from merger.evaluation.session import PoolSession
 from merger.pool.pool import open_pool
-from merger.tools.report_bf16 import ROUNDING, bf16_rows
-from merger.tools.testing import write_pool
+from devtools.report_bf16 import ROUNDING, bf16_rows
+from devtools.testing import write_pool
 
 
 def test_weighted_sums_stay_within_the_bf16_rounding_bound(tmp_path):

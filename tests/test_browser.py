@@ -6,7 +6,7 @@ import pytest
 from helpers import write_pool
 
 import merger
-from merger.tools import browser
+from devtools import browser
 
 REQUIRED = os.environ.get("MERGER_REQUIRE_BROWSER") == "1"  # set by .ci/run: no skipping in CI
 

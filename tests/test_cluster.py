@@ -1,4 +1,4 @@
-"""Sweeps, auto-tune and landscapes on a local Ray instance (issue 8/8): the same results as the
+"""Sweeps, auto-tune and landscapes on a local Ray instance: the same results as the
 local path, a killed worker's tasks retried with nothing lost or doubled in the history, a resumed
 job skipping what the history holds, and clear messages when Ray is absent or unreachable. Ray runs
 in this process with 2 CPUs, no dashboard and no usage stats: nothing leaves the machine."""
@@ -101,11 +101,11 @@ def test_ray_absent_or_unreachable_is_said_with_the_address(pool, monkeypatch):
     from merger import cluster as cluster_module
 
     with pytest.raises(MergerError, match=r"--ray 127.0.0.1:1: no Ray cluster could be reached there"):
-        cluster_module._reachable("127.0.0.1:1")
+        cluster_module.check_reachable("127.0.0.1:1")
     with pytest.raises(MergerError, match="expected auto, local, host:port"):
-        cluster_module._reachable("nowhere")
+        cluster_module.check_reachable("nowhere")
     monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
-    with pytest.raises(MergerError, match=r"the ray package is not installed here \(pip install 'ray=="):
+    with pytest.raises(MergerError, match=r"the ray package is not installed here \(pip install 'ray>="):
         cluster_module.connect("local")
 
 
@@ -134,8 +134,8 @@ def test_an_address_where_something_else_listens_is_refused_at_once_and_rays_own
         address = serve(answer)
         with pytest.raises(MergerError, match=f"--ray {address}: something listens there, but it does not answer "
                                               "as Ray does"):
-            cluster_module._reachable(address, timeout_s=1.0)
-    cluster_module._reachable(ray.get_runtime_context().gcs_address)  # the running instance's own address
+            cluster_module.check_reachable(address, timeout_s=1.0)
+    cluster_module.check_reachable(ray.get_runtime_context().gcs_address)  # the running instance's own address
 
 
 def test_more_workers_than_the_cluster_can_run_are_refused_in_one_line(pool, cluster):

@@ -1,4 +1,4 @@
-"""Per-task and per-block weights (issue 5/8): formulas against independent computations, the
+"""Per-task and per-block weights: formulas against independent computations, the
 plain method bit for bit at all-ones, mergekit's weighted TIES, round trips and bad input."""
 import re
 

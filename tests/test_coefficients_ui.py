@@ -1,4 +1,4 @@
-"""The coefficients panel and the Trade-offs tab as their callbacks run (issue 5/8): a weight
+"""The coefficients panel and the Trade-offs tab as their callbacks run: a weight
 slider's move costs what a λ move costs, presets, start from learned, reload, the tab's views."""
 from types import SimpleNamespace
 

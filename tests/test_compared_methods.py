@@ -1,4 +1,4 @@
-"""The methods people compare against (issue 7/8): each against a direct implementation of its
+"""The methods people compare against: each against a direct implementation of its
 formula on small random state dicts, the identities between them, and their bad input."""
 import math
 import re
@@ -289,7 +289,7 @@ def test_regmean_solves_in_full_weights(world, alpha):
 
 
 def test_gram_recorder_sees_each_matrix_input(world):
-    from merger.tools.testing import tiny_model
+    from devtools.testing import tiny_model
 
     model = tiny_model().visual
     keys = [k for k in world[2] if is_matrix(k, world[0][k].shape)]

@@ -1,4 +1,4 @@
-"""The GPU path against the CPU path (issue 6/8, part 5): every method merges on a CUDA pool to what
+"""The GPU path against the CPU path: every method merges on a CUDA pool to what
 it merges on the CPU, evaluation under bf16 autocast stays near the fp32 CPU answer, data-driven
 runs train there, and an export from a CUDA pool is written. Skipped where CUDA is absent (CI);
 run on a GPU machine with ``pytest tests/test_cuda.py``."""

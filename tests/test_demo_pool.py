@@ -2,7 +2,7 @@
 built from scratch here, meets the demo's targets."""
 
 import merger
-from merger.tools.reports import demo_numbers, demo_targets
+from merger.reports.demo import demo_numbers, demo_targets
 
 
 def test_shipped_demo_pool_opens_and_evaluates():

@@ -1,4 +1,4 @@
-"""The disk cache of prepared methods and task-vector stacks (issue 18): a hit on reopen, a miss
+"""The disk cache of prepared methods and task-vector stacks: a hit on reopen, a miss
 after any file changes, corrupt entries refused and rebuilt, the size cap, `cache info|clear`."""
 import logging
 import os
@@ -13,7 +13,7 @@ from merger.evaluation.session import PoolSession
 from merger.io import disk_cache
 from merger.io.checkpoints import load_state_dict, save_safetensors
 from merger.pool.pool import open_pool
-from merger.tools.testing import write_pool
+from devtools.testing import write_pool
 
 
 @pytest.fixture

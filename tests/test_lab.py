@@ -5,6 +5,7 @@ from helpers import write_pool
 
 import merger
 from merger.analysis import lab
+from merger.ui import lab_tab
 from merger.errors import MergerError
 
 
@@ -158,7 +159,7 @@ def test_cancel_stops_a_lab_run_and_adds_nothing(ex):
     assert msg[0].startswith("Cancelled") and ex.pool.tasks == before
 
 
-def test_refused_lab_settings_say_why_in_the_status_and_keep_the_plots(ex):
+def test_refused_lab_settings_say_why_in_the_status_and_keep_the_plots(ex, monkeypatch):
     from types import SimpleNamespace
 
     import gradio as gr
@@ -174,13 +175,13 @@ def test_refused_lab_settings_say_why_in_the_status_and_keep_the_plots(ex):
     assert status.startswith("⚠️") and "learning rate -1.0" in status and choices == [gr.skip()] * 2
     # a taken or bad name is refused before the fine-tune (it was refused after its minutes of training)
     trained = []
-    lc._train = lambda *a, **k: trained.append(1)
+    monkeypatch.setattr(lab_tab, "finetune", lambda *a, **k: trained.append(1))
     for name, message in ((ex.pool.tasks[0], "already exists"), ("bad name!", "use 1-40 letters")):
         status, *_ = lc.run(request, ex.pool.tasks[0], name, 1e-3, 1, 64, 1.0, 0, "adamw", 0.9, 0.1, "cosine",
                             progress=lambda f, desc=None: None)
         assert status.startswith("⚠️ lab:") and message in status
     assert trained == []
-    del lc._train
+    monkeypatch.undo()
     for values, message in (("0.001, abc", "'0.001, abc': not comma-separated numbers"),
                             ("0.001, nan", "every value must be a finite number")):
         *plots, status = lc.scaling(request, "lr", values, 1e-3, 1, 64, 1.0, 0, "adamw", 0.9, 0.1, "cosine",

@@ -1,4 +1,4 @@
-"""The linear estimate (issue 18, part 4): f(θ0 + Σ wₜτₜ) ≈ f(θ0) + Σ wₜ (f(θt) − f(θ0)) per image,
+"""The linear estimate: f(θ0 + Σ wₜτₜ) ≈ f(θ0) + Σ wₜ (f(θt) − f(θ0)) per image,
 from T + 1 forwards kept in memory and on disk; shown first on a slow pool, never stored as a result."""
 from types import SimpleNamespace
 
@@ -10,7 +10,7 @@ from merger.errors import MergerError
 from merger.evaluation.session import PoolSession
 from merger.io import disk_cache
 from merger.pool.pool import open_pool
-from merger.tools.testing import write_pool
+from devtools.testing import write_pool
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def make_tower_linear(session):
     """Replace the image tower by x ↦ x[:, :d] @ proj, linear in one merged weight (visual.proj)."""
     ev = session.evaluator
     proj = ev.model.visual.proj
-    ev._encode = lambda x: x.flatten(1)[:, : proj.shape[0]] @ proj
+    ev.encode = lambda x: x.flatten(1)[:, : proj.shape[0]] @ proj
 
 
 def test_exact_for_a_model_linear_in_its_weights(tmp_path):
@@ -130,7 +130,7 @@ def test_the_forwards_are_kept_on_disk_and_a_second_open_makes_none(tmp_path, mo
     again = second.linear.estimate(second.spec("task_arithmetic", lam=0.4))
     assert second.base().accuracy == first.base().accuracy
     assert again.accuracy == est.accuracy and again.loss == est.loss
-    assert second._evaluator.forwards == 0  # no forward at all: base, estimate and references from disk
+    assert second.evaluator.forwards == 0  # no forward at all: base, estimate and references from disk
 
     # other images (here the first image of the split changed) must not find the old features
     third = PoolSession(open_pool(path))
@@ -140,5 +140,5 @@ def test_the_forwards_are_kept_on_disk_and_a_second_open_makes_none(tmp_path, mo
     fourth = PoolSession(open_pool(path))
     assert fourth.linear.missing(fourth.tasks) == []
     fourth.pool.architecture = {**fourth.pool.architecture, "note": "another model"}
-    fourth.linear._features.clear()
+    fourth.linear.forget_features()
     assert fourth.linear.missing(fourth.tasks) == ["", *fourth.tasks]

@@ -1,4 +1,4 @@
-"""Live as a person feels it (issue 3/8): one move = at most one merge and one forward, previews
+"""Live as a person feels it: one move = at most one merge and one forward, previews
 before batch work, superseded moves dropped, progressive answers on slow pools, one owner of state.
 Everything here is counted or ordered by events, never timed."""
 import threading
@@ -159,12 +159,12 @@ def test_progressive_answer_partial_then_complete(tmp_path):
 
     ev = session.evaluator
     batches = []
-    encode = ev._encode
-    ev._encode = lambda x: batches.append(x.shape[0]) or encode(x)
+    encode = ev.encode
+    ev.encode = lambda x: batches.append(x.shape[0]) or encode(x)
     try:
         frames = list(MergeTabEvents(c, "task_arithmetic").move(person(), None, *controls(c, lam=0.35)))
     finally:
-        del ev._encode
+        del ev.encode
     assert len(frames) == 3  # partial, then the complete numbers, then their figures
     assert "partial" in frames[0][3] and f"{n} images per task" in frames[0][3]
     assert "partial" not in frames[1][3] and "96 images per task" in frames[1][3]
@@ -461,13 +461,13 @@ def test_every_forward_runs_on_the_one_model_thread_whoever_calls(ctl, monkeypat
     from merger.evaluation.evaluator import Evaluator
 
     seen = []
-    encode = Evaluator._encode
+    encode = Evaluator.encode
 
     def recording(self, x):
         seen.append(threading.get_ident())
         return encode(self, x)
 
-    monkeypatch.setattr(Evaluator, "_encode", recording)
+    monkeypatch.setattr(Evaluator, "encode", recording)
     callers = [threading.Thread(target=ctl.session.preview,
                                 args=(ctl.session.spec("task_arithmetic", lam=0.05 * i),)) for i in (27, 29, 31)]
     for t in callers:
@@ -503,10 +503,10 @@ def test_the_derived_states_kept_shrink_with_the_size_of_a_merge(tmp_path):
     session = ui_controller(tmp_path).session
     for p in (0.5, 0.6, 0.7, 0.8, 0.9):
         session.merges.delta(session.spec("ties", lam=0.5, sparsity=p))
-    assert len(session.merges._derived) == 4
+    assert session.merges.kept()["derived"] == 4
     session.merges.derived_bytes = 4 * session.pool.task_vectors.numel()  # one Δ's worth
     session.merges.delta(session.spec("ties", lam=0.5, sparsity=0.55))
-    assert len(session.merges._derived) == 1
+    assert session.merges.kept()["derived"] == 1
 
 
 def test_a_move_frees_the_oldest_delta_before_it_computes_its_own(tmp_path, monkeypatch):
@@ -533,7 +533,7 @@ def test_a_move_frees_the_oldest_delta_before_it_computes_its_own(tmp_path, monk
     monkeypatch.setattr(merger.methods, "get", lambda name: watched if name == method.name else registered(name))
     merges.delta(session.spec("task_arithmetic", lam=0.3))
     assert seen == {"first": False, "second": True}
-    assert len(merges._deltas) == merges.delta_size == 2
+    assert merges.kept()["deltas"] == merges.delta_size == 2
 
 
 def test_a_split_is_read_before_its_first_evaluation_takes_the_model(tmp_path):
@@ -542,14 +542,14 @@ def test_a_split_is_read_before_its_first_evaluation_takes_the_model(tmp_path):
     c = ui_controller(tmp_path)
     session = c.session
     read = threading.Event()
-    original = session.evaluator._read
+    original = session.evaluator.read_split
 
     def reading(split):
         out = original(split)
         read.set()
         return out
 
-    session.evaluator._read = reading
+    session.evaluator.read_split = reading
     result = {}
     with session.batch(), session.queue:  # another job holds the model
         worker = threading.Thread(target=lambda: result.update(r=session.preview(session.spec("task_arithmetic"), "val")))
@@ -563,7 +563,7 @@ def test_a_split_is_read_before_its_first_evaluation_takes_the_model(tmp_path):
 def test_bench_scale_moves_every_static_method_through_distinct_settings(ctl, name):
     """``bench scale`` moves each method's first slider (or an expert's weight where it has none):
     distinct, valid settings (weight averaging and SLERP once broke a GPU run)."""
-    from merger.tools.bench_scale import move_specs
+    from devtools.bench_scale import move_specs
 
     specs = move_specs(ctl.session, name, 12)
     assert len({s.snap() for s in specs}) == 12
@@ -605,7 +605,7 @@ def test_a_progressive_answer_on_tasks_with_their_own_images_forwards_each_image
     assert done.loss == pytest.approx(ref.loss, rel=1e-5) and again.counts == ref.counts
     for m in (3, 4):  # partial answers of other sizes: one pair of windows kept beside the whole
         progressive.partial(progressive.spec("task_arithmetic", lam=0.6), m)
-    assert {w for s, w in progressive.evaluator._whole if s == "live"} == {(0, None), (0, 4)}
+    assert progressive.evaluator.batches_kept("live") == {(0, None), (0, 4)}
     for bad, why in ((0, "0 is out of range"), (-1, "-1 is out of range"), (2.5, "expected a whole number .* got 2.5"),
                      (True, "expected a whole number .* got True")):
         with pytest.raises(merger.MergerError, match=f"partial: images per task: {why}"):

@@ -1,4 +1,4 @@
-"""Every static method against its formula (METHODS.md), and the identities between them."""
+"""Every static method against its formula (docs/methods.md), and the identities between them."""
 import math
 
 import pytest

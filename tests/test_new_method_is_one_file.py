@@ -1,4 +1,4 @@
-"""A new method is one file (issue 4/8): a copy of the package plus one file in methods/, with a
+"""A new method is one file: a copy of the package plus one file in methods/, with a
 parameter no other method has, reaches the CLI, the endpoint, the Merge tab's controls, auto-tune,
 sweeps, the registry's effective weights and the spec YAML, with no other edit."""
 import shutil

@@ -180,12 +180,14 @@ def test_bad_device_history_and_landscape_task_are_named_before_any_work(pool_pa
                           f"{tmp_path}, {tmp_path / 'nope'}"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and f"error: --roots: {tmp_path / 'nope'}: not a folder" in res.stderr
     # counts are whole numbers ≥ 1, refused by argparse with the flag's name
-    for argv, message in ((["bench", "load", "--clients", "-1"], "argument --clients: '-1' is not a whole number ≥ 1"),
-                          (["tune", "--weights", "ta", "--budget", "0"], "argument --budget: '0'"),
-                          (["bench", "workshop", "--jobs", "sweep,bogus"], "error: --jobs 'sweep,bogus': unknown bogus"),
-                          (["tune", "--pool", str(pool_path), "--weights", "ta", "--budget", "3", "--seed", "-1",
-                            "--history", ""], "argument --seed: '-1' is not a whole number ≥ 0")):
-        res = subprocess.run([sys.executable, "-m", "merger", *argv], capture_output=True, text=True, timeout=300,
+    for argv, message in ((["devtools", "bench", "load", "--clients", "-1"],
+                           "argument --clients: '-1' is not a whole number ≥ 1"),
+                          (["merger", "tune", "--weights", "ta", "--budget", "0"], "argument --budget: '0'"),
+                          (["devtools", "bench", "workshop", "--jobs", "sweep,bogus"],
+                           "error: --jobs 'sweep,bogus': unknown bogus"),
+                          (["merger", "tune", "--pool", str(pool_path), "--weights", "ta", "--budget", "3", "--seed",
+                            "-1", "--history", ""], "argument --seed: '-1' is not a whole number ≥ 0")):
+        res = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=300,
                              cwd=Path(APP).parent)
         assert res.returncode == 2 and message in res.stderr, res.stderr
 
@@ -397,15 +399,13 @@ def test_an_output_in_a_folder_that_does_not_exist_says_it_creates_it(pool_path,
     assert "note:" not in capsys.readouterr().err  # it exists now
 
 
-def test_a_broken_pipe_other_than_the_output_is_a_failed_operation(capsys):
+def test_a_broken_pipe_other_than_the_output_is_a_failed_operation(capsys, monkeypatch):
     """Only the output's reader going away is quiet (141); a socket or a worker's pipe breaking is a
     failed operation, said in one line."""
     from merger import cli
 
-    args = cli.build_parser().parse_args(["methods"])
-
     def broken(_):
         raise BrokenPipeError(32, "Broken pipe")
 
-    args.func = broken
-    assert cli._run(args) == 1 and "error: methods failed: BrokenPipeError" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "cmd_methods", broken)
+    assert cli.main(["methods"]) == 1 and "error: methods failed: BrokenPipeError" in capsys.readouterr().err

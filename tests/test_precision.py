@@ -1,5 +1,5 @@
-"""The precision contract (METHODS.md): every static merge within 1e-4 relative Frobenius error per
-matrix of an fp64 evaluation of its definition (merger/tools/definitions.py, written apart from the
+"""The precision contract (docs/precision.md): every static merge within 1e-4 relative Frobenius error per
+matrix of an fp64 evaluation of its definition (devtools/definitions.py, written apart from the
 methods), on ViT-B/32's matrix shapes (2304 × 768, 768 × 768, 3072 × 768, 768 × 3072) with T = 3 and
 T = 8, task vectors stored in fp32 and in bf16, each at its default and two other settings. The
 merges run as the app runs them (drop-ins included); tests/test_accel.py holds each drop-in to its
@@ -7,8 +7,8 @@ reference."""
 import pytest
 import torch
 
-from merger.tools.definitions import DEFINITIONS, relative_errors
-from merger.tools.testing import VIT_B32_BLOCK, realistic_task_vectors
+from devtools.definitions import DEFINITIONS, relative_errors
+from devtools.testing import VIT_B32_BLOCK, realistic_task_vectors
 
 CONTRACT = 1e-4
 IN_PROJ, OUT_PROJ, C_FC, C_PROJ, BIAS = VIT_B32_BLOCK

@@ -19,7 +19,7 @@ from merger.io import disk_cache
 from merger.io.checkpoints import load_state_dict, save_safetensors
 from merger.io.private import why_not_private
 from merger.pool.pool import open_pool
-from merger.tools.testing import write_pool
+from devtools.testing import write_pool
 
 POSIX_ROOT = hasattr(os, "getuid") and os.getuid() == 0  # chown to another user needs root
 NOBODY = 65534

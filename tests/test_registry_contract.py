@@ -1,4 +1,4 @@
-"""Every registered method reaches every surface through the registry alone (issue 4/8): the
+"""Every registered method reaches every surface through the registry alone: the
 Merge tab's controls, CLI flags, the evaluate endpoint, auto-tune, sweeps, effective weights,
 determinism and the spec YAML. Model Stock against its formula."""
 import inspect

@@ -3,8 +3,8 @@ import pytest
 from helpers import write_pool
 
 import merger
-from merger.tools.phenomena import bell_at_low_rank, full_rank_through_the_arithmetic, rises_then_falls
-from merger.tools.reports import TA_GRID, demo_numbers
+from merger.reports.phenomena import bell_at_low_rank, full_rank_through_the_arithmetic, rises_then_falls
+from merger.reports.demo import TA_GRID, demo_numbers
 
 
 @pytest.mark.parametrize("curve, expected", [
@@ -44,7 +44,7 @@ def test_demo_report_picks_lambda_on_validation(pool):
 
 
 def test_methods_report_tunes_on_validation_and_times_each_method(pool):
-    from merger.tools.report_methods import format_methods, method_rows
+    from merger.reports.methods import format_methods, method_rows
 
     rows = method_rows(pool, ["task_arithmetic", "magmax", "slerp", "regmean"], progress=None)
     by = {r["method"]: r for r in rows}
@@ -63,7 +63,7 @@ def test_methods_report_tunes_on_validation_and_times_each_method(pool):
 
 
 def test_the_adaptive_report_prints_each_methods_whole_settings():
-    from merger.tools.reports import format_adaptive
+    from merger.reports.adaptive import format_adaptive
 
     long = "adamerging_cart (init=1, lr=0.001, rank_ratio=0.08, samples=64, seed=0, steps=300, extra=1)"
     text = format_adaptive([{"method": "task_arithmetic (lam=0.3)", "test": 0.8, "normalized": 0.9, "seconds": 1.0},

@@ -32,11 +32,6 @@ def wait_until(condition, seconds: float = 10) -> bool:
     return False
 
 
-def followers(work, key) -> int:
-    job = work._jobs.get(key)
-    return 0 if job is None else len(job._callers)
-
-
 def stepped_work(release: threading.Event, started: threading.Event, computed: list, steps: int = 50):
     """A work of ``steps`` checks: two curve points said at once, then one step per 10 ms once released."""
     def compute(progress, cancel):
@@ -58,7 +53,7 @@ def two_callers(work, compute, started, cancel_a=None, cancel_b=None):
     a, box_a = in_thread(lambda: work.get("k", compute, cancel=cancel_a))
     assert started.wait(10)
     b, box_b = in_thread(lambda: work.get("k", compute, cancel=cancel_b))
-    assert wait_until(lambda: followers(work, "k") == 2)
+    assert wait_until(lambda: work.followers("k") == 2)
     return a, box_a, b, box_b
 
 
@@ -75,7 +70,7 @@ def leader_and_follower(work, error: BaseException):
     a, box_a = in_thread(lambda: work.get("k", failing))
     assert started.wait(10)
     b, box_b = in_thread(lambda: work.get("k", failing))
-    assert wait_until(lambda: followers(work, "k") == 2)
+    assert wait_until(lambda: work.followers("k") == 2)
     release.set()
     a.join(10), b.join(10)
     return box_a, box_b, computed
@@ -89,7 +84,7 @@ def test_callers_of_the_same_key_follow_one_computation_and_get_its_curve_so_far
     assert started.wait(10) and work.running("k")
     b, box_b = in_thread(lambda: work.get("k", compute, lambda *c: seen_b.append(c)))
     assert wait_until(lambda: len(seen_b) >= 2)  # b has joined: it got the curve so far
-    assert followers(work, "k") == 2 and seen_b[:2] == [(1 / 50, "step 1", 0.0), (2 / 50, "step 2", 1.0)]
+    assert work.followers("k") == 2 and seen_b[:2] == [(1 / 50, "step 1", 0.0), (2 / 50, "step 2", 1.0)]
     release.set()
     a.join(10), b.join(10)
     assert computed == [1] and box_a["value"] is box_b["value"] and box_a["value"].steps == 50
@@ -201,9 +196,9 @@ def test_a_follower_who_cancelled_leaves_as_soon_as_another_caller_follows_again
     a, box_a = in_thread(lambda: work.get("k", compute, cancel=lead_stop.is_set))
     assert started.wait(10)
     b, box_b = in_thread(lambda: work.get("k", compute, cancel=b_stop.is_set))
-    assert wait_until(lambda: followers(work, "k") == 2)
+    assert wait_until(lambda: work.followers("k") == 2)
     lead_stop.set(), b_stop.set()  # both cancel: b leaves and waits for the outcome
-    assert wait_until(lambda: followers(work, "k") == 1)
+    assert wait_until(lambda: work.followers("k") == 1)
     c, box_c = in_thread(lambda: work.get("k", compute))  # someone wants it again before the check
     b.join(5)
     assert not b.is_alive() and isinstance(box_b["error"], Unfollowed)

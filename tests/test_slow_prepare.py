@@ -107,14 +107,14 @@ def test_a_preparation_under_way_is_named_and_a_second_caller_follows_it(ctl, mo
     experts = ctl.pool.tasks[:2]
     spec = ctl.session.spec("tsv_m", experts=experts)
     started, release = threading.Event(), threading.Event()
-    compute = ctl.session.merges._compute
+    compute = ctl.session.merges.compute
 
     def held(*args):  # held before its first step (a progress callback would hold the job's lock)
         started.set()
         release.wait(30)
         return compute(*args)
 
-    monkeypatch.setattr(ctl.session.merges, "_compute", held)
+    monkeypatch.setattr(ctl.session.merges, "compute", held)
     first_cancels = threading.Event()
     first = threading.Thread(target=ctl.session.prepare, args=(spec, None, first_cancels.is_set))
     first.start()
@@ -124,12 +124,11 @@ def test_a_preparation_under_way_is_named_and_a_second_caller_follows_it(ctl, mo
     assert not ctl.session.goes_on_after_cancel(spec, first_cancels.is_set)
     second = threading.Thread(target=ctl.session.prepare, args=(spec,))
     second.start()
-    jobs = ctl.session.merges._preparing._jobs
     for _ in range(1000):  # the second caller has joined the first one's work
-        if any(len(job._callers) == 2 for job in list(jobs.values())):
+        if ctl.session.followers(spec) == 2:
             break
         threading.Event().wait(0.01)
-    assert any(len(job._callers) == 2 for job in list(jobs.values()))
+    assert ctl.session.followers(spec) == 2
     assert ctl.session.goes_on_after_cancel(spec, first_cancels.is_set)  # it goes on for the second: the first page says so
     release.set()
     first.join(30), second.join(30)

@@ -2,6 +2,7 @@
 import csv
 import os
 import re
+import sqlite3
 import time
 
 import gradio as gr
@@ -314,9 +315,8 @@ def test_history_records_filters_reloads_and_exports(ctl, tmp_path, monkeypatch)
     # does not offer, and every later event of the page failed)
     gone = ctl.session.spec("task_arithmetic", lam=0.3)
     ctl.history.record("elsewhere", gone, ctl.session.preview(gone))
-    with ctl.history._lock:
-        ctl.history._db.execute("UPDATE evaluations SET experts = ? WHERE pool = 'elsewhere'",
-                                (",".join([*ctl.pool.tasks[:1], "gd2"]),))
+    with sqlite3.connect(ctl.history.path) as db:  # as another program would edit the file
+        db.execute("UPDATE evaluations SET experts = ? WHERE pool = 'elsewhere'", (",".join([*ctl.pool.tasks[:1], "gd2"]),))
     gone_id = ctl.history.rows(pool="elsewhere")[0]["id"]
     with pytest.raises(gr.Error, match=f"history: row {gone_id} merges gd2, not an expert of this pool now"):
         ctl.reload(gone_id)
@@ -480,7 +480,7 @@ def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
     two = ctl.pool.tasks[:2]
     inputs = with_weights(ctl, controls(ctl, experts=two, lam=0.3), {two[0]: 1.5})
     spec = ctl.spec_from_controls(*inputs).snap()
-    (path,), problems = lc._paths(["λ path (current method)"], spec.method, spec.kwargs, spec)
+    (path,), problems = lc.paths(["λ path (current method)"], spec.method, spec.kwargs, spec)
     assert not problems and path.steps[3] == 0.3
     assert torch.equal(path.points[3], lc.land.spec_point(spec))
 
@@ -520,13 +520,12 @@ def test_two_pages_pressing_run_on_the_same_settings_share_one_run(ctl, monkeypa
 
     session = ctl.session
     computed, seen = [], {}
-    compute_run = session._compute_run
+    compute_run = session.compute_run
 
-    def counted(*args):  # the run starts once both pages follow it (it takes 0.6 s: B came later)
+    def counted(m, key, *args):  # the run starts once both pages follow it (it takes 0.6 s: B came later)
         computed.append(1)
-        job = next(iter(session._running._jobs.values()))
         for _ in range(1000):
-            if len(job._callers) == 2:
+            if session.followers(key) == 2:
                 break
             time.sleep(0.01)
         seen["under way"] = runs.under_way()  # what a page loaded now says
@@ -534,9 +533,9 @@ def test_two_pages_pressing_run_on_the_same_settings_share_one_run(ctl, monkeypa
             ctl.run_on_screen(ctl.spec_from_controls(*inputs).snap())
         except MergerError as exc:
             seen["on screen"] = str(exc)
-        return compute_run(*args)
+        return compute_run(m, key, *args)
 
-    monkeypatch.setattr(session, "_compute_run", counted)
+    monkeypatch.setattr(session, "compute_run", counted)
     runs = RunController(ctl)
     inputs = controls(ctl, "adamerging_task", steps=40)
     page_a = runs.run(SimpleNamespace(session_hash="a"), *inputs)
@@ -579,25 +578,24 @@ def test_the_first_pages_cancel_is_acknowledged_while_another_page_follows_its_r
     from merger.ui.runs import GOES_ON, RunController
 
     session = ctl.session
-    compute_run, a_cancelled = session._compute_run, threading.Event()
+    compute_run, a_cancelled = session.compute_run, threading.Event()
 
-    def slow(*args):  # A leads; it computes once B follows and A has cancelled
-        job = next(iter(session._running._jobs.values()))
+    def slow(m, key, *args):  # A leads; it computes once B follows and A has cancelled
         for _ in range(1000):
-            if len(job._callers) == 2:
+            if session.followers(key) == 2:
                 break
             time.sleep(0.01)
         a_cancelled.wait(30)
         time.sleep(1.2)  # two of the status line's ticks after the Cancel
-        return compute_run(*args)
+        return compute_run(m, key, *args)
 
-    monkeypatch.setattr(session, "_compute_run", slow)
+    monkeypatch.setattr(session, "compute_run", slow)
     runs = RunController(ctl)
     inputs = controls(ctl, "adamerging_task", steps=7)
     page_a, page_b = runs.run(SimpleNamespace(session_hash="a"), *inputs), runs.run(SimpleNamespace(session_hash="b"), *inputs)
     frames_a = [next(page_a)]
     for _ in range(1000):  # A leads: its run is under way before B asks (on a loaded machine too)
-        if session._running._jobs:
+        if session.under_way():
             break
         time.sleep(0.01)
     frames_b = [next(page_b)]
@@ -869,7 +867,7 @@ def test_a_history_that_cannot_be_written_is_refused_at_start_and_one_that_stops
     monkeypatch.undo()
     # a disk that fills up later: the result is shown, recording stops, said once (stderr, summary)
     history = History(path)
-    history._db.execute("PRAGMA query_only = ON")
+    history._db.execute("PRAGMA query_only = ON")  # a full disk, from now on: no public way to fill one
     monkeypatch.setattr(ctl, "history", history)
     acc, loss, radar, summary = ctl.preview(*controls(ctl, lam=0.45))
     assert shown_average(summary) > 0
@@ -983,10 +981,10 @@ def test_a_pages_landscape_state_holds_no_weights_and_its_3d_view_makes_them_aga
     *_, (other, _) = lc.compute(SimpleNamespace(session_hash="another page"), [pin], "pca", None, None, "", "loss",
                                 "all tasks (mean)", 5, "contour", ["λ path (current method)"],
                                 *controls(ctl, lam=0.3), progress=lambda *a, **k: None)
-    assert other["plane_key"] == state["plane_key"] and len(lc._planes) == 1
-    lc._planes.clear()  # gone (other planes computed since): the marker's move makes it again
+    assert other["plane_key"] == state["plane_key"] and lc.planes_kept() == [state["plane_key"]]
+    lc.forget_planes()  # gone (other planes computed since): the marker's move makes it again
     moved = lc.move_live(state, *controls(ctl, lam=0.9))
-    assert any(t.name == "live merge" for t in moved.data) and list(lc._planes) == [state["plane_key"]]
+    assert any(t.name == "live merge" for t in moved.data) and lc.planes_kept() == [state["plane_key"]]
     _, surface = lc.restyle(None, state, "loss", "all tasks (mean)", "surface", *controls(ctl, lam=0.3))
     heights = {t.name: t.z[0] for t in surface.data if t.type == "scatter3d" and t.name == "base"}
     base = ctl.session.landscape.point_values(ctl.session.landscape.base_point(), state["surface"].split)[1]

@@ -4,7 +4,7 @@ definition a reader checks against the paper); a call of it runs its drop-in, if
 which may hand the call back to the reference where its own route does not hold.
 
 ``reference_only()`` (or MERGER_REFERENCE=1) runs every reference as written, ``reference_only("gram")``
-those a piece (a module of merger/accel) replaces: the tests, ``python -m merger report precision`` and
+those a piece (a module of merger/accel) replaces: the tests, ``python -m devtools report precision`` and
 ``bench accel`` compare the routes."""
 from __future__ import annotations
 

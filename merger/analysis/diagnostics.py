@@ -1,5 +1,5 @@
-"""The papers' diagnostics (METHODS.md, "Diagnostics"). Weights-only ones take TaskVectors;
-feature-space ones take an evaluator. Plain numbers out: plots.py draws them."""
+"""The papers' diagnostics, each beside its paper's arXiv id and equation. Weights-only ones take
+TaskVectors; feature-space ones take an evaluator. Plain numbers out: plots.py draws them."""
 from __future__ import annotations
 
 import math
@@ -300,7 +300,7 @@ def logit_ensemble_accuracy(evaluator, experts: Sequence[dict], weights: Sequenc
             evaluator.load(expert)
             with torch.inference_mode():
                 for x, members in evaluator.inputs(split):
-                    f = F.normalize(evaluator._encode(x), dim=-1)
+                    f = F.normalize(evaluator.encode(x), dim=-1)
                     for t, y in members:
                         logits = evaluator.logit_scale * f @ evaluator.heads[t].T
                         summed[t] = summed.get(t, 0) + w * logits

@@ -13,7 +13,7 @@ Recipe (as the field's CLIP experts are made):
      rate for a few epochs, so task vectors stay small relative to the weights (||tau||/||theta0||
      of the image tower about 2e-2).
 
-    python -m merger.demo.build [out_dir] [--small]     (default out_dir: assets/demo)
+    python -m merger.demo.build [out_dir] [--small]     (default out_dir: merger/demo/assets)
 
 Pool layout (the loader reads exactly this):
     pool.yaml, base.safetensors (full CLIP, fp32), experts/<task>.safetensors (image tower,
@@ -42,6 +42,8 @@ from tqdm import tqdm
 from merger.demo import world
 from merger.demo.model import CLIP_CONFIG, MEAN, STD, create_model
 from merger.demo.train import accuracy, finetune_expert, image_features, pretrain, task_head
+
+SHIPPED = Path(__file__).resolve().parent / "assets"  # the pool that ships with the package
 
 
 @dataclass
@@ -75,7 +77,7 @@ class DemoConfig:
     ft_batch_size: int = 128
     ft_data_fraction: float = 1.0
     ft_seed: int = 0
-    trajectory_dtype: str = "float16"  # keeps assets/demo under 30 MB
+    trajectory_dtype: str = "float16"  # keeps merger/demo/assets under 30 MB
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -125,7 +127,7 @@ def _on_threads(n: int):
 
 
 @_on_threads(2)
-def build(out_dir: str | Path = "assets/demo", config: DemoConfig | None = None, progress: bool = True) -> Path:
+def build(out_dir: str | Path = SHIPPED, config: DemoConfig | None = None, progress: bool = True) -> Path:
     """Build the pool into ``out_dir`` (replacing any previous one); returns its path."""
     config = config or DemoConfig()
     out = Path(out_dir).expanduser()
@@ -303,7 +305,7 @@ def format_report(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Build the demo model pool.")
-    ap.add_argument("out_dir", nargs="?", default="assets/demo")
+    ap.add_argument("out_dir", nargs="?", default=str(SHIPPED))
     ap.add_argument("--small", action="store_true", help="the reduced CI configuration")
     ap.add_argument("--report", action="store_true", help="print quick_report after building")
     args = ap.parse_args(argv)

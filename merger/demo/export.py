@@ -1,5 +1,5 @@
 """``python -m merger demo export --out DIR``: the built-in demo pool as the files a pool of one's own
-is made of (README "Bring your own pool"): its base and experts as safetensors, each task's images as
+is made of (docs/formats.md): its base and experts as safetensors, each task's images as
 folders ``data/<task>/{train,test}/<class>/*.png``, and a pool.yaml naming them, to copy and edit."""
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Evaluator: one resident model, device-resident inputs and heads, weights written in place.
-
-Per task: top-1 accuracy and mean cross-entropy of the zero-shot head (METHODS.md protocol).
-Tasks whose images are the same tensor (the demo's tasks label one image set) are forwarded
-once and scored with each head.
-"""
+"""Evaluator: one resident model, device-resident inputs and heads, weights written in place. Per
+task: top-1 accuracy and mean cross-entropy of the zero-shot head (task arithmetic's protocol,
+arXiv:2212.04089). Tasks whose images are one tensor (the demo's) are forwarded once, scored per head."""
 from __future__ import annotations
 
 import hashlib
@@ -187,16 +184,16 @@ class Evaluator:
         if split not in self._inputs:
             with self._inputs_lock:
                 if split not in self._inputs:
-                    self._inputs[split] = self._read(split)
+                    self._inputs[split] = self.read_split(split)
         return self._inputs[split]
 
-    def _read(self, split: str) -> list:
+    def read_split(self, split: str) -> list:
+        """A split's images, read and preprocessed, grouped by source (``inputs`` keeps them)."""
         groups: dict[tuple, tuple[torch.Tensor, list]] = {}
         for t in self.pool.tasks:
             d = self.data.split(t, split)
             if d.source not in groups:
-                x = preprocess(d.images, self.pool.preprocess_cfg).to(self.device)
-                groups[d.source] = (x, [])
+                groups[d.source] = (preprocess(d.images, self.pool.preprocess_cfg).to(self.device), [])
             groups[d.source][1].append((t, d.labels.to(self.device)))
         return list(groups.values())
 
@@ -219,7 +216,11 @@ class Evaluator:
             else:  # task vectors kept in host memory
                 target.copy_(base[k] + delta[k])
 
-    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+    def batches_kept(self, split: str) -> set[tuple]:
+        """The image windows of ``split`` kept as one batch each: (0, None) all, (0, n) and (n, None)."""
+        return {window for s, window in self._whole if s == split}
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Image features in batches; on out-of-memory: free caches, halve the batch, and at
         batch 1 fall back to the CPU (with a notice the app shows)."""
         while True:
@@ -279,7 +280,7 @@ class Evaluator:
             cut = window[1] if window[0] == 0 else window[0]  # kept: the whole, and one partial answer's two windows
             self._whole = {k: v for k, v in self._whole.items() if k[0] != split or k[1] == (0, None) or cut in k[1]}
             cached = self._whole[(split, window)] = (source, torch.cat([x for x, _ in groups]))
-        return list(self._encode(cached[1]).split([x.shape[0] for x, _ in groups]))
+        return list(self.encode(cached[1]).split([x.shape[0] for x, _ in groups]))
 
     @on_model_thread
     @torch.inference_mode()
@@ -309,7 +310,7 @@ class Evaluator:
         self.forwards += 1
         together = self._all_groups_features(split, groups, window) if tasks is None else None
         return [None if not any(tasks is None or t in tasks for t, _ in members)
-                else together[i] if together is not None else self._encode(x)
+                else together[i] if together is not None else self.encode(x)
                 for i, (x, members) in enumerate(groups)]
 
     @torch.inference_mode()

@@ -55,6 +55,10 @@ class LinearEstimate:
         """Drop the estimates shown (``PoolSession.shrink``); the features stay."""
         self._shown.clear()
 
+    def forget_features(self) -> None:
+        """Drop the features held in memory: the next estimate reads them from disk or forwards again."""
+        self._features.clear()
+
     def applies(self, spec: Spec) -> bool:
         """The spec's Δ is exactly Σ wₜτₜ (no block weights; a data-driven method once it has run)."""
         m = methods.get(spec.method)

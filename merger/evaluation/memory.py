@@ -3,7 +3,7 @@ back to the system, and the session's caches dropped when it is over the budget.
 
 glibc keeps what a thread frees in that thread's arena for its next allocation: Gradio runs every
 listener on a pool of threads, so after merges, landscapes and lab fine-tunes on several of them
-the resident memory only grew, though what the app held stayed bounded (``python -m merger bench
+the resident memory only grew, though what the app held stayed bounded (``python -m devtools bench
 soak`` shows both). ``malloc_trim`` returns it; elsewhere (macOS, Windows, musl) the allocator
 returns memory on its own and nothing is done."""
 from __future__ import annotations

@@ -80,9 +80,9 @@ class Merges:
         if key in self._prepared:
             self._prepared.move_to_end(key)
             return key, self._prepared[key]
-        return key, self._store_prepared(key, self._compute(method, experts, prepare_args, scale))
+        return key, self._store_prepared(key, self.compute(method, experts, prepare_args, scale))
 
-    def _compute(self, method, experts: tuple[str, ...], prepare_args: dict, scale: tuple, progress=None, cancel=None):
+    def compute(self, method, experts: tuple[str, ...], prepare_args: dict, scale: tuple, progress=None, cancel=None):
         """A preparation from the disk cache, else computed (and written there when worth it)."""
         tv = self._task_vectors(experts, scale)
         store = self._disk_key(method, experts, prepare_args, scale, tv)
@@ -123,6 +123,11 @@ class Merges:
         with self.queue:
             while len(self._prepared) > 1:
                 self._prepared.popitem(last=False)
+
+    def kept(self) -> dict[str, int]:
+        """How many preparations, derived states and Δs are held now."""
+        with self.queue:
+            return {"prepared": len(self._prepared), "derived": len(self._derived), "deltas": len(self._deltas)}
 
     def forget_derived(self) -> None:
         """Drop the derived states and Δs (benches: the next move of each setting derives again)."""
@@ -188,7 +193,7 @@ class Merges:
         def compute(progress, cancel):
             if key in self._prepared:  # stored by a preparation that ended since the check above
                 return
-            state = self._compute(m, spec.experts, args, scale, progress, cancel)
+            state = self.compute(m, spec.experts, args, scale, progress, cancel)
             with self.queue:
                 self._store_prepared(key, state)
 
@@ -201,6 +206,11 @@ class Merges:
         caller whose cancel check is ``cancel`` (``SharedWork.goes_on_after_cancel``)."""
         m, key = self._spec_key(spec)
         return not m.data_driven and self._preparing.goes_on_after_cancel(key, cancel)
+
+    def preparation_followers(self, spec: Spec) -> int:
+        """How many callers follow the slow preparation of ``spec`` now (0: none goes)."""
+        m, key = self._spec_key(spec)
+        return 0 if m.data_driven else self._preparing.followers(key)
 
     def preparing(self) -> dict:
         """The slow preparations under way: label -> the spec that started each."""

@@ -168,11 +168,12 @@ class PoolSession:
         key = spec.snap()
         if key in self._runs:
             return self._runs[key]
-        return self._running.get(key, lambda progress, cancel: self._compute_run(m, key, progress, cancel),
+        return self._running.get(key, lambda progress, cancel: self.compute_run(m, key, progress, cancel),
                                  progress, cancel, alone=self.queue.held_here(),
                                  label=on_experts(key.label(), key.experts, self.pool.tasks), subject=key)
 
-    def _compute_run(self, m, key: Spec, progress, cancel):
+    def compute_run(self, m, key: Spec, progress, cancel):
+        """One run, computed (``run`` calls it once per settings; tests hold it to stage callers)."""
         from merger.methods.adaptive import Context
 
         with self.batch_job(cancel) as checkpoint:
@@ -181,8 +182,7 @@ class PoolSession:
             if self._run_model is None:
                 self._run_model = copy.deepcopy(self.evaluator.model.visual)
             ctx = Context(self.pool, self.evaluator, key.experts)
-            ctx.model = self._run_model
-            ctx.statistics = self._statistics
+            ctx.model, ctx.statistics = self._run_model, self._statistics
             run = m.run(ctx, progress, checkpoint, **key.kwargs)
             run.method = m.name
             self._runs[key] = run
@@ -195,12 +195,15 @@ class PoolSession:
         return {**self._running.under_way(), **self.merges.preparing()}
 
     def goes_on_after_cancel(self, spec: Spec, cancel) -> bool:
-        """Whether the run or slow preparation of ``spec`` goes on although the caller whose cancel
-        check is ``cancel`` (its first caller) cancelled: another caller follows it (``SharedWork``),
-        so it ends for them and is kept."""
+        """Whether the run or slow preparation of ``spec`` goes on although its first caller (whose cancel
+        check is ``cancel``) cancelled: another caller follows it (``SharedWork``), so it ends and is kept."""
         if methods.get(spec.method).data_driven:
             return self._running.goes_on_after_cancel(spec.snap(), cancel)
         return self.merges.preparation_goes_on(spec, cancel)
+
+    def followers(self, spec: Spec) -> int:
+        """How many callers follow the run or slow preparation of ``spec`` now (0: none goes)."""
+        return self._running.followers(spec.snap()) or self.merges.preparation_followers(spec)
 
     def cached_run(self, spec: Spec):
         return self._runs.get(spec.snap())

@@ -49,6 +49,12 @@ class SharedWork:
             job = self._jobs.get(key)
         return job is not None and job.goes_on_for_others(cancel)
 
+    def followers(self, key) -> int:
+        """How many callers follow the work of ``key`` now (0: none goes)."""
+        with self._lock:
+            job = self._jobs.get(key)
+        return 0 if job is None else job.callers()
+
     def under_way(self) -> dict:
         """label -> subject of each work under way (a reloaded page names them, and can set its
         controls to one, so that its Run follows it)."""
@@ -101,6 +107,10 @@ class _Job:
         self._leader: _Caller | None = None
         self._said: list[tuple] = []  # the progress calls that carried a value (a curve's points)
         self._since: tuple | None = None  # the last call, where it carried no value
+
+    def callers(self) -> int:
+        with self._lock:
+            return len(self._callers)
 
     def join(self, progress, cancel) -> _Caller | None:
         """This caller, with what was said so far replayed to it; None where the job has closed."""

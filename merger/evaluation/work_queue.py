@@ -36,7 +36,7 @@ class WorkQueue:
     # room of people dragging cannot starve a sweep (a batch job keeps at least about half of the
     # model's time; with no batch work waiting, previews run back to back). One, not two: with two,
     # a Sweep in a room of 10 draggers took 2.25× its time alone (goal 2×); with one, 1.65× while
-    # the sliders' p95 went from 413 to 637 ms (goal 800): `python -m merger bench workshop`.
+    # the sliders' p95 went from 413 to 637 ms (goal 800): `python -m devtools bench workshop`.
     PREVIEW_BURST = 1
     # A chunk of a job that did not say its length (the endpoint's val/test evaluations, Compare, a
     # run) goes next once this many chunks of counted jobs passed it: shortest-first puts it after

@@ -129,7 +129,7 @@ register(Method(
     objective="Fisher information",
     iterate="estimate",
     weights=fisher_weights,
-    conventions="The empirical Fisher, as the issue asks: squared per-example gradients of the true label's "
+    conventions="The empirical Fisher: squared per-example gradients of the true label's "
                 "log-likelihood (the authors' code takes the expectation over the model's predicted labels, one "
                 "backward per class; FusionBench squares the gradient of a batch sum). Every floating-point tensor "
                 "of the image tower; F̃ = max(F, 1e-6) for every expert; no Fisher normalisation.",

@@ -165,7 +165,7 @@ REGMEAN = register(Method(
     weights=regmean_weights,
     conventions=MATRICES_NOTE + " Gt is the mean of xxᵀ over the tokens of `samples` validation images per task "
                 "(the authors' code and FusionBench normalise the same way); in_proj's q, k and v share their input, "
-                "so the fused solve equals FusionBench's three. α = 0.9 as the issue asks (FusionBench's CLIP config: "
+                "so the fused solve equals FusionBench's three. α = 0.9 by default (FusionBench's CLIP config: "
                 "0.6). Everything else: the mean of the experts.",
     published=(Published("ViT-B-32", 82.4, FUSIONBENCH),),
 ))

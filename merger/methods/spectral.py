@@ -3,7 +3,7 @@ triplets and orthogonal factors, plain torch, in fp64.
 
 fp64, because the singular vectors are then used by an orthogonal factor or a projection: an fp32
 SVD put Iso-CTS 1.6e-4 (relative) off its fp64 definition on a 2304 × 768 matrix of bf16 task
-vectors, and TSV-M up to 5.6e-5, against the 1e-4 the precision contract allows (METHODS.md; the
+vectors, and TSV-M up to 5.6e-5, against the 1e-4 the precision contract allows (docs/precision.md; the
 figures: docs/precision.md). Each function marked ``accelerable`` is the reference a faster route in
 merger/accel may replace, tested equal to it.
 

@@ -26,7 +26,7 @@ from merger.pool import schema as pool_schema
 from merger.pool.devices import check_memory, resolve_device
 from merger.pool.task_vectors import TaskVectors
 
-DEMO_DIR = Path(__file__).resolve().parents[2] / "assets" / "demo"
+DEMO_DIR = Path(__file__).resolve().parents[1] / "demo" / "assets"
 MAX_PARAMETERS = 3_000_000_000  # a full CLIP ViT-bigG-14 has 2.5 billion
 
 
@@ -315,7 +315,7 @@ def read_pool_yaml(path: str | os.PathLike) -> tuple[dict, Path]:
         path = path / "pool.yaml"
     if path.suffix.lower() in (".safetensors", ".bin", ".pt", ".pth", ".ckpt"):  # it read as "not UTF-8 text"
         raise PoolError(f"{path}: a checkpoint, not a pool file: a pool is a YAML naming the base and the experts "
-                        "(see the README's pool.yaml); merger.merge_state_dicts takes checkpoint files as they are")
+                        "(docs/formats.md); merger.merge_state_dicts takes checkpoint files as they are")
     return inputs.load_yaml(path, PoolError, "pool file"), path
 
 

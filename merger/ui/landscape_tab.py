@@ -1,4 +1,7 @@
-"""Landscape and Trajectories tabs: callbacks and layout."""
+"""Landscape and Trajectories tabs: callbacks and layout. A page's landscape state keeps the
+points' projections and how to make their weights again, never the weights themselves (a point is a
+model's worth); planes are shared by the pages that computed the same one (``PLANES_KEPT`` kept), and
+a page whose plane was dropped makes it again."""
 from __future__ import annotations
 
 import functools
@@ -65,11 +68,21 @@ class LandscapeController:
             plane = self._keep_plane(state["remake_plane"]())
         return plane
 
+    def planes_kept(self) -> list[str]:
+        """The keys of the planes kept, oldest first."""
+        with self._planes_lock:
+            return list(self._planes)
+
+    def forget_planes(self) -> None:
+        """Drop every plane kept: each page's next move makes its own again."""
+        with self._planes_lock:
+            self._planes.clear()
+
     def path_choices(self) -> list[str]:
         ft = [f"fine-tuning: {t}" for t in self.pool.tasks if trajectories.has_trajectory(self.pool, t)]
         return ft + list(PATH_AXES) + [ITERATES]
 
-    def _paths(self, chosen, method, spec_params, spec=None) -> tuple[list, list[str]]:
+    def paths(self, chosen, method, spec_params, spec=None) -> tuple[list, list[str]]:
         """(the trajectories that could be built, a note for each that could not): one
         unavailable path never takes the others down with it."""
         out, problems = [], []
@@ -190,7 +203,7 @@ class LandscapeController:
         points = dict(named)
         for s in pins:
             points.setdefault(s.label(), self.land.spec_point(s))
-        paths, problems = self._paths(chosen_paths, spec.method, spec.kwargs, spec)
+        paths, problems = self.paths(chosen_paths, spec.method, spec.kwargs, spec)
         return named, points, paths, problems
 
     def _plane(self, kind, tasks, rebuild, vectors=None):
@@ -249,7 +262,7 @@ class LandscapeController:
             raise MergerError("tick at least one trajectory")
         task = _one_task(task)
         spec = self.ctl.spec_from_controls(experts, method, *values)
-        paths, problems = self._paths(chosen, spec.method, spec.kwargs, spec)
+        paths, problems = self.paths(chosen, spec.method, spec.kwargs, spec)
         data = {tr.name: trajectories.evaluate_along(self.land, tr, split) for tr in paths}
         if not data:
             return plots.empty("No trajectory available: " + "; ".join(problems))

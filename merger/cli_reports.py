@@ -1,0 +1,54 @@
+"""Command line, the commands that measure and look after: ``report`` and ``cache``
+(``merger/cli.py`` parses and dispatches). Front end."""
+from __future__ import annotations
+
+
+def cmd_report(args) -> int:
+    from merger.pool.pool import open_pool
+
+    pool = open_pool(args.pool)
+    if args.what == "adaptive":
+        from merger.reports.adaptive import adaptive_numbers, format_adaptive
+
+        print("data-driven merges on the test split (coefficients learned on the validation split)")
+        print(format_adaptive(adaptive_numbers(pool)))
+    elif args.what == "methods":
+        from merger.reports.methods import format_methods, method_rows
+
+        print(format_methods(method_rows(pool), pool.tasks))
+    elif args.what == "linear":
+        from merger.reports.linear import report_linear
+
+        print(report_linear(pool))
+    else:
+        from merger.reports.phenomena import format_phenomena, phenomena
+
+        print(format_phenomena(phenomena(pool)))
+    return 0
+
+
+def cmd_cache(args) -> int:
+    from merger.evaluation.evaluator import heads_cache_dir
+    from merger.io.disk_cache import DiskCache
+
+    cache, heads = DiskCache(), DiskCache(heads_cache_dir())
+    if args.action == "clear":  # heads: rebuilt from the text tower on the next open
+        n, _ = heads.clear()
+        print(f"{heads.root}: removed {n} zero-shot heads")
+    if not cache.enabled:
+        why = "MERGER_DISK_CACHE=off" if cache.root is None else "the warning above says why"
+        print(f"the disk cache of prepared methods is off ({why})")
+        return 0
+    if args.action == "clear":
+        n, size = cache.clear()
+        print(f"{cache.root}: removed {n} entries ({size / 2**30:.2f} GB) and the remembered file hashes")
+        return 0
+    entries, head_entries = cache.entries(), heads.entries()
+    total = sum(e["bytes"] for e in entries)
+    print(f"{cache.root}: {len(entries)} entries, {total / 2**30:.2f} GB of a {cache.cap / 2**30:.1f} GB cap "
+          "(MERGER_CACHE_GB); least recently used first")
+    print(f"{heads.root}: {len(head_entries)} zero-shot heads, {sum(e['bytes'] for e in head_entries) / 2**20:.1f} MB "
+          "(keyed by text tower, classes, templates and tokenizer)")
+    for e in entries:
+        print(f"  {e['bytes'] / 2**20:9.1f} MB  {e['path'].name[:16]}  {cache.describe(e['path'])}")
+    return 0

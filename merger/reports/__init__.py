@@ -1,0 +1,1 @@
+"""Printed reports of measured numbers on a pool: ``merger report`` and ``merger demo report``."""
