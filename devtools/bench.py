@@ -149,6 +149,10 @@ def run(what: str, args) -> int:
         from devtools.bench_open import bench_open
 
         return bench_open(args)
+    if what == "hub":
+        from devtools.bench_hub import bench_hub
+
+        return bench_hub(args)
     if what == "attacks":
         from devtools.attacks_run import format_outcomes, run_catalogue
 

@@ -67,10 +67,10 @@ def first_answer(session, lam: float = 0.35) -> tuple[float, str]:
 
 
 def bench_open(args) -> int:
-    from merger.methods import basic, lowrank
+    from merger.methods import basic, tsv_m
 
     names = args.methods.split(",") if args.methods else [basic.TASK_ARITHMETIC.name] + list(LIVE_METHODS[1:]) + [
-        lowrank.TSV_M.name]
+        tsv_m.TSV_M.name]
     images = args.images or 32
     with tempfile.TemporaryDirectory(prefix="merger-open-") as tmp:
         os.environ["MERGER_CACHE_DIR"] = str(Path(tmp) / "cache")  # a cold cache, removed afterwards

@@ -86,13 +86,13 @@ def build_parser() -> Parser:
 
     p = sub.add_parser("bench", help="benchmarks (medians and ratios in one run)")
     p.add_argument("what", choices=["merge", "accel", "live", "browser", "workshop", "api", "landscape", "scale",
-                                    "load", "attacks", "open", "cluster", "soak"],
+                                    "load", "attacks", "open", "hub", "cluster", "soak"],
                    help="merge: prepare/apply per method on ViT-B-32; accel: each speed-up piece off and on "
                         "(what it speeds, the ratio, the difference); live: the Merge tab's listener per move "
                         "(time, forwards, applies); browser: Chromium slider → shown result; workshop: 10 clients "
                         "drag while browsers run batch jobs; api: the evaluate endpoint through gradio_client; "
                         "scale: ViT-B-32 pool (first partial answer); open: a ViT-B-32 pool from files, cold and warm "
-                        "(disk cache); cluster: a sweep and a landscape here and on a local Ray instance "
+                        "(disk cache); hub: a ViT-B-32 pool on a local fake Hugging Face hub, fetched, then opened cold and warm; cluster: a sweep and a landscape here and on a local Ray instance "
                         "(--clients workers, 2); attacks: the bad-input catalogue; soak: an hour of a workshop "
                         "compressed (Chromium rounds and 2,000 HTTP calls), the server's memory sampled")
     p.add_argument("--jobs", default="sweep,autotune", help="workshop: batch jobs (sweep, autotune, landscape)")

@@ -119,3 +119,27 @@ def realistic_task_vectors(T: int, shapes: dict, dtype: str = "float32", seed: i
             expert[k] = (scale * own).float()
         experts[f"task{t + 1}"] = expert
     return TaskVectors(base, experts, dtype=dtype)
+
+
+def write_parquet_dataset(path: Path, images, labels, class_names: list[str], image_column: str = "image",
+                          label_column: str = "label", rows_per_group: int = 64) -> Path:
+    """A parquet image dataset as the Hugging Face Hub stores one: PNG bytes in an ``{bytes, path}``
+    struct column, integer labels, and the ``ClassLabel`` names in the ``huggingface`` metadata."""
+    import io
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    encoded = []
+    for i, img in enumerate(images):
+        buf = io.BytesIO()
+        Image.fromarray(img.permute(1, 2, 0).numpy()).save(buf, format="PNG")
+        encoded.append({"bytes": buf.getvalue(), "path": f"{i}.png"})
+    features = {image_column: {"_type": "Image"}, label_column: {"names": list(class_names), "_type": "ClassLabel"}}
+    table = pa.table({image_column: encoded, label_column: pa.array([int(x) for x in labels], pa.int64())})
+    table = table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, row_group_size=rows_per_group)
+    return path

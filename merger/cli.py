@@ -11,7 +11,7 @@ import threading
 from merger import methods, runtime
 from merger.cli_jobs import (POOL_HELP, Parser, add_job_args, add_job_commands, cmd_landscape, new_folders,
                              positive_float, positive_int, progress_bar, user_password)
-from merger.cli_reports import cmd_cache, cmd_report
+from merger.cli_reports import cmd_cache, cmd_pools, cmd_report
 from merger.errors import MergerError
 from merger.methods import PARAM_NAMES
 
@@ -95,14 +95,15 @@ def cmd_methods(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from merger.io.export import check_export_target, check_hashes, export_merge, read_spec_file, spec_pool
+    from merger.io.export import check_export_target, check_hashes, export_merge, hub_pins, read_spec_file, spec_pool
     from merger.pool.pool import open_pool
 
     if args.spec:
         record = read_spec_file(args.spec)
         # --pool: the same files opened from elsewhere (a moved pool); the hashes must still match.
         # A relative pool in the spec is read from the spec's folder, as a pool's paths from its own.
-        pool = open_pool(args.pool or spec_pool(record, args.spec), device=args.device)
+        pool = open_pool(args.pool or spec_pool(record, args.spec), device=args.device,
+                         pins=hub_pins(record, args.spec))
         check_hashes(pool, record, args.spec)
         params = dict(record.get("params") or {})
         params.update(method_params(args))
@@ -248,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["methods", "adaptive", "linear", "phenomena"])
     p.add_argument("--pool", default="demo", help=POOL_HELP)
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("pools", help="the known CLIP benchmarks on the Hugging Face Hub (hub:NAME): their sizes and "
+                                     "whether they are here; fetch NAME (or a pool YAML's Hub sources) fetches one")
+    p.add_argument("action", nargs="?", choices=["list", "fetch"], default="list")
+    p.add_argument("name", nargs="?", default=None, help="fetch: a known pool's name, or a pool YAML")
+    p.set_defaults(func=cmd_pools)
 
     p = sub.add_parser("cache", help="the disk cache of prepared methods and task vectors: info (entries, size, "
                                      "cap) or clear")

@@ -1,6 +1,8 @@
-"""Command line, the commands that measure and look after: ``report`` and ``cache``
+"""Command line, the commands that measure and look after: ``report``, ``cache`` and ``pools``
 (``merger/cli.py`` parses and dispatches). Front end."""
 from __future__ import annotations
+
+from merger.errors import MergerError
 
 
 def cmd_report(args) -> int:
@@ -51,4 +53,40 @@ def cmd_cache(args) -> int:
           "(keyed by text tower, classes, templates and tokenizer)")
     for e in entries:
         print(f"  {e['bytes'] / 2**20:9.1f} MB  {e['path'].name[:16]}  {cache.describe(e['path'])}")
+    return 0
+
+
+def cmd_pools(args) -> int:
+    """``merger pools``: the known Hub benchmarks, their sizes and whether they are here; ``pools fetch
+    NAME``: fetch one (or a pool YAML's Hub sources) without opening it."""
+    from merger.pool import hub, known
+
+    if args.action == "fetch":
+        if not args.name:
+            raise MergerError("pools fetch: name a pool (merger pools lists them) or a pool YAML")
+        from merger.pool.pool import read_pool_yaml
+
+        if args.name.startswith("hub:") or args.name in known.names():
+            name = args.name.removeprefix("hub:")
+            spec, where = known.pool_spec(name), f"hub:{name}"
+        else:
+            spec, path = read_pool_yaml(args.name)
+            where = str(path)
+        _, sources = hub.resolve_sources(spec, where)
+        print(hub.describe(sources))
+        print(f"{where}: every source is in {hub.cache_dir()}; it opens offline from now on")
+        return 0
+    print(f"{'pool':<22}{'architecture':<14}{'experts':>8}{'files':>7}{'GB':>8}  here")
+    ask = True  # until the Hub does not answer: then the cache alone says what is here
+    for name in known.names():
+        spec = known.pool_spec(name)
+        try:
+            files, size, here = hub.status(hub.sources_of(spec, f"hub:{name}"), ask_hub=ask)
+        except MergerError as exc:  # no answer from the Hub: the cache alone says what is here
+            print(f"the Hub did not answer ({str(exc).split(': ', 2)[-1][:160]}); listing what the cache holds")
+            ask = False
+            files, size, here = hub.status(hub.sources_of(spec, f"hub:{name}"), ask_hub=False)
+        gb = f"{size / 2**30:8.2f}" if size is not None else f"{'?':>8}"
+        print(f"{name:<22}{spec['architecture']:<14}{len(spec['experts']):>8}{files if files else '?':>7}{gb}  {here}")
+    print(f"cache: {hub.cache_dir()}" + ("; offline (HF_HUB_OFFLINE=1): sizes need the Hub" if hub.offline() else ""))
     return 0

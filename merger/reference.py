@@ -15,6 +15,7 @@ def guides(architecture: str | None, method: str) -> dict[str, float]:
     """Guide lines for the accuracy plot: pre-trained, fine-tuned and the current method, if known."""
     if not architecture:
         return {}
+    architecture = architecture.removesuffix("-quickgelu")  # OpenAI's weights: the papers' model
     out = {f"paper {architecture} 8 tasks: {k}": v / 100 for k, v in ENDPOINTS.get(architecture, {}).items()}
     m = methods.get(method)
     for p in m.published:

@@ -52,6 +52,19 @@ def parse_args(argv=None, prog: str | None = None):
     return ap.parse_args(argv)
 
 
+def _names_hub(pool: str) -> bool:
+    """``hub:NAME``, or a pool YAML with a Hub source (read here only for that: the pool reads it again)."""
+    if pool.startswith("hub:"):
+        return True
+    from merger.pool.hub import names_hub
+    from merger.pool.pool import read_pool_yaml
+
+    try:
+        return pool != "demo" and names_hub(read_pool_yaml(pool)[0])
+    except Exception:  # noqa: BLE001  an unreadable pool is said when the pool opens
+        return False
+
+
 def _estimate_forwards(session) -> None:
     """The base's and experts' live forwards (kept on disk for large pools): from then on a
     weighted-sum move shows its linear estimate at once, before its exact answer."""
@@ -66,10 +79,9 @@ def _estimate_forwards(session) -> None:
 
 
 def main(argv=None, prog: str | None = None) -> int:
-    # the app reads only what is here unless the user says otherwise (HF_HUB_OFFLINE=0); set before
-    # huggingface_hub is imported, which reads it once
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = parse_args(argv, prog)
+    args = parse_args(argv, prog)  # imports no huggingface_hub, which reads HF_HUB_OFFLINE once
+    if not _names_hub(args.pool):  # the app reads only what is here, unless its pool is on the Hub
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from merger import runtime
 
     runtime.configure()  # before Gradio is imported

@@ -2,7 +2,7 @@
 
 Two sources, one shape: the demo world (``data: {demo: {train: {n, seed}, test: {n, seed},
 domain: {attribute: class index, ...}}}``, regenerated deterministically; ``domain`` is
-optional) and, for real pools, image folders. Tasks whose data entries are identical share one
+optional) and, for real pools, image folders or parquet datasets (merger/data/parquet.py). Tasks whose data entries are identical share one
 image tensor, so the evaluator forwards those images once for all of them. Splits: train
 (without validation), val (10 % of train, seed 0), test, live (fixed subset of test) and probe
 (the start of live).
@@ -21,7 +21,7 @@ from merger.data import splits as split_rules
 from merger.errors import DataError, PoolError
 from merger.io import inputs
 
-DATA_KINDS = ("demo", "folder", "memory")
+DATA_KINDS = ("demo", "folder", "parquet", "memory")
 
 
 @dataclass
@@ -123,9 +123,9 @@ class TaskDataStore:
     def _classes(self, task: str) -> list[str]:
         """Class names in label order: a list in the YAML, or a file with one name per line."""
         info = self.pool.task_info.get(task)
-        if not info or not info.get("classes"):
+        classes = (info or {}).get("classes") or self._dataset_classes(task, info)
+        if not classes:
             raise DataError(f"task '{task}' has no class names (tasks.{task}.classes in {self.pool.source})")
-        classes = info["classes"]
         if isinstance(classes, str):
             classes = self._lines(task, "classes", classes, "class-names file")
             if not classes:
@@ -133,6 +133,15 @@ class TaskDataStore:
         if len(set(map(str, classes))) != len(classes):
             raise DataError(f"tasks.{task}.classes: a class name appears twice")
         return [str(c) for c in classes]
+
+    def _dataset_classes(self, task: str, info) -> list[str] | None:
+        """A parquet dataset's own class names (its label feature's), where the pool names none."""
+        data = (info or {}).get("data") or {}
+        if "parquet" not in data:
+            return None
+        from merger.data.parquet import dataset_classes
+
+        return dataset_classes(self.pool, task, data["parquet"])
 
     def _templates(self, task: str) -> list[str]:
         """Prompt templates: a list, a file (one per line), or the standard CLIP set (default)."""
@@ -185,15 +194,20 @@ class TaskDataStore:
             base_split = split_rules.source_split(split)
             images, labels = entry[base_split]
             source = ("memory", task, base_split)
+        elif kind == "parquet":  # only the rows the split uses are decoded
+            from merger.data.parquet import load_parquet_split
+
+            images, labels, source, n_source, source_labels = load_parquet_split(self.pool, task, entry, split, _select)
         else:
             from merger.data.folders import load_folder_split
 
             images, labels, source = load_folder_split(self.pool, task, entry, split, self.classes(task))
-        n_source, source_labels = images.shape[0], labels
-        idx = _select(split, n_source)
-        if idx is not None:
-            images, labels = images[idx], labels[idx]
-            source = source + (split,)
+        if kind != "parquet":
+            n_source, source_labels = images.shape[0], labels
+            idx = _select(split, n_source)
+            if idx is not None:
+                images, labels = images[idx], labels[idx]
+                source = source + (split,)
         self._check(task, split, labels)
         if split not in ("train", "test"):  # val, live and probe are drawn from a stored split: it has every class
             self._check_classes(task, split_rules.source_split(split), source_labels,

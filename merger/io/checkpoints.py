@@ -50,11 +50,15 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def load_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], str]:
     """Any supported checkpoint, on open_clip names: (state dict, format).
 
-    Formats: an open_clip state dict (file), or a Hugging Face CLIP vision model (a folder with
-    model.safetensors / pytorch_model.bin, or such a file), converted to open_clip names.
+    Formats: "open_clip", a state dict (file); "hf_clip", a whole Hugging Face CLIPModel (a
+    base such as openai/clip-vit-base-patch32), converted to open_clip's full CLIP names; and
+    "hf_clip_vision", a Hugging Face CLIP vision model, converted to ``visual.*``. Hugging Face
+    weights are a folder with model.safetensors / pytorch_model.bin (or a shard index), or such a file.
     """
     path = inputs.check_path(str(path), "weights path", CheckpointError)
     sd = load_hf_dir(path) if path.is_dir() else load_state_dict(path)
+    if hf_clip.is_hf_clip(sd):
+        return hf_clip.hf_clip_to_open_clip(sd, str(path)), "hf_clip"
     if hf_clip.is_hf_vision(sd):
         return hf_clip.hf_to_open_clip(sd, str(path)), "hf_clip_vision"
     return sd, "open_clip"

@@ -19,7 +19,7 @@ from merger.spec import Spec, merged_tensor
 
 WEIGHT_KEYS = ("task_weights", "block_weights")  # present only when a weight differs from 1
 SPEC_KEYS = {"merger_version", "method", "params", "experts", "pool", "base", "expert_files", "weights", "created",
-             *WEIGHT_KEYS}
+             "hub_sources", *WEIGHT_KEYS}
 
 
 def spec_path_for(out: str | Path) -> Path:
@@ -29,6 +29,8 @@ def spec_path_for(out: str | Path) -> Path:
 def pool_reference(pool) -> str:
     from merger.pool.pool import demo_pool_path
 
+    if pool.source.startswith("hub:"):  # a known benchmark: its name (the revisions go in hub_sources)
+        return pool.source
     try:
         if Path(pool.source).resolve() == demo_pool_path().resolve():
             return "demo"
@@ -62,6 +64,8 @@ def spec_record(pool, spec: Spec, weights: Path) -> dict:
         "expert_files": {t: _expert_file(pool, t, hashes) for t in spec.experts},
         "weights": weights.name,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        # each Hub source's repo and the commit it resolved to: a replay fetches exactly these
+        **({"hub_sources": dict(pool.hub_sources)} if pool.hub_sources else {}),
     }
 
 
@@ -189,7 +193,8 @@ def _replace_together(moves: list[tuple[Path, Path]]) -> None:
 
 
 SPEC_TYPES = {"merger_version": str, "method": str, "params": dict, "experts": list, "pool": str, "base": dict,
-              "expert_files": dict, "weights": str, "created": str, "task_weights": dict, "block_weights": dict}
+              "expert_files": dict, "weights": str, "created": str, "task_weights": dict, "block_weights": dict,
+              "hub_sources": dict}
 
 
 def read_spec_file(path: str | Path) -> dict:
@@ -224,9 +229,19 @@ def spec_pool(record: dict, spec_file: str | Path) -> str:
     """The pool a spec names: "demo", an absolute path (as exports write it), or a path relative to
     the spec's folder (a hand-written spec; it was read from the working directory)."""
     pool = record["pool"]
-    if pool == "demo" or Path(pool).expanduser().is_absolute():
+    if pool == "demo" or pool.startswith("hub:") or Path(pool).expanduser().is_absolute():
         return pool
     return str(Path(spec_file).expanduser().parent / pool)
+
+
+def hub_pins(record: dict, source: str) -> dict[str, str]:
+    """The commit each Hub source of a spec resolved to, {key: revision}: a replay opens exactly those."""
+    pins = {}
+    for key, value in (record.get("hub_sources") or {}).items():
+        if not isinstance(value, dict) or not isinstance(value.get("revision"), str):
+            raise MergerError(f"{source}: hub_sources.{key}: expected {{hub: org/name, revision: commit}}")
+        pins[str(key)] = value["revision"]
+    return pins
 
 
 def check_hashes(pool, record: dict, source: str) -> None:

@@ -1,16 +1,7 @@
-"""Pool: an architecture, a base θ0, experts θ1..θT (one per task) and the tasks.
-
-A pool is described by a YAML file (paths relative to it)::
-
-    name: my-pool
-    architecture: ViT-B-32            # an open_clip model name, or {config: {...inline open_clip config...}}
-    base: base.safetensors
-    experts:
-      cars: experts/cars.safetensors  # short form, or {path: ..., trajectory: folder, hparams: {...}}
-    tasks:                            # optional until you evaluate
-      cars: {classes: [...], templates: [...], data: {...}}
-
-``open_pool("demo")`` opens the built-in demo pool.
+"""Pool: an architecture, a base θ0, experts θ1..θT (one per task) and the tasks, described by a
+YAML file (paths relative to it; its keys: merger/pool/schema.py and docs/formats.md). A source may
+name a Hugging Face Hub repository instead of a file (merger/pool/hub.py). ``open_pool("demo")``
+opens the built-in demo pool, ``open_pool("hub:NAME")`` a known benchmark (merger/pool/known.py).
 """
 from __future__ import annotations
 
@@ -21,7 +12,7 @@ from typing import Any, Mapping
 import torch
 
 from merger.errors import CheckpointError, PoolError
-from merger.io import checkpoints, disk_cache, inputs
+from merger.io import checkpoints, disk_cache, hf_clip, inputs
 from merger.pool import schema as pool_schema
 from merger.pool.devices import check_memory, resolve_device
 from merger.pool.task_vectors import TaskVectors
@@ -36,8 +27,8 @@ class Pool:
     def __init__(self, spec: Mapping[str, Any], root: Path, source: str, device: str | torch.device = "cpu",
                  tv_device: str | torch.device | None = None, preloaded: Mapping[str, Any] | None = None,
                  roots: list | None = None, tv_dtype: str = "auto"):
-        self.source = source
-        self.root = root
+        self.source, self.root = source, root
+        self.hub_sources: dict[str, dict] = {}  # key -> {hub, revision}: the Hub sources it was opened from
         # When set (the app sets it), every file the pool names must lie under one of these folders.
         self.roots = [Path(r).expanduser().resolve() for r in roots] if roots is not None else None
         self.device = resolve_device(device)
@@ -64,6 +55,8 @@ class Pool:
             self.base, self.base_format = self._load(self.base_path, "base")
         self.base = checkpoints.strip_prefixes(self.base)
         checkpoints.validate_base(self.base, str(self.base_path))
+        if self.base_format == "hf_clip":  # its config.json says its activation
+            hf_clip.check_activation(self.base_path, self.architecture, source)
         self._check_architecture()
         check_memory(self.base, len(self.expert_info), self.tv_device, self.source, tv_dtype)
         self.tv_dtype = tv_dtype
@@ -338,16 +331,26 @@ def require_open(pool, where: str):
 
 
 def open_pool(path: str | os.PathLike = "demo", device: str | torch.device = "cpu",
-              tv_device: str | torch.device | None = None, roots: list | None = None, tv_dtype: str = "auto") -> Pool:
-    """Open a pool from a YAML file (or a folder holding pool.yaml); "demo" is the built-in pool."""
-    if str(path) == "demo":
-        path = demo_pool_path()
-    spec, yaml_path = read_pool_yaml(path)
-    if roots is not None:
-        roots = list(roots) + [yaml_path.parent]
-    verify_manifest(yaml_path.parent)
-    return Pool(spec, yaml_path.parent, str(yaml_path), device=device, tv_device=tv_device, roots=roots,
-                tv_dtype=tv_dtype)
+              tv_device: str | torch.device | None = None, roots: list | None = None, tv_dtype: str = "auto",
+              pins: Mapping[str, str] | None = None) -> Pool:
+    """Open a pool from a YAML file (or a folder holding pool.yaml); "demo" is the built-in pool,
+    "hub:NAME" a known benchmark. Hub sources are fetched first (``pins``: {key: revision})."""
+    from merger.pool import hub
+
+    if str(path).startswith("hub:"):
+        from merger.pool.known import pool_spec
+
+        spec, source, root = pool_spec(str(path)[4:]), str(path), hub.cache_dir()
+    else:
+        spec, yaml_path = read_pool_yaml(demo_pool_path() if str(path) == "demo" else path)
+        verify_manifest(yaml_path.parent)
+        source, root = str(yaml_path), yaml_path.parent
+    spec, sources = hub.resolve_sources(spec, source, pins)
+    if roots is not None:  # the Hub's files are in its cache, fetched by merger
+        roots = list(roots) + [root] + ([hub.cache_dir()] if sources else [])
+    pool = Pool(spec, root, source, device=device, tv_device=tv_device, roots=roots, tv_dtype=tv_dtype)
+    pool.hub_sources = {s.key: s.record() for s in sources}
+    return pool
 
 
 def verify_manifest(root: Path) -> None:

@@ -16,6 +16,7 @@ TASK_KEYS = {"classes", "templates", "data"}
 PREPROCESS_KEYS = {"image_size", "mean", "std"}
 DEMO_KEYS = {"train", "test", "domain"}
 FOLDER_KEYS = {"root", "image_size"}
+PARQUET_KEYS = {"train", "test", "image", "label", "image_size"}
 
 IMAGE_SIZE = (8, 1024)  # input sides a pool may ask for (ViT-L/14-336 needs 336)
 MAX_DEMO_IMAGES = 200_000  # per split of a demo task: 600 MB of 32-pixel images
@@ -199,7 +200,7 @@ def _task(value: Any, where: str, source: str, in_memory: bool) -> dict:
 
 
 def _data(data: Any, where: str, source: str, in_memory: bool) -> dict:
-    kinds = ("demo", "folder", "memory") if in_memory else ("demo", "folder")
+    kinds = ("demo", "folder", "parquet", "memory") if in_memory else ("demo", "folder", "parquet")
     if not isinstance(data, Mapping) or len(data) != 1 or next(iter(data)) not in kinds:
         raise E(f"{source}: {where}: expected one of {', '.join(kinds)} (e.g. {{folder: data/cars}})")
     kind, entry = next(iter(data.items()))
@@ -223,7 +224,28 @@ def _data(data: Any, where: str, source: str, in_memory: bool) -> dict:
                 entry = {**entry, "image_size": _image_size(entry["image_size"], f"{source}: {where}.folder.image_size")}
         else:
             inputs.check_path(entry, f"{source}: {where}.folder", E)
+    elif kind == "parquet":
+        entry = _parquet(entry, f"{where}.parquet", source)
     return {kind: entry}
+
+
+def _parquet(entry: Any, key: str, source: str) -> dict:
+    where = f"{source}: {key}"
+    inputs.mapping(entry, where, E)
+    inputs.known_keys(entry, PARQUET_KEYS, key, source, E)
+    out = dict(entry)
+    for split in ("train", "test"):
+        files = entry.get(split)
+        if files is None:
+            raise E(f"{where}.{split}: missing (a parquet file, or a list of them)")
+        files = [files] if isinstance(files, str) else inputs.string_list(files, f"{where}.{split}", E, 10_000)
+        out[split] = [str(inputs.check_path(f, f"{where}.{split}", E)) for f in files]
+    for column in ("image", "label"):
+        if column in entry:
+            out[column] = inputs.string(entry[column], f"{where}.{column}", E, 200)
+    if "image_size" in entry:
+        out["image_size"] = _image_size(entry["image_size"], f"{where}.image_size")
+    return out
 
 
 def say_default_statistics(spec: Mapping, source: str) -> None:
