@@ -12,7 +12,7 @@ from merger import methods, runtime
 from merger.cli_jobs import (POOL_HELP, Parser, add_job_args, add_job_commands, cmd_landscape, new_folders,
                              positive_float, positive_int, progress_bar, user_password)
 from merger.cli_reports import cmd_cache, cmd_pools, cmd_report
-from merger.errors import MergerError
+from merger.errors import DataError, MergerError
 from merger.methods import PARAM_NAMES
 
 
@@ -122,6 +122,17 @@ def cmd_merge(args) -> int:
     _run_data_driven(pool, spec)
     weights, yaml_path = export_merge(pool, spec, args.out)
     print(f"wrote {weights} and {yaml_path}: {spec.label()} over {', '.join(spec.experts)}")
+    if args.card_split != "none":  # the model card's table: an evaluation of the merge just written
+        from merger.evaluation.session import session_for
+        from merger.io.model_card import card_text, write_card
+
+        try:
+            result, why = session_for(pool).evaluate_exact(spec, args.card_split), ""
+        except DataError as exc:  # a pool without task data merges all the same: its card says so
+            result, why = None, str(exc)
+        card = write_card(weights, card_text(pool, spec, read_spec_file(yaml_path), result, why))
+        said = f"average {100 * result.average_accuracy:.1f} %" if result else "no accuracy table: no task data"
+        print(f"wrote {card}: the model card ({args.card_split} split: {said})")
     return 0
 
 
@@ -203,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", help="replay a spec YAML written by an earlier merge")
     add_method_args(p)
     p.add_argument("--out", required=True, help="output .safetensors (the spec goes beside it as .yaml)")
+    p.add_argument("--card-split", default="test", choices=["test", "val", "live", "none"],
+                   help="the split the model card (README.md beside the weights) reports; none: no card")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_merge)
 
@@ -245,9 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="measured reports on a pool: methods (every method tuned on validation, "
                                       "scored on test, with its prepare and move times), adaptive (the "
                                       "data-driven merges against task arithmetic), linear (the linear "
-                                      "estimate's error), phenomena (the papers' phenomena on the demo pool)")
-    p.add_argument("what", choices=["methods", "adaptive", "linear", "phenomena"])
+                                      "estimate's error), phenomena (the papers' phenomena on the demo pool), "
+                                      "session (merges as one self-contained HTML report)")
+    p.add_argument("what", choices=["methods", "adaptive", "linear", "phenomena", "session"])
     p.add_argument("--pool", default="demo", help=POOL_HELP)
+    p.add_argument("--out", default=None, help="session: the report's .html file (self-contained, opens offline)")
+    p.add_argument("--specs", nargs="*", default=None,
+                   help="session: the merges, each METHOD:param=value:… (e.g. ties:lam=1:sparsity=0.8)")
+    p.add_argument("--split", default="test", help="session: the split the merges are evaluated on (test)")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("pools", help="the known CLIP benchmarks on the Hugging Face Hub (hub:NAME): their sizes and "

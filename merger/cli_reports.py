@@ -8,6 +8,8 @@ from merger.errors import MergerError
 def cmd_report(args) -> int:
     from merger.pool.pool import open_pool
 
+    if args.what == "session":
+        return _session_report(args)
     pool = open_pool(args.pool)
     if args.what == "adaptive":
         from merger.reports.adaptive import adaptive_numbers, format_adaptive
@@ -26,6 +28,23 @@ def cmd_report(args) -> int:
         from merger.reports.phenomena import format_phenomena, phenomena
 
         print(format_phenomena(phenomena(pool)))
+    return 0
+
+
+def _session_report(args) -> int:
+    from merger.evaluation.session import session_for
+    from merger.io import inputs
+    from merger.pool.pool import open_pool
+    from merger.reports.session import parse_specs, session_report, write_report
+
+    if not args.out:
+        raise MergerError("report session: give --out FILE.html")
+    out = inputs.check_path(args.out, "--out", MergerError).expanduser()
+    inputs.check_output_file(out, "--out", MergerError)  # a folder or an unwritable place: said before any work
+    pool = open_pool(args.pool)
+    specs = parse_specs(pool, args.specs or [])
+    written = write_report(out, session_report(session_for(pool), specs, args.split))
+    print(f"wrote {written}: {len(specs)} merges on the {args.split} split, one file that opens offline")
     return 0
 
 

@@ -106,6 +106,17 @@ def _on_step(m, param, value: float, num_experts: int) -> float:
     return value
 
 
+def assignments(texts, where: str) -> dict[str, str]:
+    """``param=value`` texts as {param: value} (values as typed: the method's check reads them)."""
+    params = {}
+    for a in texts:
+        k, sep, v = a.partition("=")
+        if not sep:
+            raise MergerError(f"{where}: expected METHOD:param=value:… (e.g. ties:lam=1:sparsity=0.8)")
+        params[k.strip()] = v.strip()
+    return params
+
+
 def arguments_text(params) -> str:
     """(name, value) pairs as a spec's label writes them: "lam=0.3, sparsity=0.8"."""
     return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params)

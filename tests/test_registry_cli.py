@@ -201,7 +201,8 @@ def test_an_export_killed_between_its_renames_is_settled_by_the_next_export_or_r
     assert res.returncode == 0, res.stderr
     assert yaml.safe_load(out.with_suffix(".yaml").read_text())["params"]["lam"] == lam_in_weights
     export.export_merge(pool, pool.make_spec("task_arithmetic", {"lam": 0.5}), out)
-    assert sorted(p.name for p in out.parent.iterdir()) == ["again.safetensors", "again.yaml", "m.safetensors", "m.yaml"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["README.md", "again.safetensors", "again.yaml",  # + card
+                                                            "m.safetensors", "m.yaml"]
 
 
 def test_cli_errors_are_one_line_with_exit_2_or_1(tiny_pool, tmp_path):

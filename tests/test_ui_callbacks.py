@@ -4,6 +4,7 @@ import os
 import re
 import sqlite3
 import time
+from pathlib import Path
 
 import gradio as gr
 import pytest
@@ -155,8 +156,11 @@ def test_pin_and_compare(ctl):
 
 def test_export_offers_the_cli_files(ctl):
     paths, msg = ctl.export(*controls(ctl, "ties", lam=1.0, sparsity=0.8))
-    weights, spec = paths
-    assert weights.endswith(".safetensors") and spec.endswith(".yaml")
+    weights, spec, card = paths
+    assert weights.endswith(".safetensors") and spec.endswith(".yaml") and card.endswith("README.md")
+    live = ctl.session.preview(ctl.session.spec("ties", lam=1.0, sparsity=0.8))  # the result on screen
+    assert f"| average | {100 * live.average_accuracy:.1f} |" in Path(card).read_text() and "live split" in msg + \
+        Path(card).read_text()
     from safetensors.torch import load_file
     sd = load_file(weights)
     ref = merger.merge(ctl.pool, "ties", lam=1.0, sparsity=0.8)
@@ -663,7 +667,7 @@ def test_pin_and_export_refuse_values_the_page_never_computed(ctl):
     pins, _ = events.pin(me, [], *shown)
     assert [p.kwargs["lam"] for p in pins] == [0.3]
     files, msg = events.export(me, *shown)
-    assert len(files) == 2 and msg == "Exported `task_arithmetic(lam=0.3)`."
+    assert len(files) == 3 and msg == "Exported `task_arithmetic(lam=0.3)` with its model card."
     other = SimpleNamespace(session_hash="someone else")  # another page's moves are not mine
     assert events.not_on_screen(other, clamped[0], clamped[1], clamped[2:]) is None
 

@@ -19,6 +19,7 @@ import torch
 from merger import methods
 from merger.errors import Cancelled, MergerError
 from merger.io import checkpoints
+from merger.spec import assignments as parse_assignments
 
 MAX_GRID = 61
 COARSE = 7
@@ -231,13 +232,7 @@ class Landscape:
                                       + (f"did you mean '{near[0]}'? A" if near else "a")
                                       + f" point is base, a task ({', '.join(self.pool.tasks)}), file:PATH, or a "
                                       f"method as METHOD:param=value (e.g. ties:lam=0.5)") from None
-                params = {}
-                for a in assignments:
-                    k, sep, v = a.partition("=")
-                    if not sep:
-                        raise MergerError(f"landscape point '{name}': expected METHOD:param=value")
-                    params[k.strip()] = v.strip()
-                spec = self.pool.make_spec(method, params)
+                spec = self.pool.make_spec(method, parse_assignments(assignments, f"landscape point '{name}'"))
                 if not runs and methods.get(spec.method).data_driven and self.session.cached_run(spec) is None:
                     raise MergerError(f"landscape point '{name}': no {methods.get(spec.method).display_name} run for "
                                       "these settings yet; set them in the Merge tab and press Run first")

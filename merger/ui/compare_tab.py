@@ -51,6 +51,15 @@ class CompareTab:
         return (table, plots.grouped_bars(results, f"Pinned merges: accuracy per task ({split} split)"),
                 plots.radar(results, f"Normalised accuracy (merged ÷ expert), {split} split"))
 
+    @keeps_outputs(1)
+    def report(self, pins, split):
+        """The pinned merges as one self-contained HTML file (merger/reports/session.py), offered as a
+        download; no pins gives a report that says so."""
+        from merger.reports.session import session_report, write_report
+
+        text = session_report(self.ctl.session, list(pins or []), split, f"{self.ctl.pool.name}: pinned merges")
+        return str(write_report(self.ctl.downloads.fresh("merger-report.html"), text))
+
     def compare_headers(self) -> list[str]:
         return ["method", "parameters", "experts", "split", "avg acc %", "normalised %", "loss"] + list(self.ctl.pool.tasks)
 
@@ -164,6 +173,8 @@ def build_compare_tab(ctl, pins, experts, batch) -> CompareTab:
         with gr.Row():
             cmp_split = gr.Dropdown(list(SPLITS_SHOWN), value="live", label="split")
             cmp_btn = gr.Button("Compare pinned merges")
+            report_btn = gr.Button("Export report")
+        report_file = gr.File(label="report (one HTML file: it opens offline)", interactive=False)
         cmp_table = gr.Dataframe(headers=tab.compare_headers(), interactive=False, wrap=True,
                                  column_widths=tab.compare_widths())
         with gr.Row():
@@ -171,6 +182,7 @@ def build_compare_tab(ctl, pins, experts, batch) -> CompareTab:
             cmp_radar = gr.Plot()
         cmp_btn.click(batch(tab.compare), [pins, cmp_split], [cmp_table, cmp_bars, cmp_radar],
                       **BATCH_EVENT, api_visibility="private")
+        report_btn.click(batch(tab.report), [pins, cmp_split], report_file, **BATCH_EVENT, api_visibility="private")
         gr.Markdown("### Auto-tune\nGrid search on the validation split, then the best setting on the test split.")
         tunable = tunable_methods()
         tune_methods = gr.CheckboxGroup([(methods.get(n).display_name, n) for n in tunable], value=featured(tunable),

@@ -307,9 +307,17 @@ class Controller(ControlPanel):
             out = self.downloads.fresh(f"merged-{spec.method}.safetensors")
             with self.session.batch(), self.session.lock:
                 weights, spec_yaml = export_merge(self.pool, spec, out, delta)
+            card = self._card(spec, weights, spec_yaml)
         except (MergerError, OSError) as exc:
             return None, notice(f"export failed: {exc}")
-        return [str(weights), str(spec_yaml)], f"Exported `{spec.label()}`."
+        return [str(weights), str(spec_yaml), str(card)], f"Exported `{spec.label()}` with its model card."
+
+    def _card(self, spec, weights, spec_yaml):
+        """The model card of an export: the live result on screen (cached: no forward of its own)."""
+        from merger.io.export import read_spec_file
+        from merger.io.model_card import card_text, write_card
+
+        return write_card(weights, card_text(self.pool, spec, read_spec_file(spec_yaml), self.session.preview(spec)))
 
 
 def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str, batch) -> dict:
