@@ -149,6 +149,10 @@ def run(what: str, args) -> int:
         from devtools.bench_open import bench_open
 
         return bench_open(args)
+    if what == "room":
+        from devtools.bench_room import bench_room
+
+        return bench_room(args)
     if what == "hub":
         from devtools.bench_hub import bench_hub
 

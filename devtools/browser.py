@@ -118,6 +118,25 @@ def open_page(playwright, url: str):
     return browser, page
 
 
+def signed_in_page(browser, url: str, user: str, password: str):
+    """A page of its own (own cookies) signed in to an app started with --auth, once the Merge tab
+    shows its first answer."""
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    page.goto(url)
+    page.get_by_label("username").fill(user)
+    page.get_by_label("password").fill(password)
+    page.get_by_role("button", name="Login").click()
+    page.locator("#avg-acc").wait_for(timeout=90_000)
+    return page
+
+
+def type_lambda(page, value: float) -> None:
+    """Type λ into its box and press Enter, as a presenter does."""
+    box = page.locator("#ctl-lam input[type=number]")
+    box.fill(f"{value:g}")
+    box.press("Enter")
+
+
 def screenshot(pool: str, out: str | Path, fraction: float = 0.6) -> dict:
     """Start the app, drag λ, and save a screenshot of the Merge tab."""
     from playwright.sync_api import sync_playwright

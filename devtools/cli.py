@@ -86,7 +86,7 @@ def build_parser() -> Parser:
 
     p = sub.add_parser("bench", help="benchmarks (medians and ratios in one run)")
     p.add_argument("what", choices=["merge", "accel", "live", "browser", "workshop", "api", "landscape", "scale",
-                                    "load", "attacks", "open", "hub", "cluster", "soak"],
+                                    "load", "attacks", "open", "hub", "cluster", "soak", "room"],
                    help="merge: prepare/apply per method on ViT-B-32; accel: each speed-up piece off and on "
                         "(what it speeds, the ratio, the difference); live: the Merge tab's listener per move "
                         "(time, forwards, applies); browser: Chromium slider → shown result; workshop: 10 clients "
@@ -94,14 +94,15 @@ def build_parser() -> Parser:
                         "scale: ViT-B-32 pool (first partial answer); open: a ViT-B-32 pool from files, cold and warm "
                         "(disk cache); hub: a ViT-B-32 pool on a local fake Hugging Face hub, fetched, then opened cold and warm; cluster: a sweep and a landscape here and on a local Ray instance "
                         "(--clients workers, 2); attacks: the bad-input catalogue; soak: an hour of a workshop "
-                        "compressed (Chromium rounds and 2,000 HTTP calls), the server's memory sampled")
+                        "compressed (Chromium rounds and 2,000 HTTP calls), the server's memory sampled; room: a workshop room, "
+                        "1 presenter and 30 followers (2 Chromium pages, 28 HTTP clients)")
     p.add_argument("--jobs", default="sweep,autotune", help="workshop: batch jobs (sweep, autotune, landscape)")
     p.add_argument("--url", default=None, help="api / load: a running app to target (default: start one)")
     p.add_argument("--auth", type=user_password, default=None,
                    help="api / load: user:password of a --url app started with --auth")
     p.add_argument("--grid", type=positive_int, default=21, help="landscape: grid points per side")
     p.add_argument("--clients", type=positive_int, default=None,
-                   help="load (20) / workshop (10): concurrent clients")
+                   help="load (20) / workshop (10): concurrent clients; room (30): followers")
     p.add_argument("--arch", default="ViT-B-32")
     p.add_argument("--pool", default="demo", help=POOL_HELP)
     p.add_argument("--experts", type=positive_int, default=8)
@@ -110,7 +111,8 @@ def build_parser() -> Parser:
     p.add_argument("--repeats", type=positive_int, default=None,
                    help="merge: preparations timed per method, each in a fresh session; the median shown (1)")
     p.add_argument("--moves", type=positive_int, default=None,
-                   help="live / api / scale: distinct λ values per method; load: moves per client (50)")
+                   help="live / api / scale: distinct λ values per method; load: moves per client (50); room: presenter "
+                   "moves (15)")
     p.add_argument("--images", type=positive_int, default=None,
                    help="scale: synthetic images per task (128); open: test images per task (32)")
     p.add_argument("--device", default="cpu", help="scale: cpu or cuda")

@@ -263,9 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["methods", "adaptive", "linear", "phenomena", "session"])
     p.add_argument("--pool", default="demo", help=POOL_HELP)
     p.add_argument("--out", default=None, help="session: the report's .html file (self-contained, opens offline)")
-    p.add_argument("--specs", nargs="*", default=None,
+    p.add_argument("--specs", "--pins", nargs="*", default=None,
                    help="session: the merges, each METHOD:param=value:… (e.g. ties:lam=1:sparsity=0.8)")
     p.add_argument("--split", default="test", help="session: the split the merges are evaluated on (test)")
+    p.add_argument("--history", default=None, help="session: a history file (the app's --history); its λ sweeps "
+                   "of this pool are drawn in the report")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("pools", help="the known CLIP benchmarks on the Hugging Face Hub (hub:NAME): their sizes and "

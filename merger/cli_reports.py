@@ -41,11 +41,32 @@ def _session_report(args) -> int:
         raise MergerError("report session: give --out FILE.html")
     out = inputs.check_path(args.out, "--out", MergerError).expanduser()
     inputs.check_output_file(out, "--out", MergerError)  # a folder or an unwritable place: said before any work
+    history, views = None, {}
+    if args.history:  # read only: a typo must not leave a new empty history behind
+        history = inputs.check_path(args.history, "--history", MergerError).expanduser()
+        if not history.is_file():
+            raise MergerError(f"--history {args.history}: no such file (the SQLite history the app or "
+                              "`merger eval` writes)")
     pool = open_pool(args.pool)
     specs = parse_specs(pool, args.specs or [])
-    written = write_report(out, session_report(session_for(pool), specs, args.split))
-    print(f"wrote {written}: {len(specs)} merges on the {args.split} split, one file that opens offline")
+    if history is not None:
+        views = _history_views(history, pool)
+    written = write_report(out, session_report(session_for(pool), specs, args.split, views=views))
+    print(f"wrote {written}: {len(specs)} merges on the {args.split} split"
+          + (f", {len(views)} sweep figure(s) from {args.history}" if args.history else "") + ", one file that opens offline")
     return 0
+
+
+def _history_views(path, pool) -> dict:
+    import sqlite3
+
+    from merger.io.history import History
+    from merger.reports.session import history_sweeps
+
+    try:
+        return history_sweeps(History(path), pool)
+    except sqlite3.DatabaseError as exc:
+        raise MergerError(f"--history {path}: not a merger history ({exc})") from None
 
 
 def cmd_cache(args) -> int:

@@ -383,3 +383,15 @@ def pareto_scatter(points: Sequence[Mapping], front: Sequence[int], task_a: str,
     return _figure(traces, title=f"Every evaluated merge: {task_a} vs {task_b}",
                    xaxis=dict(title=f"{task_a} accuracy %"), yaxis=dict(title=f"{task_b} accuracy %"),
                    legend=_CURVES["legend"])
+
+
+def guesses_histogram(guesses: Sequence[float], answer: float, mine: float | None = None,
+                      title: str = "The room's guesses") -> go.Figure:
+    """A room's guesses of an average accuracy (in %) against the answer, and this page's own guess."""
+    marks = [dict(type="line", x0=answer, x1=answer, y0=0, y1=1, yref="paper", line=dict(color=PALETTE[3], width=3))]
+    notes = [dict(x=answer, y=1, yref="paper", text=f"answer {answer:.1f} %", showarrow=False, yanchor="bottom")]
+    if mine is not None:
+        marks.append(dict(type="line", x0=mine, x1=mine, y0=0, y1=1, yref="paper", line=dict(color="#222", dash="dot")))
+    return _figure([go.Histogram(x=list(guesses), xbins=dict(start=0, end=100, size=2.5), marker_color=PALETTE[0],
+                                 name="guesses")], title=title, shapes=marks, annotations=notes, bargap=0.05,
+                   xaxis=dict(title="average accuracy %", range=[0, 100]), yaxis=dict(title="guesses"))

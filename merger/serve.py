@@ -37,6 +37,9 @@ def parse_args(argv=None, prog: str | None = None):
                     help="SQLite file of evaluated specs ('' to turn history off)")
     ap.add_argument("--share", action="store_true", help="ask Gradio for a public share link (off by default)")
     ap.add_argument("--auth", type=user_password, default=None, help="user:password required to open the app")
+    ap.add_argument("--presenter", type=user_password, default=None,
+                    help="user:password of a workshop's presenter (with --auth, the attendees' login): their page "
+                    "drives every page that follows")
     ap.add_argument("--ray", default=None, metavar="auto|local|ADDRESS",
                     help="send Sweep / Auto-tune / Landscape jobs to a Ray cluster (the sliders stay here)")
     ap.add_argument("--workers", type=worker_count, default=2, help="with --ray: workers, each opening the pool once")
@@ -93,6 +96,12 @@ def main(argv=None, prog: str | None = None) -> int:
     from merger.io.history import History
     from merger.ui import build_app
 
+    if args.presenter and (not args.auth or args.auth[0] == args.presenter[0]):
+        print("error: --presenter: " + ("needs --auth, the attendees' login: without it the app cannot tell the "
+                                         "presenter from the room" if not args.auth else
+                                         f"the presenter's user name must differ from --auth's ({args.auth[0]!r})"),
+              file=sys.stderr)
+        return 2
     taken = _cannot_bind(args.host, args.port)
     if taken:  # said now, not after the pool's load (seconds to minutes)
         print(f"error: --host {args.host} --port {args.port}: cannot serve there ({taken}); pick another --port, "
@@ -134,13 +143,13 @@ def main(argv=None, prog: str | None = None) -> int:
         threading.Thread(target=_estimate_forwards, args=(session,), name="linear-estimate", daemon=True).start()
     from merger.ui.login import LoginGate
 
-    app = build_app(session, history, cluster=cluster)
+    app = build_app(session, history, cluster=cluster, presenter=args.presenter[0] if args.presenter else None)
     app.queue(default_concurrency_limit=1)
     try:
         # quiet: Gradio's own lines speak of its Python API (share=True in launch()), not of this app's flags;
         # show_error: an error that is no gr.Error says its message (a short plain-HTTP list got {"error": null})
         # max_file_size: the app takes no file from a browser, so Gradio's upload route takes next to nothing
-        auth = LoginGate(*args.auth) if args.auth else None
+        auth = LoginGate(dict([args.auth, *([args.presenter] if args.presenter else [])])) if args.auth else None
         app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
                    footer_links=["api"], css=None, quiet=True, prevent_thread_lock=True, show_error=True,
                    max_file_size=UPLOAD_LIMIT, state_session_capacity=args.max_sessions)
@@ -148,6 +157,8 @@ def main(argv=None, prog: str | None = None) -> int:
         print(f"error: --host {args.host} --port {args.port}: cannot serve there: the port is taken, or "
               f"{args.host} is not an address of this machine; pick another --port", file=sys.stderr)
         return 2
+    if args.presenter:
+        print(f"workshop room: the page signed in as {args.presenter[0]!r} drives every page that follows", flush=True)
     print(f"serving {pool.name} at {app.local_url}" + (f" and {app.share_url}" if args.share and app.share_url else "")
           + " (Ctrl+C stops it)", flush=True)
     try:

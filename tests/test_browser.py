@@ -11,20 +11,25 @@ from devtools import browser
 REQUIRED = os.environ.get("MERGER_REQUIRE_BROWSER") == "1"  # set by .ci/run: no skipping in CI
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def small_pool_server(root, extra=()):
+    """Generator: (pool path, url, history) of the app on a 3-expert pool, served until closed;
+    skipped (failed in CI) where Chromium is missing."""
     missing = browser.browser_missing()
     if missing:
         if REQUIRED:
             pytest.fail(f"browser test required (MERGER_REQUIRE_BROWSER=1) but {missing}")
         pytest.skip(f"browser test skipped: {missing}")
-    root = tmp_path_factory.mktemp("browserpool")
     pool_path = write_pool(root, n_experts=3, scale=0.2, demo_data=True)
     port = browser.free_port()
-    proc = browser.start_server(str(pool_path), port, str(root / "history.sqlite"))
+    proc = browser.start_server(str(pool_path), port, str(root / "history.sqlite"), extra=extra)
     yield str(pool_path), f"http://127.0.0.1:{port}/", root / "history.sqlite"
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from small_pool_server(tmp_path_factory.mktemp("browserpool"))
 
 
 def test_dragging_lambda_updates_the_numbers(server, tmp_path):

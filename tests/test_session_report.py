@@ -84,3 +84,42 @@ def test_the_compare_tabs_export_report_offers_the_pinned_merges(tmp_path):
     for spec in pins:
         assert f"{100 * ctl.session.preview(spec).average_accuracy:.1f}" in text and spec.label() in text
     assert "pinned no merges" in Path(CompareTab(ctl).report([], "live")).read_text()
+
+
+def test_the_export_report_draws_the_figures_the_page_shows(tmp_path):
+    from helpers import ui_controller
+
+    from merger import plots
+    from merger.ui.compare_tab import REPORT_VIEWS, CompareTab
+
+    ctl = ui_controller(tmp_path)
+    sweep = plots.sweep_curves({"ties": ([0.5, 1.0], [0.4, 0.6])}, "λ", "Sweep of TIES over λ")
+    pareto = plots.sweep_curves({"front": ([0.1, 0.2], [0.3, 0.1])}, "colour", "Front of the page")
+    shown = {"sweep-plot": {"type": "plotly", "plot": sweep.to_json()},
+             "landscape-plot": {"type": "plotly", "plot": "{not json"},  # a page's bad value: left out
+             "pareto-plot": {"type": "plotly", "plot": pareto.to_json()}}
+    text = Path(CompareTab(ctl).report([], "live", *[shown.get(i) for i in REPORT_VIEWS])).read_text()
+    assert "What the session showed" in text and "Sweep of TIES over λ" in text and "Front of the page" in text
+    assert REPORT_VIEWS["landscape-plot"] not in text and REPORT_VIEWS["pareto-plot"] in text
+    assert len(re.findall(r"plotly\.js v\d", text)) == 1  # still inlined once
+
+
+def test_the_cli_report_draws_the_historys_lambda_sweeps(pool, tmp_path, capsys):
+    from merger.cli import main
+    from merger.io.export import pool_reference
+    from merger.io.history import History
+
+    history = History(tmp_path / "history.sqlite")
+    session = session_for(pool)
+    for lam in (0.2, 0.6, 1.0):
+        spec = session.spec("task_arithmetic", lam=lam)
+        history.record(pool_reference(pool), spec, session.preview(spec, "val"))
+    out = tmp_path / "report.html"
+    assert main(["report", "session", "--pool", pool.source, "--out", str(out), "--history",
+                 str(tmp_path / "history.sqlite")]) == 0
+    text = out.read_text()
+    assert "λ sweeps in the history (val split)" in text and "task_arithmetic()" in text
+    assert "1 sweep figure(s)" in capsys.readouterr().out
+    assert main(["report", "session", "--pool", pool.source, "--out", str(out), "--history",
+                 str(tmp_path / "nope.sqlite")]) == 2
+    assert "--history" in capsys.readouterr().err and not (tmp_path / "nope.sqlite").exists()

@@ -897,7 +897,7 @@ def test_wrong_passwords_wait_longer_each_time_and_a_right_one_still_opens():
     from merger.ui.login import LoginGate
 
     waits, now = [], [0.0]
-    gate = LoginGate("ana", "s3cret", sleep=lambda s: (waits.append(s), now.__setitem__(0, now[0] + s)),
+    gate = LoginGate({"ana": "s3cret"}, sleep=lambda s: (waits.append(s), now.__setitem__(0, now[0] + s)),
                      clock=lambda: now[0])
     assert gate("ana", "s3cret") and waits == []  # no failure yet: no wait
     assert not any(gate("ana", f"guess{i}") for i in range(8))

@@ -33,9 +33,10 @@ def parse_specs(pool, texts) -> list:
     return specs
 
 
-def session_report(session, specs, split: str = "test", title: str = "") -> str:
+def session_report(session, specs, split: str = "test", title: str = "", views=None) -> str:
     """The report's HTML. Every merge is evaluated on ``split`` (the session's caches answer the ones
-    already computed)."""
+    already computed). ``views``: heading -> a figure the session showed (its sweeps, landscape,
+    trajectories, trade-off maps), drawn after the merges as they were."""
     pool = session.pool
     if len(specs) > MAX_MERGES:
         raise MergerError(f"report: {len(specs)} merges (at most {MAX_MERGES})")
@@ -44,7 +45,18 @@ def session_report(session, specs, split: str = "test", title: str = "") -> str:
     if not specs:
         parts.append("<p class='note'>This session pinned no merges: pin merges in the Merge tab (or name them "
                      "with --specs) to report them.</p>")
-        return _page(title or pool.name, parts)
+    parts += _merge_sections(session, specs, split, figures)
+    if views:
+        parts.append("<h2>What the session showed</h2>")
+        for heading, fig in views.items():
+            parts += [f"<h3>{html.escape(heading)}</h3>", figures.add(fig)]
+    return _page(title or pool.name, parts)
+
+
+def _merge_sections(session, specs, split: str, figures) -> list[str]:
+    pool, parts = session.pool, []
+    if not specs:
+        return parts
     with session.batch():
         results = {_name(s, i): (s, session.preview(s, split)) for i, s in enumerate(specs)}
         base, experts = session.base(split), session.expert_accuracy(split)
@@ -57,7 +69,33 @@ def session_report(session, specs, split: str = "test", title: str = "") -> str:
                   figures.add(plots.accuracy_bars(result, base, experts, title=f"{label}: accuracy per task")),
                   "<p>Replay it:</p>", f"<pre>{html.escape(_command(pool, spec))}</pre>",
                   "<p>Its spec:</p>", f"<pre>{html.escape(yaml.safe_dump(spec.as_dict(), sort_keys=False))}</pre>"]
-    return _page(title or pool.name, parts)
+    return parts
+
+
+def history_sweeps(history, pool, limit: int = 5000) -> dict:
+    """The λ sweeps a history holds for this pool: per split, one curve of average accuracy against λ
+    for each setting (method, experts, other parameters) evaluated at 3 or more λ values."""
+    import json
+
+    from merger.io.export import pool_reference
+
+    curves: dict = {}
+    for row in history.rows(pool=pool_reference(pool), limit=limit):
+        params = json.loads(row["params"])
+        lam = params.pop("lam", None)
+        if isinstance(lam, (int, float)) and row["average_accuracy"] is not None:
+            rest = ", ".join(f"{k}={v}" for k, v in sorted(params.items()))
+            experts = "" if row["experts"] == ",".join(pool.tasks) else f" [{row['experts']}]"
+            label = f"{row['method']}({rest}){experts}"
+            curves.setdefault(row["split"], {}).setdefault(label, {})[float(lam)] = row["average_accuracy"]
+    views = {}
+    for split, per_label in sorted(curves.items()):
+        swept = {label: (sorted(points), [points[x] for x in sorted(points)])
+                 for label, points in per_label.items() if len(points) >= 3}
+        if swept:
+            views[f"λ sweeps in the history ({split} split)"] = plots.sweep_curves(
+                swept, "λ", f"Average accuracy against λ, {split} split (from the history)")
+    return views
 
 
 class _Figures:

@@ -7,13 +7,15 @@ import gradio as gr
 from merger import methods
 from merger.analysis.lab import free_lab_experts
 from merger.ui.analysis_tab import build_analysis_tabs
-from merger.ui.compare_tab import build_compare_tab
+from merger.ui.compare_tab import REPORT_VIEWS, build_compare_tab
 from merger.ui.endpoint import evaluate_endpoint
 from merger.ui.history_tab import build_history_tab
 from merger.ui.landscape_tab import LandscapeController, build_landscape_tabs
 from merger.ui.merge_events import MergeTabEvents, session_of
 from merger.ui.merge_tab import Controller, build_merge_tab
-from merger.ui.scheduling import PREVIEW_EVENT, as_batch
+from merger.ui.room import Room
+from merger.ui.room_panel import RoomPanel
+from merger.ui.scheduling import BATCH_EVENT, PREVIEW_EVENT, as_batch
 from merger.ui.tradeoffs_tab import build_tradeoffs_tab
 
 
@@ -22,12 +24,15 @@ def default_method() -> str:
     return next((m.name for m in methods.all_methods() if m.featured), methods.names()[0])
 
 
-def build_app(session, history=None, title: str = "merger", cluster=None) -> gr.Blocks:
+def build_app(session, history=None, title: str = "merger", cluster=None, presenter: str | None = None) -> gr.Blocks:
+    """``presenter``: the login name that drives a workshop room (``app --presenter``); None: no room."""
     ctl = Controller(session, history, cluster)
     pool = session.pool
     first = default_method()
     landscape = LandscapeController(ctl)
-    events = MergeTabEvents(ctl, first, landscape)
+    room = Room(presenter) if presenter else None
+    events = MergeTabEvents(ctl, first, landscape, room)
+    panel = RoomPanel(room, ctl, events) if room is not None else None
 
     def batch(fn):
         return as_batch(session, fn)
@@ -36,9 +41,10 @@ def build_app(session, history=None, title: str = "merger", cluster=None) -> gr.
     with gr.Blocks(title=title, delete_cache=(600, 3600)) as app:
         gr.Markdown(f"# merger · model-merging explorer\nPool **{pool.name}** ({pool.architecture_name}): "
                     f"{len(pool.tasks)} experts: {', '.join(pool.tasks)}.")
-        with gr.Tabs():
+        room_parts = panel.build() if panel is not None else None
+        with gr.Tabs() as tabs:
             merge = build_merge_tab(ctl, events, first, batch)
-            build_compare_tab(ctl, merge["pins"], merge["experts"], batch)
+            compare = build_compare_tab(ctl, merge["pins"], merge["experts"], batch)
             build_tradeoffs_tab(ctl, merge, events, batch)
             land_state, land_plot = build_landscape_tabs(landscape, merge["pins"], merge["inputs"], batch)
             # One listener per control: the Merge plots, the data-driven panel and the landscape marker
@@ -51,7 +57,13 @@ def build_app(session, history=None, title: str = "merger", cluster=None) -> gr.
                          trigger_mode="always_last", **PREVIEW_EVENT, show_progress="hidden", api_visibility="private")
             build_analysis_tabs(ctl, merge["inputs"], merge["experts"])
             build_history_tab(ctl, events, merge)
+        plots_by_id = {b.elem_id: b for b in app.blocks.values() if isinstance(b, gr.Plot)}
+        button, report_inputs, report_file = compare.report_event
+        button.click(batch(compare.report), [*report_inputs, *[plots_by_id[i] for i in REPORT_VIEWS]], report_file,
+                     **BATCH_EVENT, api_visibility="private")
 
+        if panel is not None:
+            panel.wire(app, room_parts, tabs, {t.label: t.id for t in tabs.children}, merge)
         gr.api(evaluate_endpoint(ctl), api_name="evaluate", **PREVIEW_EVENT)
         app.load(ctl.method_controls, [merge["method"], merge["experts"], *merge["controls"]],
                  [*merge["controls"], merge["about"]], api_visibility="private")
@@ -60,6 +72,8 @@ def build_app(session, history=None, title: str = "merger", cluster=None) -> gr.
 
         def ended(request: gr.Request):  # Gradio passes the request to a parameter annotated so
             session_ended(ctl, events, request)
+            if room is not None:
+                room.left(session_of(request))
             # Gradio keeps a closed page's gr.State values (pins, landscapes) for an hour, for a reload
             # that here opens a new session anyway: they go now
             holder = getattr(app, "state_holder", None)

@@ -27,6 +27,30 @@ def pin_name(spec, pins) -> str:
     return label if sum(p.label() == label for p in pins) == 1 else f"{label} [{', '.join(spec.experts)}]"
 
 
+# The figures a page's report draws after its merges: elem_id of the plot -> heading
+REPORT_VIEWS = {"sweep-plot": "Sweep", "landscape-plot": "Loss landscape, its markers and trajectories",
+                "trajectories-plot": "Along the trajectories", "tradeoff-map-a": "Trade-off map, task A",
+                "tradeoff-map-b": "Trade-off map, task B", "pareto-plot": "Pareto front of the merges evaluated"}
+MAX_VIEW_BYTES = 32 * 2**20  # a figure a page sends back for its report (a 101² surface is ~1 MB)
+
+
+def figure_of(payload):
+    """A plotly figure from a gr.Plot's value as the page sends it; None for an empty plot, another
+    kind, or one past ``MAX_VIEW_BYTES`` (the page's own data: a bad one is left out, never an error)."""
+    import plotly.io as pio
+
+    data = payload.model_dump() if hasattr(payload, "model_dump") else payload
+    if not isinstance(data, dict) or data.get("type") != "plotly" or not isinstance(data.get("plot"), str):
+        return None
+    if len(data["plot"]) > MAX_VIEW_BYTES:
+        return None
+    try:
+        fig = pio.from_json(data["plot"])
+    except Exception:  # noqa: BLE001  any malformed figure: left out
+        return None
+    return fig if fig.data else None
+
+
 class CompareTab:
     def __init__(self, ctl):
         self.ctl = ctl
@@ -52,12 +76,18 @@ class CompareTab:
                 plots.radar(results, f"Normalised accuracy (merged ÷ expert), {split} split"))
 
     @keeps_outputs(1)
-    def report(self, pins, split):
+    def report(self, pins, split, *shown):
         """The pinned merges as one self-contained HTML file (merger/reports/session.py), offered as a
-        download; no pins gives a report that says so."""
+        download, with the figures this page shows (``REPORT_VIEWS``, in order); no pins and no
+        figures give a report that says so."""
         from merger.reports.session import session_report, write_report
 
-        text = session_report(self.ctl.session, list(pins or []), split, f"{self.ctl.pool.name}: pinned merges")
+        views = {}
+        for heading, payload in zip(REPORT_VIEWS.values(), shown):
+            fig = figure_of(payload)
+            if fig is not None:
+                views[heading] = fig
+        text = session_report(self.ctl.session, list(pins or []), split, f"{self.ctl.pool.name}: pinned merges", views)
         return str(write_report(self.ctl.downloads.fresh("merger-report.html"), text))
 
     def compare_headers(self) -> list[str]:
@@ -182,7 +212,8 @@ def build_compare_tab(ctl, pins, experts, batch) -> CompareTab:
             cmp_radar = gr.Plot()
         cmp_btn.click(batch(tab.compare), [pins, cmp_split], [cmp_table, cmp_bars, cmp_radar],
                       **BATCH_EVENT, api_visibility="private")
-        report_btn.click(batch(tab.report), [pins, cmp_split], report_file, **BATCH_EVENT, api_visibility="private")
+        # wired by the app, once the tabs whose figures the report draws exist (REPORT_VIEWS)
+        tab.report_event = (report_btn, [pins, cmp_split], report_file)
         gr.Markdown("### Auto-tune\nGrid search on the validation split, then the best setting on the test split.")
         tunable = tunable_methods()
         tune_methods = gr.CheckboxGroup([(methods.get(n).display_name, n) for n in tunable], value=featured(tunable),

@@ -313,7 +313,7 @@ def build_landscape_tabs(lc: LandscapeController, pins, inputs, batch):
             t_split = gr.Dropdown(["probe", "live", "val", "test"], value="live", label="split")
             t_task = gr.Dropdown(["all tasks (mean)"] + tasks, value="all tasks (mean)", label="of")
         t_btn = gr.Button("Evaluate along trajectories")
-        t_plot = gr.Plot()
+        t_plot = gr.Plot(elem_id="trajectories-plot")
         t_btn.click(batch(lc.curves), [chosen, t_metric, t_split, t_task, *inputs], t_plot, **BATCH_EVENT,
                     api_visibility="private")
     return state, plot

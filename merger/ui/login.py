@@ -18,8 +18,8 @@ class LoginGate:
     MAX_WAIT_S = 8.0
     WINDOW_S = 300.0
 
-    def __init__(self, user: str, password: str, sleep=time.sleep, clock=time.monotonic):
-        self._user, self._password = user.encode(), password.encode()
+    def __init__(self, accounts: dict[str, str], sleep=time.sleep, clock=time.monotonic):
+        self._accounts = [(u.encode(), p.encode()) for u, p in accounts.items()]  # the room's, and a presenter's
         self._sleep, self._clock = sleep, clock
         self._lock = threading.Lock()
         self._failures: list[float] = []  # times of recent failures, bounded by the window
@@ -30,8 +30,10 @@ class LoginGate:
             self._failures = [t for t in self._failures if now - t < self.WINDOW_S][-64:]
             if self._failures:
                 self._sleep(self.wait_s(len(self._failures)))
-            ok = (hmac.compare_digest(str(user).encode(), self._user)
-                  & hmac.compare_digest(str(password).encode(), self._password))
+            ok = False
+            for known_user, known_password in self._accounts:  # every account checked: the time names none
+                ok |= (hmac.compare_digest(str(user).encode(), known_user)
+                       & hmac.compare_digest(str(password).encode(), known_password))
             if not ok:
                 self._failures.append(self._clock())
             return bool(ok)

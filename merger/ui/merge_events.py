@@ -37,11 +37,12 @@ def session_of(request) -> str:
 
 
 class MergeTabEvents:
-    def __init__(self, ctl, initial_method: str, landscape=None):
+    def __init__(self, ctl, initial_method: str, landscape=None, room=None):
         self.ctl = ctl
         self.landscape = landscape  # LandscapeController: the live marker follows each move
+        self.room = room  # a workshop Room (app --presenter): the presenter's moves are shown to it
         self.initial_method = initial_method
-        # session -> (spec, expiry, arrived, record: a new spec, not a History row's)
+        # session -> (spec, expiry, arrived, the step its move is: "loaded", "reload" or "shown"; see _reload_step)
         self._targets: dict[str, tuple[object, float, bool, bool]] = {}
         self._methods: dict[str, str] = {}  # the method each session shows (to tell its defaults)
         self._panel: dict[str, int | None] = {}  # the run each session's data-driven panel shows
@@ -84,7 +85,7 @@ class MergeTabEvents:
         has not computed. A value a box refused is put back in range by the browser (λ 5 → 3; an
         emptied box → 0) when the box loses focus, to the Pin or Export button clicked: that click
         arrives before the move of the new value, and would save a merge nobody saw."""
-        spec, who = self._spec(experts, method, values), session_of(request)
+        spec, who = self.spec_of(experts, method, values), session_of(request)
         if spec is None or self.still_shown(who, spec):
             return None  # on screen (or no move yet), or the controls' own message follows
         with self._lock:
@@ -96,7 +97,7 @@ class MergeTabEvents:
     def load(self, request: gr.Request, experts, method, *values):
         """The page's first answer (its load event): from then on, what Pin and Export may take."""
         with self._lock:
-            self._shown[session_of(request)] = self._spec(experts, method, values)
+            self._shown[session_of(request)] = self.spec_of(experts, method, values)
         return self.ctl.preview(experts, method, *values)
 
     def pin(self, request: gr.Request, pins, experts, method, *values):
@@ -128,26 +129,28 @@ class MergeTabEvents:
     def _reload_step(self, request, experts, method, values) -> str:
         """What a move is while a History reload is pending: "reload" (the row's own spec: computed,
         not recorded), "loaded" (the spec Start from learned or tuned weights set: computed and
-        recorded), "skip" (an in-between spec of the reload) or "move" (a person's move). The
+        recorded), "shown" (the room's merge, whose answer the room sent with it: nothing to show),
+        "skip" (an in-between spec of the reload) or "move" (a person's move). The
         reload stays pending after its spec arrived, so that its method change, whenever it comes,
         keeps the row's values; the person's next different move ends it."""
         key = session_of(request)
         target = self._target(request)
         if target is None:
             return "move"
-        if self._spec(experts, method, values) == target:
+        if self.spec_of(experts, method, values) == target:
             with self._lock:
                 entry = self._targets.get(key)
                 if entry is not None:
                     self._targets[key] = (*entry[:2], True, entry[3])
-            return "loaded" if entry is not None and entry[3] else "reload"
+            return entry[3] if entry is not None else "reload"
         with self._lock:
             matched = key in self._targets and self._targets[key][2]
             if matched:
                 self._targets.pop(key, None)
         return "move" if matched else "skip"
 
-    def _spec(self, experts, method, values):
+    def spec_of(self, experts, method, values):
+        """The spec the controls describe, or None where they hold a refused value."""
         try:
             return self.ctl.spec_from_controls(experts, method, *values)
         except MergerError:
@@ -179,14 +182,27 @@ class MergeTabEvents:
             return kept(exc, 2 + len(values))
         return self.set_inputs(request, got, experts, method, values, record)
 
+    def expect(self, who: str, spec, answered: bool) -> None:
+        """The room sets a following page's controls to ``spec``: read the change events that follow
+        as one request (as a reload's), not recorded; ``answered``: the room sent its answer along,
+        so they show nothing, else they show it (from the cache: the presenter's)."""
+        with self._lock:
+            self._targets[who] = (spec, time.monotonic() + EXPIRY_S, False, "shown" if answered else "reload")
+
+    def drop_expected(self, who: str) -> None:
+        """The page stopped following: its next move is its own, never a step of the room's."""
+        with self._lock:
+            self._targets.pop(who, None)
+
     def set_inputs(self, request, updates, experts, method, values, record: bool = True):
         """Set every input at once; the change events that follow are read as one request (above),
         its result recorded in the history unless it came from there (``record``)."""
-        target = self._spec(updates[0]["value"], updates[1]["value"], [u.get("value") for u in updates[2:]])
-        if target is None or target == self._spec(experts, method, values):
+        target = self.spec_of(updates[0]["value"], updates[1]["value"], [u.get("value") for u in updates[2:]])
+        if target is None or target == self.spec_of(experts, method, values):
             return tuple(gr.skip() for _ in updates)  # nothing changes: no event will follow
         with self._lock:
-            self._targets[session_of(request)] = (target, time.monotonic() + EXPIRY_S, False, record)
+            self._targets[session_of(request)] = (target, time.monotonic() + EXPIRY_S, False,
+                                                  "loaded" if record else "reload")
         return updates
 
     def method_controls(self, request: gr.Request, method, experts, *values):
@@ -213,7 +229,15 @@ class MergeTabEvents:
         record = step in ("move", "loaded")  # a reloaded row is in the history already
         who = session_of(request)
         with self._lock:
-            self._shown[who] = self._spec(experts, method, values)
+            self._shown[who] = self.spec_of(experts, method, values)
+        if step == "shown":  # the room's merge, its answer already on the page
+            spec = self._shown[who]
+            with self._lock:
+                self._said[who] = spec.method
+            self.saw(who, [spec])
+            marker = self.landscape.move_live(land_state, experts, method, *values) if self.landscape else gr.skip()
+            yield (*(gr.skip(),) * 4, *self._learned(who, experts, method, values), marker)
+            return
         queue = self.ctl.session.queue
         ticket = queue.ticket(who)
         learned = self._learned(who, experts, method, values)
@@ -233,6 +257,8 @@ class MergeTabEvents:
         except Superseded:
             yield skip
             return
+        if self.room is not None and ans.spec is not None:  # computed: the room's pages find it cached
+            self.room.presenter_shows(request, spec=ans.spec)
         with self._lock:
             self._said[who] = ans.spec.method if ans.result is not None else None
         if ans.result is None:  # no merge on screen: the landscape's marker leaves the last one too
@@ -301,7 +327,7 @@ class MergeTabEvents:
         """A status line for the summary while a method prepares for a move, where the summary shows
         another method's result or a message (SLERP's two-expert rule stayed on screen while TSV-M
         prepared); None where the answer comes within one apply."""
-        spec = self._spec(experts, method, values)
+        spec = self.spec_of(experts, method, values)
         with self._lock:
             said = self._said.get(who, spec.method if spec is not None else None)
         session = self.ctl.session
@@ -317,7 +343,7 @@ class MergeTabEvents:
     def _learned(self, who: str, experts, method, values) -> tuple:
         """The data-driven panel, or skips when it would show what it already shows (every move of a
         static method would otherwise redraw three empty figures)."""
-        spec = self._spec(experts, method, values)
+        spec = self.spec_of(experts, method, values)
         run = self.ctl.session.cached_run(spec) if spec is not None and methods.get(spec.method).data_driven else None
         shows = id(run) if run is not None else None
         with self._lock:
@@ -332,7 +358,7 @@ class MergeTabEvents:
         session = self.ctl.session
         if session.partial_images is None:
             return None
-        spec = self._spec(experts, method, values)
+        spec = self.spec_of(experts, method, values)
         if spec is None or session.cached(spec) is not None:
             return None
         if session.linear.ready(spec):

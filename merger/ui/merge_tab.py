@@ -388,6 +388,6 @@ def build_merge_tab(ctl: Controller, events: MergeTabEvents, default_method: str
         unpin_btn.click(Controller.clear_pins, None, [pins, pins_md], queue=False, api_visibility="private")
         export_btn.click(batch(events.export), inputs, [files, export_msg], **BATCH_EVENT, api_visibility="private")
         wire_coefficients_panel(panel, ctl, events, experts, inputs, inputs)
-    return {"experts": experts, "method": method, "controls": controls, "about": about, "pins": pins,
+    return {"experts": experts, "method": method, "controls": controls, "about": about, "pins": pins, "pins_md": pins_md,
             "inputs": inputs, "outputs": outputs, "learned": learned, "weights": weights, "runs": runs,
             "under_way": under_way}

@@ -148,8 +148,9 @@ def build_tradeoffs_tab(ctl, merge: dict, events, batch) -> TradeoffsTab:
             cancel_btn = gr.Button("Cancel")
         status = gr.Markdown()
         with gr.Row():
-            map_a, map_b = gr.Plot(label="task A"), gr.Plot(label="task B")
-        pareto = gr.Plot(label="Pareto front")
+            map_a = gr.Plot(label="task A", elem_id="tradeoff-map-a")
+            map_b = gr.Plot(label="task B", elem_id="tradeoff-map-b")
+        pareto = gr.Plot(label="Pareto front", elem_id="pareto-plot")
         with gr.Row():
             up_task = gr.Dropdown(tasks, value=tasks[0], label="turn this task's weight up (0 → 2)")
             up_btn = gr.Button("Turn one up")
