@@ -85,17 +85,6 @@ def main(argv=None, prog: str | None = None) -> int:
     args = parse_args(argv, prog)  # imports no huggingface_hub, which reads HF_HUB_OFFLINE once
     if not _names_hub(args.pool):  # the app reads only what is here, unless its pool is on the Hub
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from merger import runtime
-
-    runtime.configure()  # before Gradio is imported
-    from merger.evaluation.memory import limit_arenas
-
-    limit_arenas()  # before the server's threads start (see merger/evaluation/memory.py)
-    import merger
-    from merger.cli_jobs import new_folders
-    from merger.io.history import History
-    from merger.ui import build_app
-
     if args.presenter and (not args.auth or args.auth[0] == args.presenter[0]):
         print("error: --presenter: " + ("needs --auth, the attendees' login: without it the app cannot tell the "
                                          "presenter from the room" if not args.auth else
@@ -107,13 +96,29 @@ def main(argv=None, prog: str | None = None) -> int:
         print(f"error: --host {args.host} --port {args.port}: cannot serve there ({taken}); pick another --port, "
               "or --host an address of this machine", file=sys.stderr)
         return 2
-    try:
+    import merger
+    from merger.cli_jobs import new_folders
+    from merger.io.history import History
+
+    try:  # the flags' files and folders: said before anything changes in the process
         roots = [r.strip() for r in args.roots.split(",") if r.strip()]
         missing = [r for r in roots if not os.path.isdir(os.path.expanduser(r))]
         if missing:  # a typo would leave the files meant to be read refused, with no hint why
             raise merger.MergerError(f"--roots: {', '.join(missing)}: not a folder")
         new_folders(args, ("history",))
         history = History(args.history) if args.history else None  # named before the pool's minutes
+    except merger.MergerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from merger import runtime
+
+    runtime.configure()  # before Gradio is imported
+    from merger.evaluation.memory import limit_arenas
+
+    limit_arenas()  # before the server's threads start (see merger/evaluation/memory.py)
+    from merger.ui import build_app
+
+    try:
         pool = merger.open_pool(args.pool, device=args.device, roots=roots)
         session = merger.PoolSession(pool)
         forward_s = session.measure_live()  # decides whether moves answer progressively

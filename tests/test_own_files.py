@@ -18,7 +18,6 @@ from merger.errors import CheckpointError, MergerError, PoolError
 from merger.io import checkpoints
 from merger.io.export import export_merge
 
-APP = str(Path(__file__).resolve().parents[1] / "app.py")
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +143,7 @@ def test_a_sweep_shows_the_values_it_computed(pool_path, capsys):
     assert re.search(r"task_arithmetic: 0\.35→[0-9.]+  0\.5→[0-9.]+\n", out) and "0.333→" not in out
 
 
-def test_bad_device_history_and_landscape_task_are_named_before_any_work(pool_path, tmp_path, monkeypatch):
+def test_bad_device_history_and_landscape_task_are_named_before_any_work(pool_path, tmp_path, monkeypatch, capsys):
     from merger.io.history import History
     from merger.landscape.figure import write_landscape
 
@@ -169,27 +168,36 @@ def test_bad_device_history_and_landscape_task_are_named_before_any_work(pool_pa
     with pytest.raises(MergerError, match="--out: .* is a folder"):
         (tmp_path / "d.html").mkdir()
         write_landscape(session.landscape, tmp_path / "d.html", "pca", ["base", "experts"], 5, "loss")
-    res = subprocess.run([sys.executable, APP, "--pool", str(pool_path), "--device", "tpu", "--history",
-                          str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert f"error: --history {tmp_path}: is a folder" in res.stderr  # said before the pool's minutes
-    res = subprocess.run([sys.executable, APP, "--auth", "nocolon"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and "argument --auth: expected user:password" in res.stderr
+    # the app's and the commands' flags, in this process: each refused before anything changes in it
+    from devtools.cli import main as devtools_main
+    from merger.cli import main as merger_main
+    from merger.serve import main as app_main
+
+    def refused(main, argv):
+        try:
+            return main(argv), capsys.readouterr().err
+        except SystemExit as exc:  # argparse's refusal
+            return exc.code, capsys.readouterr().err
+
+    code, err = refused(app_main, ["--pool", str(pool_path), "--device", "tpu", "--history", str(tmp_path)])
+    assert code == 2 and f"error: --history {tmp_path}: is a folder" in err  # said before the pool's minutes
+    code, err = refused(app_main, ["--auth", "nocolon"])
+    assert code == 2 and "argument --auth: expected user:password" in err
     # a mistyped --roots folder would leave the files meant to be read refused, with no hint why
-    res = subprocess.run([sys.executable, APP, "--pool", str(pool_path), "--history", "", "--roots",
-                          f"{tmp_path}, {tmp_path / 'nope'}"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and f"error: --roots: {tmp_path / 'nope'}: not a folder" in res.stderr
+    code, err = refused(app_main, ["--pool", str(pool_path), "--history", "", "--roots",
+                                   f"{tmp_path}, {tmp_path / 'nope'}"])
+    assert code == 2 and f"error: --roots: {tmp_path / 'nope'}: not a folder" in err
     # counts are whole numbers ≥ 1, refused by argparse with the flag's name
-    for argv, message in ((["devtools", "bench", "load", "--clients", "-1"],
-                           "argument --clients: '-1' is not a whole number ≥ 1"),
-                          (["merger", "tune", "--weights", "ta", "--budget", "0"], "argument --budget: '0'"),
-                          (["devtools", "bench", "workshop", "--jobs", "sweep,bogus"],
-                           "error: --jobs 'sweep,bogus': unknown bogus"),
-                          (["merger", "tune", "--pool", str(pool_path), "--weights", "ta", "--budget", "3", "--seed",
-                            "-1", "--history", ""], "argument --seed: '-1' is not a whole number ≥ 0")):
-        res = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=300,
-                             cwd=Path(APP).parent)
-        assert res.returncode == 2 and message in res.stderr, res.stderr
+    for main, argv, message in ((devtools_main, ["bench", "load", "--clients", "-1"],
+                                 "argument --clients: '-1' is not a whole number ≥ 1"),
+                                (merger_main, ["tune", "--weights", "ta", "--budget", "0"], "argument --budget: '0'"),
+                                (devtools_main, ["bench", "workshop", "--jobs", "sweep,bogus"],
+                                 "error: --jobs 'sweep,bogus': unknown bogus"),
+                                (merger_main, ["tune", "--pool", str(pool_path), "--weights", "ta", "--budget", "3",
+                                               "--seed", "-1", "--history", ""],
+                                 "argument --seed: '-1' is not a whole number ≥ 0")):
+        code, err = refused(main, argv)
+        assert code == 2 and message in err, err
 
 
 def test_evaluate_checks_weights_from_elsewhere_against_the_base(pool_path):

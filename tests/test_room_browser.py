@@ -1,5 +1,6 @@
 """A workshop room in two real Chromium pages (app --auth --presenter): the follower shows the
-presenter's average after a move, computed once; switched off it stays; switched on it jumps."""
+presenter's average after a move, computed once; switched off it stays; switched on it jumps. The
+same server checks the logins and that it listens on loopback only."""
 import time
 
 import pytest
@@ -60,3 +61,22 @@ def test_a_follower_mirrors_the_presenter_detaches_and_jumps_back(room):
         jumped = until(lambda: (s := browser.shown(follower))["params"] == {"lam": 0.5} and s)
         assert jumped["average"] == browser.shown(presenter)["average"]
         b.close()
+
+
+def test_the_room_needs_a_login_and_listens_on_loopback_only(room):
+    import socket
+    from urllib.parse import urlparse
+
+    import gradio_client
+
+    with pytest.raises(Exception):
+        gradio_client.Client(room, verbose=False).predict(
+            "task_arithmetic", 0.3, None, None, None, None, "live", api_name="/evaluate")
+    for user, password in ((ROOM, ROOM_PW), (HOST, HOST_PW)):  # the room's login, and the presenter's
+        client = gradio_client.Client(room, auth=(user, password), verbose=False)
+        assert client.predict("task_arithmetic", 0.3, None, None, None, None, "live", api_name="/evaluate")["spec"]
+    port = urlparse(room).port
+    ips = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)} - {"127.0.0.1", "::1"}
+    for ip in ips:  # bound to loopback only: other interfaces refuse
+        with pytest.raises(OSError):
+            socket.create_connection((ip, port), timeout=2)

@@ -15,15 +15,16 @@ def compared_methods() -> list[str]:
             if not m.data_driven and m is not TASK_ARITHMETIC and m.num_experts is None]
 
 
-def demo_numbers(pool, split: str = "test", progress=None) -> dict:
+def demo_numbers(pool, split: str = "test", progress=None, others=None) -> dict:
     """Chance, base, experts, task arithmetic over its λ grid (the reported λ picked on the
-    validation split, never on the split it is reported on) and the other methods at defaults."""
+    validation split, never on the split it is reported on) and the ``others`` methods at defaults
+    (None: every compared method; the targets need none)."""
     ex = PoolSession(pool)
     classes = {t: len(ex.evaluator.data.classes(t)) for t in pool.tasks}
     steps = [("base", lambda: ex.base(split)), ("experts", lambda: ex.expert_accuracy(split))]
     steps += [(f"TA λ={lam:g} {s}", lambda lam=lam, s=s: ex.preview(ex.spec(TASK_ARITHMETIC.name, lam=lam), s))
               for s in (split, "val") for lam in TA_GRID]
-    others = compared_methods()
+    others = compared_methods() if others is None else list(others)
     steps += [(m, lambda m=m: ex.preview(ex.spec(m), split)) for m in others]
     done = {}
     for i, (label, step) in enumerate(steps):
