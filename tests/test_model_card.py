@@ -64,3 +64,12 @@ def test_a_pool_without_task_data_merges_with_a_card_that_says_so(tmp_path, caps
     assert res.returncode == 0, res.stderr
     card = (tmp_path / "README.md").read_text()
     assert "Not measured: " in card and "no data" in card and "## Reproduce" in card
+
+
+def test_a_second_merge_in_the_folder_keeps_the_first_ones_card(tiny_pool, tmp_path, capsys):
+    for name, lam in (("a", "0.3"), ("b", "0.6"), ("a", "0.4")):  # a, then b beside it, then a again
+        res = merger_cli("merge", "--pool", str(tiny_pool), "--method", "task_arithmetic", "--lam", lam, "--out",
+                         str(tmp_path / f"{name}.safetensors"), "--card-split", "live", cwd=tmp_path, capsys=capsys)
+        assert res.returncode == 0, res.stderr
+    assert "lam=0.4" in (tmp_path / "README.md").read_text()  # a's card, replaced by a's own export
+    assert "lam=0.6" in (tmp_path / "b.README.md").read_text() and not (tmp_path / "a.README.md").exists()

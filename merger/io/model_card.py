@@ -27,7 +27,7 @@ def card_text(pool, spec, record: dict, result, no_result: str = "") -> str:
              "tags:", "- merger", "- model-merging", "- clip", f"- {m.name}", "---"]
     params = ", ".join(f"{k} = {v}" for k, v in spec.kwargs.items()) or "none"
     lines = [*front, MARK, "", f"# {pool.name}: {spec.label()}", "",
-             f"The image tower of a CLIP {pool.architecture_name} merged by merger {__version__} with "
+             f"The image tower of a CLIP {_architecture(pool)} merged by merger {__version__} with "
              f"{m.display_name} (*{m.paper.title}*" + (f", arXiv:{m.paper.arxiv}" if m.paper.arxiv else "") + ").",
              "", "## Merge", "", "| method | parameters | experts |", "| --- | --- | --- |",
              f"| `{m.name}` | {params} | {', '.join(spec.experts)} |", ""]
@@ -70,12 +70,20 @@ def _source_row(role: str, key: str, entry: dict, hub_sources: dict) -> str:
 
 
 def write_card(weights: Path, text: str) -> Path:
-    """README.md beside the weights, unless one is there that merger did not write: then
-    ``<stem>.README.md``. Written to a temporary file and renamed."""
+    """README.md beside the weights, unless one is there that merger did not write for these weights
+    (a person's notes, or the card of another merge in the same folder): then ``<stem>.README.md``.
+    Written to a temporary file and renamed."""
     readme = weights.with_name("README.md")
-    if readme.exists() and (readme.is_symlink() or not readme.is_file() or MARK not in _head(readme)):
+    names = f"<!-- weights: {weights.name} -->"
+    if readme.exists() and (readme.is_symlink() or not readme.is_file() or MARK not in (head := _head(readme))
+                            or names not in head):
         readme = weights.with_name(f"{weights.stem}.README.md")
-    return checkpoints.write_text_atomic(readme, text)
+    return checkpoints.write_text_atomic(readme, text.replace(MARK, f"{MARK}\n{names}", 1))
+
+
+def _architecture(pool) -> str:
+    """'ViT-B-32', or for a pool whose YAML gives the model's config itself, 'model (its config in the pool)'."""
+    return pool.architecture.get("model") or "model (its configuration given in the pool)"
 
 
 def _head(path: Path) -> str:
