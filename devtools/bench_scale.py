@@ -13,7 +13,10 @@ from devtools.measure import LIVE_METHODS, percentile, random_pool, rss_gb
 
 
 def bench_scale(args) -> int:
+    from merger.evaluation.memory import limit_arenas, release_freed_memory
     from merger.pool.devices import resolve_device
+
+    limit_arenas()  # as the app does at start
 
     device = args.device
     resolve_device(device)  # before minutes of building a pool for a device that is not there
@@ -24,10 +27,14 @@ def bench_scale(args) -> int:
     t0 = time.perf_counter()
     ex = scale_session(args.arch, args.experts, images, device)
     setup = time.perf_counter() - t0
+    gc.collect()
+    release_freed_memory()  # the random experts it built the pool from are gone
     rss, _ = rss_gb()
     print(f"{args.arch} (pretrained=None), {args.experts} random experts, {args.experts} tasks × "
           f"{min(images, 128)} synthetic images, device {device}; set-up {setup:.0f} s")
-    print(f"\n{'method':<18}{'prepare s':>10}{'apply median s':>16}{'slider→result p50 s':>21}{'p95 s':>8}")
+    print(f"resident memory after set-up (pool, live images, experts' accuracies): {rss:.2f} GB")
+    print(f"\n{'method':<18}{'prepare s':>10}{'apply median s':>16}{'slider→result p50 s':>21}{'p95 s':>8}"
+          f"{'resident GB':>13}")
     ok_apply = ok_move = True
     for m in names:
         method = methods.get(m)
@@ -54,7 +61,9 @@ def bench_scale(args) -> int:
         if not method.data_driven:  # the goals are the static methods'; a run's move re-solves
             ok_apply &= med <= (0.030 if cuda else 1.5)
             ok_move &= statistics.median(lat) <= 0.150
-        print(f"{m:<18}{prep:10.2f}{med:16.3f}{statistics.median(lat):21.3f}{percentile(lat, 0.95):8.3f}", flush=True)
+        release_freed_memory()  # as the app's MemoryKeeper does every 10 s
+        print(f"{m:<18}{prep:10.2f}{med:16.3f}{statistics.median(lat):21.3f}{percentile(lat, 0.95):8.3f}"
+              f"{rss_gb()[0]:13.2f}", flush=True)
     rss, peak = rss_gb()
     line = f"\nresident memory: {rss:.2f} GB (peak {peak:.2f} GB)"
     if cuda:

@@ -61,3 +61,33 @@ def test_the_budget_flag_is_checked(capsys):
         assert "--memory-gb" in capsys.readouterr().err
     assert serve.parse_args(["--memory-gb", "2.5"]).memory_gb == 2.5
     assert serve.parse_args([]).memory_gb is None
+
+
+def test_other_methods_states_go_past_their_budget_and_come_back_equal(tmp_path):
+    from merger.evaluation.merges import held_bytes
+
+    session = merger.PoolSession(merger.open_pool(write_pool(tmp_path, n_experts=3, scale=0.2, demo_data=True)))
+    merges = session.merges
+    ties, tsv, ties_again = (session.spec("ties", lam=0.5, sparsity=0.7), session.spec("tsv_m", lam=0.8),
+                             session.spec("ties", lam=0.6, sparsity=0.7))
+    first = {k: v.clone() for k, v in merges.delta(ties).items()}
+    merges.delta(tsv)
+    assert session.counts["evicted"] == 0  # a small pool's states fit the default budget: all stay
+    merges.others_bytes = 0  # as a ViT-B/32 × 8 pool's do not fit it
+    merges.delta(tsv.snap())
+    pool_storages = {t.untyped_storage().data_ptr() for t in session.pool.task_vectors.stacked.values()}
+    others = [(key, value) for key, value in merges._prepared.items() if key[0] != "tsv_m"]
+    assert session.counts["evicted"] > 0 and not others  # only what the merge on screen needs is held
+    assert {k.method for k in merges._deltas} == {"tsv_m"} and held_bytes(dict(merges._deltas), pool_storages) > 0
+    merges.delta(ties_again)  # TIES again: prepared anew, and the same merge as before, bit for bit
+    again = merges.delta(ties)
+    assert all(again[k].equal(first[k]) for k in first)
+    assert {key[0] for key in merges._prepared} == {"ties"}
+
+
+def test_the_resident_model_holds_the_image_tower_only(session):
+    model = session.evaluator.model
+    text = [n for n, p in model.named_parameters() if not n.startswith("visual.") and n != "logit_scale"]
+    assert text and all(p.numel() == 0 for n, p in model.named_parameters() if n in text)
+    assert all(p.numel() > 0 for n, p in model.named_parameters() if n.startswith("visual."))
+    assert all(session.pool.base[n].numel() > 0 for n in text)  # the pool's base keeps them (exports)

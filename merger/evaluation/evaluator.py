@@ -131,6 +131,9 @@ class Evaluator:
         self._targets = {k: state[k] for k in pool.task_vectors.keys}  # storage shared with the model
         self.logit_scale = float(self.model.logit_scale.exp())
         self.heads = self._build_heads()
+        for name, p in self.model.named_parameters():  # every later forward is the image tower's: the
+            if not name.startswith("visual.") and name != "logit_scale" and name not in self._targets:
+                p.data = p.data.new_empty(0)  # text tower leaves the resident model (the pool's base keeps it)
         self._inputs: dict[str, list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]] = {}
         self._inputs_lock = threading.Lock()  # a split is read outside the work queue (see inputs)
         # (split, window of images per task) -> (the split's groups, that window's inputs concatenated)
@@ -261,11 +264,8 @@ class Evaluator:
                             for s, groups in self._inputs.items()}
         self._whole.clear()
 
-    # Tasks with their own images (the demo's domains, folder pools) are forwarded as one batch
-    # when all of them are evaluated: one pass through the tower instead of one per task. Only
-    # for splits this small, since the concatenation is a second copy of the inputs. On a GPU,
-    # up to 1 GB: ViT-B/32's per-task batches of 128 left an H100 waiting on kernel launches (a
-    # move 66 ms, against 35 ms for the 1024 images of 8 tasks in one batch).
+    # Tasks with their own images are forwarded as one batch when all are evaluated (one pass, not
+    # one per task), up to these sizes: the concatenation is a second copy of the inputs.
     _CONCAT_MAX_ELEMENTS = 1 << 25
     _CONCAT_MAX_ELEMENTS_GPU = 1 << 28
 

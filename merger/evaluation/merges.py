@@ -8,6 +8,8 @@ import inspect
 import sys
 from collections import Counter, OrderedDict
 
+import torch
+
 from merger import methods
 from merger.io import disk_cache
 from merger.errors import MergerError
@@ -44,6 +46,23 @@ def lru_put(cache: OrderedDict, key, value, size: int, dropped=None):
     return value
 
 
+def held_bytes(state, skip: set = frozenset()) -> int:
+    """Bytes of the tensors a cached state holds (each storage once; those in ``skip`` not)."""
+    seen, total, todo = set(skip), 0, [state]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):  # states are dicts, lists and tuples of tensors (disk_cache.flatten)
+            todo.extend(obj)
+    return total
+
+
 def lru_make_room(cache: OrderedDict, size: int):
     """Drop the oldest entries until one more fits: called before computing a new one, so that the
     process never holds one more than the cache's size (each is about one fp32 Δ)."""
@@ -56,12 +75,17 @@ class Merges:
     # rather than inside a move (see prepare_is_slow).
     INLINE_ENTRIES = 20_000_000
     DERIVED_BYTES = 2 << 30  # derived states kept: about this much (each about one fp32 Δ), 1 to 4 of them
+    # What other methods than the one on screen may hold (preparations, derived states, Δs) before
+    # the oldest goes: a ViT-B/32 × 8 pool then stays within a 16 GB laptop's share of memory
+    # (docs/memory.md). A preparation that went comes back from the disk cache or is recomputed.
+    OTHERS_BYTES = 256 << 20
 
     def __init__(self, pool, queue, counts: Counter, deltas: int = 2):
         self.pool, self.queue, self.counts = pool, queue, counts
         self.delta_size = deltas
         self.inline_entries = self.INLINE_ENTRIES
         self.derived_bytes = self.DERIVED_BYTES
+        self.others_bytes = self.OTHERS_BYTES
         self._prepared: OrderedDict = OrderedDict()
         self._derived: OrderedDict = OrderedDict()
         self._deltas: OrderedDict = OrderedDict()
@@ -233,6 +257,7 @@ class Merges:
             return self._deltas[key]
         kw = key.kwargs
         with self.queue:
+            self._fit(key)  # before this merge's own states are made: the process never holds both
             pkey, state = self.prepared_for(key, snapped=False)
             if m.derive is not None:
                 dargs = tuple((k, tuple(v) if isinstance(v, list) else v)
@@ -253,4 +278,25 @@ class Merges:
             self.counts["applies"] += 1
             lru_make_room(self._deltas, self.delta_size)
             delta = with_block_weights(m.apply(state, **kw, **m.weights_kwargs(key)), key)
-        return lru_put(self._deltas, key, delta, self.delta_size)
+            lru_put(self._deltas, key, delta, self.delta_size)
+            self._fit(key)
+        return delta
+
+    def _fit(self, on_screen: Spec) -> None:
+        """Past ``others_bytes`` held for anything but the merge ``on_screen`` (its Δ, and its method's
+        preparations and derived states), drop the rest: Δs first, then derived states, then
+        preparations, oldest first. Views of the pool's task vectors hold nothing of their own."""
+        pool_storages = {t.untyped_storage().data_ptr() for tv_part in (self.pool.task_vectors.stacked,
+                                                                          self.pool.task_vectors.base)
+                         for t in tv_part.values()}
+        caches = ((self._deltas, lambda k: k != on_screen), (self._derived, lambda k: k[0][0] != on_screen.method),
+                  (self._prepared, lambda k: k[0] != on_screen.method))
+        others = [(cache, key, held_bytes(value, pool_storages)) for cache, other in caches
+                  for key, value in cache.items() if other(key)]
+        total = sum(size for _, _, size in others)
+        for cache, key, size in others:  # each cache in its LRU order
+            if total <= self.others_bytes:
+                return
+            cache.pop(key, None)
+            self.counts["evicted"] += 1
+            total -= size

@@ -1,0 +1,85 @@
+"""Resident memory per stage of a pool from files, as the app opens and moves it: ``python -m
+devtools.measure_stages POOL.yaml`` (or ``--write DIR``: first write a random ViT-B/32 × 8 pool with 16
+test images per task there). Prints the resident set after each stage, then the tensors held after
+the last one, by owner (docs/memory.md)."""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from pathlib import Path
+
+from devtools.measure import rss_gb
+
+STAGES = (("task arithmetic move", "task_arithmetic", {"lam": 0.3}), ("TIES move", "ties", {"lam": 1.0, "sparsity": 0.8}),
+          ("TSV-M move (prepare + apply)", "tsv_m", {"lam": 1.0}), ("TSV-M second move", "tsv_m", {"lam": 0.8}))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m devtools.measure_stages")
+    ap.add_argument("pool", nargs="?", help="a pool YAML")
+    ap.add_argument("--write", default=None, help="write a random ViT-B/32 × 8 pool to this folder first")
+    args = ap.parse_args(argv)
+    if args.write:
+        from devtools.bench_open import write_random_pool
+
+        Path(args.write).mkdir(parents=True, exist_ok=True)
+        args.pool = str(write_random_pool(Path(args.write), "ViT-B-32", 8, 16))
+    if not args.pool:
+        ap.error("give a pool YAML or --write DIR")
+    from merger.evaluation.memory import limit_arenas, release_freed_memory
+
+    limit_arenas()  # as the app does at start
+    t0 = time.perf_counter()
+
+    def say(stage: str) -> None:
+        gc.collect()
+        release_freed_memory()  # as the app's MemoryKeeper does every 10 s
+        now, peak = rss_gb()
+        print(f"{stage:<34}{now:6.2f} GB (peak {peak:5.2f}){time.perf_counter() - t0:8.1f} s", flush=True)
+
+    say("python + torch")
+    import merger
+
+    pool = merger.open_pool(args.pool)
+    say("pool open (task vectors)")
+    session = merger.PoolSession(pool)
+    session.evaluator.inputs("live")
+    say("live images read, heads built")
+    session.expert_accuracy("live")
+    say("experts' accuracies")
+    for stage, method, params in STAGES:
+        session.preview(session.spec(method, **params))
+        say(stage)
+    print_held(session)
+    return 0
+
+
+def print_held(session) -> None:
+    """The tensors the session holds, by owner, each storage counted once."""
+    from merger.evaluation.merges import held_bytes
+
+    tv, merges, seen = session.pool.task_vectors, session.merges, set()
+    owners = [("task vectors", tv.stacked), ("the base's merged keys", tv.base), ("the base, the rest", session.pool.base),
+              ("the resident model", dict(session.evaluator.model.named_parameters())),
+              ("live images", [x for _, x in session.evaluator._whole.values()]),
+              ("preparations", list(merges._prepared.values())), ("derived states", list(merges._derived.values())),
+              ("Δs", list(merges._deltas.values()))]
+    for name, tensors in owners:
+        size = held_bytes(tensors, seen)
+        seen |= _storages(tensors)
+        print(f"  {name:<26}{size / 2**30:6.2f} GB")
+    print(f"  preparations of: {', '.join(key[0] for key in merges._prepared)}")
+
+
+def _storages(obj) -> set:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return {obj.untyped_storage().data_ptr()}
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return set().union(*(_storages(v) for v in values))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
