@@ -116,17 +116,20 @@ def cmd_pools(args) -> int:
         print(hub.describe(sources))
         print(f"{where}: every source is in {hub.cache_dir()}; it opens offline from now on")
         return 0
-    print(f"{'pool':<22}{'architecture':<14}{'experts':>8}{'files':>7}{'GB':>8}  here")
-    ask = True  # until the Hub does not answer: then the cache alone says what is here
+    ask, rows = True, []  # until the Hub does not answer: then the cache alone says what is here
     for name in known.names():
         spec = known.pool_spec(name)
         try:
             files, size, here = hub.status(hub.sources_of(spec, f"hub:{name}"), ask_hub=ask)
-        except MergerError as exc:  # no answer from the Hub: the cache alone says what is here
+        except MergerError as exc:  # said once, above the table
             print(f"the Hub did not answer ({str(exc).split(': ', 2)[-1][:160]}); listing what the cache holds")
             ask = False
             files, size, here = hub.status(hub.sources_of(spec, f"hub:{name}"), ask_hub=False)
-        gb = f"{size / 2**30:8.2f}" if size is not None else f"{'?':>8}"
-        print(f"{name:<22}{spec['architecture']:<14}{len(spec['experts']):>8}{files if files else '?':>7}{gb}  {here}")
+        rows.append((name, spec["architecture"], len(spec["experts"]), files or "?",
+                     f"{size / 2**30:.2f}" if size is not None else "?", here))
+    width = max(len("architecture"), *(len(r[1]) for r in rows)) + 2
+    print(f"{'pool':<22}{'architecture':<{width}}{'experts':>8}{'files':>7}{'GB':>8}  here")
+    for name, arch, experts, files, gb, here in rows:
+        print(f"{name:<22}{arch:<{width}}{experts:>8}{files:>7}{gb:>8}  {here}")
     print(f"cache: {hub.cache_dir()}" + ("; offline (HF_HUB_OFFLINE=1): sizes need the Hub" if hub.offline() else ""))
     return 0

@@ -23,7 +23,7 @@ def demo_like(tmp_path_factory):
 
 def test_heads_follow_the_protocol(demo_like):
     _, pool, ex = demo_like
-    model, tok = ex.evaluator.model, tokenizer_for(pool)
+    model, tok = pool.build_model(), tokenizer_for(pool)  # the base, fresh: the resident one keeps no text tower
     for t in pool.tasks:
         info = pool.task_info[t]
         rows = []

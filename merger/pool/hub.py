@@ -98,7 +98,7 @@ def plan(sources: list[Source], where: str) -> None:
             info = (api.model_info if s.kind == "model" else api.dataset_info)(s.repo, revision=s.revision,
                                                                                 files_metadata=True)
         except Exception as exc:  # noqa: BLE001  the Hub's answer, said in one line with the key
-            error = PoolError(f"{where}: {s.key}: {_said(exc, s)}")
+            error = PoolError(f"{where}: {s.key}: {_said(exc, s, where)}")
             error.answered = isinstance(exc, _hf().errors.HfHubHTTPError)  # the Hub answered (a 4xx)
             raise error from None
         sizes = {f.rfilename: f.size for f in info.siblings or ()}
@@ -150,7 +150,7 @@ def fetch(s: Source, where: str) -> Path:
         paths = [hf.hf_hub_download(s.repo, f, **kw) for f, _ in s.files]
         folder = Path(hf.snapshot_download(s.repo, local_files_only=True, **kw)) if not paths else None
     except Exception as exc:  # noqa: BLE001
-        raise PoolError(f"{where}: {s.key}: {_said(exc, s)}") from None
+        raise PoolError(f"{where}: {s.key}: {_said(exc, s, where)}") from None
     if paths:
         _verify(s, paths, where)
         folder = _snapshot(Path(paths[0]), s.files[0][0])
@@ -207,7 +207,7 @@ def _split_of(path: str) -> str:
         else stem.parent.name if stem.parent.name in ("train", "test", "validation") else name
 
 
-def _said(exc: Exception, s: Source) -> str:
+def _said(exc: Exception, s: Source, where: str) -> str:
     hf = _hf()
     errors = hf.errors
     name = f"{s.repo} (revision {s.revision})"
@@ -220,7 +220,8 @@ def _said(exc: Exception, s: Source) -> str:
     if isinstance(exc, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)):  # before its base class
         return (f"{name} is not in the Hugging Face cache and the Hub cannot be reached here"
                 f"{' (HF_HUB_OFFLINE=1)' if offline() else ''}: fetch it where there is a network "
-                "(merger pools fetch NAME, or open the pool there once) and copy the cache")
+                f"(merger pools fetch {where[4:] if where.startswith('hub:') else where}, or open the pool there "
+                "once) and copy the cache")
     if isinstance(exc, errors.EntryNotFoundError):
         return f"{name}: a file is missing from the repository ({str(exc).splitlines()[0][:200]})"
     detail = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
