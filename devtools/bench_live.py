@@ -233,16 +233,23 @@ def call_endpoint(url: str, api_name: str, data: list, timeout: float = 120.0):
     with urllib.request.urlopen(req, timeout=timeout) as r:
         event = json.loads(r.read())["event_id"]
     with urllib.request.urlopen(f"{url}gradio_api/call/{api_name}/{event}", timeout=timeout) as r:
-        kind = None
-        for raw in r:
-            line = raw.decode().strip()
-            if line.startswith("event:"):
-                kind = line[6:].strip()
-            elif line.startswith("data:") and kind in ("complete", "error"):
-                if kind == "error":
-                    raise RuntimeError(line[5:].strip()[:200])
-                return json.loads(line[5:])
+        for kind, data in event_stream(r):
+            if kind == "complete":
+                return json.loads(data)
     raise RuntimeError("the event stream ended without a result")
+
+
+def event_stream(lines):
+    """(event, data) of each message of a Gradio call's event stream; an error event raises."""
+    kind = None
+    for raw in lines:
+        line = raw.decode().strip()
+        if line.startswith("event:"):
+            kind = line[6:].strip()
+        elif line.startswith("data:"):
+            if kind == "error":
+                raise RuntimeError(line[5:].strip()[:200])
+            yield kind, line[5:]
 
 
 WARM_UP_S = 20.0  # the room drags before anyone starts a batch job

@@ -15,6 +15,10 @@ import urllib.request
 from http.cookiejar import CookieJar
 from pathlib import Path
 
+from devtools.bench_live import event_stream
+from devtools.bench_soak import rss_of
+from devtools.measure import percentile
+
 ROOM, ROOM_PW, HOST, HOST_PW = "workshop", "room-pw", "host", "host-pw"
 MOVES = (0.35, 0.5, 0.65, 0.8, 0.95, 0.2, 0.45, 0.6, 0.75, 0.9, 0.25, 0.4, 0.55, 0.7, 0.85)  # on λ's step
 
@@ -33,15 +37,9 @@ def room_states(opener, url: str, since: int = -1, timeout: float = 30.0):
                                  headers={"Content-Type": "application/json"})
     event = json.loads(opener.open(req, timeout=timeout).read())["event_id"]
     with opener.open(f"{url}gradio_api/call/room/{event}", timeout=timeout) as stream:
-        kind = None
-        for raw in stream:
-            line = raw.decode().strip()
-            if line.startswith("event:"):
-                kind = line[6:].strip()
-            elif line.startswith("data:") and kind == "generating":
-                yield json.loads(line[5:])[0]
-            elif line.startswith("data:") and kind == "error":
-                raise RuntimeError(line[5:].strip()[:200])
+        for kind, data in event_stream(stream):
+            if kind == "generating":
+                yield json.loads(data)[0]
 
 
 class Watcher(threading.Thread):
@@ -65,18 +63,6 @@ SEEN_JS = """() => { window.__seen = []; let last = null;
     if (m && acc && m[1] !== last) { last = m[1]; window.__seen.push([m[1], Date.now() / 1000, acc.title]); } }, 10); }"""
 
 
-def percentile(values, q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def bench_room(args) -> int:
     from playwright.sync_api import sync_playwright
 
@@ -92,7 +78,7 @@ def bench_room(args) -> int:
             with sync_playwright() as p:
                 b = p.chromium.launch(executable_path=browser.CHROMIUM, headless=True, args=browser.CHROMIUM_FLAGS)
                 presenter = browser.signed_in_page(b, url, HOST, HOST_PW)
-                before_mb = rss_mb(proc.pid)
+                before_mb = 1024 * rss_of(proc.pid)
                 pages = [browser.signed_in_page(b, url, ROOM, ROOM_PW) for _ in range(2)]
                 watchers = [Watcher(url) for _ in range(http_followers)]
                 for w in watchers:
@@ -117,7 +103,7 @@ def bench_room(args) -> int:
                 browser.type_lambda(presenter, 0.15)  # one more move (a λ no move had): the forwards the last one set off count
                 time.sleep(2)
                 averages = {pg.locator("#avg-acc").get_attribute("title") for pg in (presenter, *pages)}
-                after_mb = rss_mb(proc.pid)
+                after_mb = 1024 * rss_of(proc.pid)
                 b.close()
         finally:
             proc.terminate()

@@ -66,19 +66,9 @@ def print_held(session) -> None:
               ("preparations", list(merges._prepared.values())), ("derived states", list(merges._derived.values())),
               ("Δs", list(merges._deltas.values()))]
     for name, tensors in owners:
-        size = held_bytes(tensors, seen)
-        seen |= _storages(tensors)
+        size = held_bytes(tensors, seen)  # each storage counted under its first owner
         print(f"  {name:<26}{size / 2**30:6.2f} GB")
     print(f"  preparations of: {', '.join(key[0] for key in merges._prepared)}")
-
-
-def _storages(obj) -> set:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return {obj.untyped_storage().data_ptr()}
-    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return set().union(*(_storages(v) for v in values))
 
 
 if __name__ == "__main__":

@@ -50,23 +50,14 @@ def _session_report(args) -> int:
     pool = open_pool(args.pool)
     specs = parse_specs(pool, args.specs or [])
     if history is not None:
-        views = _history_views(history, pool)
+        from merger.io.history import History
+        from merger.reports.session import history_sweeps
+
+        views = history_sweeps(History(history), pool)  # a file that is no history: History says so
     written = write_report(out, session_report(session_for(pool), specs, args.split, views=views))
     print(f"wrote {written}: {len(specs)} merges on the {args.split} split"
           + (f", {len(views)} sweep figure(s) from {args.history}" if args.history else "") + ", one file that opens offline")
     return 0
-
-
-def _history_views(path, pool) -> dict:
-    import sqlite3
-
-    from merger.io.history import History
-    from merger.reports.session import history_sweeps
-
-    try:
-        return history_sweeps(History(path), pool)
-    except sqlite3.DatabaseError as exc:
-        raise MergerError(f"--history {path}: not a merger history ({exc})") from None
 
 
 def cmd_cache(args) -> int:

@@ -9,7 +9,7 @@ from helpers import controls, ui_controller
 
 from merger.ui.merge_events import MergeTabEvents
 from merger.ui.room import Room
-from merger.ui.room_panel import RoomPanel
+from merger.ui.room_panel import RoomPanel, _moved
 
 PRESENTER, ATTENDEE = "host", "workshop"
 
@@ -44,7 +44,6 @@ def room(ctl):
     room = Room(PRESENTER)
     events = MergeTabEvents(ctl, "task_arithmetic", None, room)
     panel = RoomPanel(room, ctl, events)
-    n = len(Page(ctl, "x").inputs)
 
     def move(page):
         """Its controls' change event: the move listener, to its last frame."""
@@ -58,21 +57,21 @@ def room(ctl):
         if pending is None:
             return False
         before, now = pending
-        answer = panel._answer_of(now) if before is None or before.spec != now.spec else None
-        frame = panel._merge_frame(page.request.session_hash, before, now, answer)
+        answer = panel._answer_of(now) if _moved(before, now) else None
+        controls, _, summary = panel._merge_frame(page.request.session_hash, before, now, answer)
         before_inputs = list(page.inputs)
-        page.set(frame[3:3 + n])
-        if isinstance(frame[1], list):
-            page.pins = frame[1]
-        if isinstance(frame[3 + n + 3], str):
-            page.summary = frame[3 + n + 3]  # the room sent the answer along
+        page.set(controls[3:])
+        if isinstance(controls[1], list):
+            page.pins = controls[1]
+        if isinstance(summary, str):
+            page.summary = summary  # the room sent the answer along
         if page.inputs != before_inputs:
             for out in events.move(page.request, None, *page.inputs):
                 assert not isinstance(out[3], str) or answer is None  # shown already: nothing again
                 if isinstance(out[3], str):
                     page.summary = out[3]
         return True
-    return SimpleNamespace(room=room, events=events, panel=panel, move=move, sync=sync, n=n)
+    return SimpleNamespace(room=room, events=events, panel=panel, move=move, sync=sync)
 
 
 def enter(room, ctl, *attendees):

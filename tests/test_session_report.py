@@ -123,3 +123,7 @@ def test_the_cli_report_draws_the_historys_lambda_sweeps(pool, tmp_path, capsys)
     assert main(["report", "session", "--pool", pool.source, "--out", str(out), "--history",
                  str(tmp_path / "nope.sqlite")]) == 2
     assert "--history" in capsys.readouterr().err and not (tmp_path / "nope.sqlite").exists()
+    (tmp_path / "notes.sqlite").write_text("not a database")
+    assert main(["report", "session", "--pool", pool.source, "--out", str(out), "--history",
+                 str(tmp_path / "notes.sqlite")]) == 2
+    assert "cannot be used as the history" in capsys.readouterr().err

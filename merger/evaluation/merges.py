@@ -46,9 +46,10 @@ def lru_put(cache: OrderedDict, key, value, size: int, dropped=None):
     return value
 
 
-def held_bytes(state, skip: set = frozenset()) -> int:
-    """Bytes of the tensors a cached state holds (each storage once; those in ``skip`` not)."""
-    seen, total, todo = set(skip), 0, [state]
+def held_bytes(state, seen: set) -> int:
+    """Bytes of the tensors a cached state holds, each storage once: those in ``seen`` are not
+    counted, and those counted are added to it."""
+    total, todo = 0, [state]
     while todo:
         obj = todo.pop()
         if isinstance(obj, torch.Tensor):
@@ -278,9 +279,7 @@ class Merges:
             self.counts["applies"] += 1
             lru_make_room(self._deltas, self.delta_size)
             delta = with_block_weights(m.apply(state, **kw, **m.weights_kwargs(key)), key)
-            lru_put(self._deltas, key, delta, self.delta_size)
-            self._fit(key)
-        return delta
+        return lru_put(self._deltas, key, delta, self.delta_size)
 
     def _fit(self, on_screen: Spec) -> None:
         """Past ``others_bytes`` held for anything but the merge ``on_screen`` (its Δ, and its method's
@@ -291,7 +290,7 @@ class Merges:
                          for t in tv_part.values()}
         caches = ((self._deltas, lambda k: k != on_screen), (self._derived, lambda k: k[0][0] != on_screen.method),
                   (self._prepared, lambda k: k[0] != on_screen.method))
-        others = [(cache, key, held_bytes(value, pool_storages)) for cache, other in caches
+        others = [(cache, key, held_bytes(value, set(pool_storages))) for cache, other in caches
                   for key, value in cache.items() if other(key)]
         total = sum(size for _, _, size in others)
         for cache, key, size in others:  # each cache in its LRU order

@@ -186,8 +186,11 @@ class MergeTabEvents:
         """The room sets a following page's controls to ``spec``: read the change events that follow
         as one request (as a reload's), not recorded; ``answered``: the room sent its answer along,
         so they show nothing, else they show it (from the cache: the presenter's)."""
+        self._expect(who, spec, "shown" if answered else "reload")
+
+    def _expect(self, who: str, spec, step: str) -> None:
         with self._lock:
-            self._targets[who] = (spec, time.monotonic() + EXPIRY_S, False, "shown" if answered else "reload")
+            self._targets[who] = (spec, time.monotonic() + EXPIRY_S, False, step)
 
     def drop_expected(self, who: str) -> None:
         """The page stopped following: its next move is its own, never a step of the room's."""
@@ -200,9 +203,7 @@ class MergeTabEvents:
         target = self.spec_of(updates[0]["value"], updates[1]["value"], [u.get("value") for u in updates[2:]])
         if target is None or target == self.spec_of(experts, method, values):
             return tuple(gr.skip() for _ in updates)  # nothing changes: no event will follow
-        with self._lock:
-            self._targets[session_of(request)] = (target, time.monotonic() + EXPIRY_S, False,
-                                                  "loaded" if record else "reload")
+        self._expect(session_of(request), target, "loaded" if record else "reload")
         return updates
 
     def method_controls(self, request: gr.Request, method, experts, *values):

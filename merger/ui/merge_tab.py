@@ -227,6 +227,10 @@ class Controller(ControlPanel):
         still = picked in self.session.under_way()
         gr.Info(f"The controls hold `{picked}` now: " + ("press Run to follow it." if still else
                                                            "it shows as soon as it is evaluated, if it finished."))
+        return self.updates_of(spec)
+
+    def updates_of(self, spec) -> tuple:
+        """``spec_updates`` that show one spec."""
         return self.spec_updates(list(spec.experts), spec.method, dict(spec.kwargs), dict(spec.task_weights),
                                  dict(spec.block_weights))
 

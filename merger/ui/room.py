@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_PAGES = 1000  # pages a room keeps a record of (followers and presenter pages); more are refused
 GUESS_RANGE = (0.0, 100.0)  # a guess is an average accuracy in %
@@ -104,13 +104,13 @@ class Room:
         whether the room's version moved."""
         if not self.is_presenter(request):
             return False
+        changes = {k: v for k, v in (("spec", spec), ("tab", tab), ("pins", None if pins is None else tuple(pins)))
+                   if v is not None}
         with self._lock:
-            now = self._shown
-            new = Shown(now.version, spec if spec is not None else now.spec, tab if tab is not None else now.tab,
-                        tuple(pins) if pins is not None else now.pins)
-            if (new.spec, new.tab, new.pins) == (now.spec, now.tab, now.pins):
+            new = replace(self._shown, **changes)
+            if new == self._shown:
                 return False
-            self._shown = Shown(now.version + 1, new.spec, new.tab, new.pins)
+            self._shown = replace(new, version=new.version + 1)
             return True
 
     # ---- following ------------------------------------------------------------------------
@@ -206,11 +206,16 @@ class Room:
             q.guesses[who] = number
         return number
 
-    def reveal(self, request, answer_pct: float) -> Question:
+    def to_reveal(self, request) -> Question:
+        """The question whose answer the presenter may reveal."""
         self.refuse_unless_presenter(request, "reveal the answer")
+        q = self.question
+        if q is None:
+            raise RoomError("reveal the answer: ask the room a question first")
+        return q
+
+    def reveal(self, request, answer_pct: float) -> Question:
+        q = self.to_reveal(request)
         with self._lock:
-            q = self._question
-            if q is None:
-                raise RoomError("reveal the answer: ask the room a question first")
             q.answer = float(answer_pct)
-            return q
+        return q

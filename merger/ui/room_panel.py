@@ -35,6 +35,7 @@ class RoomPanel:
         self._render_lock = threading.Lock()
         self._rendered: tuple[int, tuple | None] = (-1, None)  # (room version, its answer drawn)
         self._watchers = 0  # `room` endpoint streams going on
+        self._watchers_lock = threading.Lock()  # not the render lock: the event loop must never wait on a drawing
 
     # ---- the page -------------------------------------------------------------------------
     def build(self) -> dict:
@@ -101,7 +102,7 @@ class RoomPanel:
         shown = self.room.shown
         updates = skips
         if shown.spec is not None:
-            updates = self.events.set_inputs(request, self._updates_of(shown.spec), experts, method, values, record=False)
+            updates = self.events.set_inputs(request, self.ctl.updates_of(shown.spec), experts, method, values, record=False)
         return (gr.update(visible=False), gr.update(visible=True), gr.update(selected=shown.tab), list(shown.pins),
                 self.ctl.pins_text(list(shown.pins)), *updates)
 
@@ -119,18 +120,16 @@ class RoomPanel:
             pending = None if presenter else self.room.to_apply(who)
             if pending is not None:
                 before, now = pending
-                moved = now.spec is not None and (before is None or before.spec != now.spec)
-                answer = await asyncio.to_thread(self._answer_of, now) if moved else None
+                answer = await asyncio.to_thread(self._answer_of, now) if _moved(before, now) else None
                 merge = self._merge_frame(who, before, now, answer)
             talk = self._talk(who, presenter)
             if merge is not None or talk != said:
                 updates = self._talk_updates(who, presenter, talk) if talk != said else (gr.skip(),) * 5
                 said = talk
-                merge = merge or (gr.skip(),) * (7 + self.n_inputs)
-                figures = merge[3 + self.n_inputs:6 + self.n_inputs]
+                controls, figures, summary = merge or ((gr.skip(),) * (3 + self.n_inputs), None, gr.skip())
                 # the numbers first, then the figures (the browser takes longer to draw them), as a move does
-                yield (*merge[:3 + self.n_inputs], *(gr.skip(),) * 3, merge[-1], *updates)
-                if any(not _is_skip(f) for f in figures):
+                yield (*controls, *(gr.skip(),) * 3, summary, *updates)
+                if figures is not None:
                     yield (*(gr.skip(),) * (3 + self.n_inputs), *figures, gr.skip(), *(gr.skip(),) * 5)
             await asyncio.sleep(POLL_S)
 
@@ -149,25 +148,26 @@ class RoomPanel:
             return self._rendered[1]
 
     def _merge_frame(self, who: str, before, now, answer) -> tuple:
-        """(tab, pins, pins text, *Merge inputs, *Merge outputs) updates that bring a following page
-        to what the presenter shows, only what differs."""
+        """((tab, pins, pins text, *Merge inputs), the three figures or None, the summary) updates that
+        bring a following page to what the presenter shows, only what differs."""
         tab = gr.update(selected=now.tab) if before is None or before.tab != now.tab else gr.skip()
         pins = (list(now.pins), self.ctl.pins_text(list(now.pins))) if before is None or before.pins != now.pins \
             else (gr.skip(), gr.skip())
-        inputs, outputs = (gr.skip(),) * self.n_inputs, (gr.skip(),) * 4
-        if now.spec is not None and (before is None or before.spec != now.spec):
+        inputs, figures, summary = (gr.skip(),) * self.n_inputs, None, gr.skip()
+        if _moved(before, now):
             offered = self.ctl.offered.to(who)
             if all(e in offered for e in now.spec.experts):  # a lab expert this page is not offered: not shown
                 inputs = self._input_updates(who, before.spec if before is not None else None, now.spec,
                                              answer is not None)
-                outputs = answer or outputs
+                if answer is not None:
+                    *figures, summary = answer
         self.room.applied(who, now)
-        return (tab, *pins, *inputs, *outputs)
+        return (tab, *pins, *inputs), figures, summary
 
     def _input_updates(self, who: str, before, spec, answered: bool) -> tuple:
         """Merge-input updates from ``before`` (the merge the page shows) to ``spec``: the changed
         values alone where method and experts stay (no event for the others)."""
-        full = self._updates_of(spec)
+        full = self.ctl.updates_of(spec)
         if before is not None and before.method == spec.method and before.experts == spec.experts:
             n = len(spec.experts)
             old, new = self.ctl.values_of(before, spec.method, n), self.ctl.values_of(spec, spec.method, n)
@@ -175,10 +175,6 @@ class RoomPanel:
         if before != spec:
             self.events.expect(who, spec, answered)
         return full
-
-    def _updates_of(self, spec) -> tuple:
-        return self.ctl.spec_updates(list(spec.experts), spec.method, dict(spec.kwargs), dict(spec.task_weights),
-                                     dict(spec.block_weights))
 
     def _talk(self, who: str, presenter: bool) -> tuple:
         """What the banner and the question say to this page now (compared, then sent if changed)."""
@@ -240,7 +236,8 @@ class RoomPanel:
         return kept, self.ctl.pins_text(kept)
 
     def took_controls(self, request: gr.Request, pins):
-        who, page = session_of(request), self.room.page(session_of(request))
+        who = session_of(request)
+        page = self.room.page(who)
         if self.room.is_presenter(request) or page is None or not page.following:
             return gr.skip(), gr.skip(), gr.skip()
         self.events.drop_expected(who)
@@ -276,16 +273,13 @@ class RoomPanel:
         """The answer (one forward unless cached) and the guesses as a histogram; the presenter's
         controls (and so the room) move to the question's merge."""
         skips = (gr.skip(),) * (2 + len(values))
-        q = self.room.question
         try:
-            self.room.refuse_unless_presenter(request, "reveal the answer")
-            if q is None:
-                raise RoomError("reveal the answer: ask the room a question first")
+            q = self.room.to_reveal(request)
             answer = 100 * self.ctl.session.preview(q.subject).average_accuracy
             self.room.reveal(request, answer)
         except (RoomError, MergerError) as exc:
             return notice(exc), *skips
-        updates = self.events.set_inputs(request, self._updates_of(q.subject), experts, method, values)
+        updates = self.events.set_inputs(request, self.ctl.updates_of(q.subject), experts, method, values)
         return f"Answer {answer:.1f} %: {len(q.guesses)} guesses on every screen.", *updates
 
     # ---- the HTTP endpoint ---------------------------------------------------------------------
@@ -308,7 +302,7 @@ class RoomPanel:
             seen = int(since)
         except (TypeError, ValueError, OverflowError):
             raise gr.Error(f"since: expected a room version (a whole number), got {str(since)[:40]!r}") from None
-        with self._render_lock:
+        with self._watchers_lock:
             if self._watchers >= MAX_WATCHERS:
                 raise gr.Error(f"the room has {MAX_WATCHERS} watchers already; try again later")
             self._watchers += 1
@@ -322,9 +316,10 @@ class RoomPanel:
                     yield state
                 await asyncio.sleep(POLL_S)
         finally:
-            with self._render_lock:
+            with self._watchers_lock:
                 self._watchers -= 1
 
 
-def _is_skip(update) -> bool:
-    return isinstance(update, dict) and set(update) == {"__type__"}
+def _moved(before, now) -> bool:
+    """Whether the presenter shows a merge the page has not been sent."""
+    return now.spec is not None and (before is None or before.spec != now.spec)

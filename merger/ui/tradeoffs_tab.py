@@ -130,8 +130,7 @@ class TradeoffsTab:
     def load(self, tuned, experts, method, *values):
         if tuned is None:
             raise MergerError("tune first: there are no tuned weights to load")
-        return self.ctl.spec_updates(list(tuned.experts), tuned.method, tuned.kwargs, dict(tuned.task_weights),
-                                     dict(tuned.block_weights))
+        return self.ctl.updates_of(tuned)
 
 
 def build_tradeoffs_tab(ctl, merge: dict, events, batch) -> TradeoffsTab:
