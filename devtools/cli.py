@@ -116,6 +116,9 @@ def build_parser() -> Parser:
     p.add_argument("--images", type=positive_int, default=None,
                    help="scale: synthetic images per task (128); open: test images per task (32)")
     p.add_argument("--device", default="cpu", help="scale: cpu or cuda")
+    p.add_argument("--tower", default=None,
+                   help="scale: image-tower routes timed in turn, comma-separated (a GPU: eager,patches,graphs; "
+                        "the CPU: eager); the goals are eager's, the app's route")
     p.add_argument("--naive", type=int, default=30, help="live: how many of them to repeat naively")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods")
     p.add_argument("--rounds", type=positive_int, default=None, help="soak: rounds of a person in Chromium (12)")

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks in one run, for a lent GPU machine (CI has none): the CUDA tests
-# (every method on a CUDA pool against the CPU) first, then `bench scale --device cuda` for ViT-B-32 × 8
-# (every static method) and ViT-L-14 × 8 (the featured ones). Logs go to $OUT (or ./out).
+# The GPU checks in one run, for a lent GPU machine (CI has none): the compiled image tower against the
+# eager one (tests/test_cuda.py), `bench scale --device cuda` for ViT-B-32 × 8 and ViT-L-14 × 8 with each
+# image-tower route timed in turn, then the rest of tests/test_cuda.py (every method on a CUDA pool against
+# the CPU). Logs go to $OUT (or ./out).
 #
 # Packages the GPU image lacks (gradio, open_clip, plotly and their needs) travel as one zip of
 # unpacked cp312 wheels, .whl/pack/site.zip (ignored by git): `pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 ...` each, unzip
-# them into one folder, drop gradio's frontend and media and plotly.min.js, zip the folder.
+# them into one folder, drop gradio's templates and media_assets and plotly.min.js, zip the folder.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -29,12 +30,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv |
 python3 -c "import merger.ui, torch, gradio, plotly, scipy; from merger._compat import open_clip; \
 print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU', \
 'gradio', gradio.__version__, 'open_clip', open_clip().__version__, 'scipy', scipy.__version__)" 2>&1 | tee -a "$OUT/env.txt"
-STATIC=weight_averaging,task_arithmetic,ties,dare_linear,dare_ties,cart,tsv_m,iso_c,breadcrumbs,consensus_ta,iso_cts,magmax,model_stock,slerp,fisher,regmean,wudi
-# METHODS / L14_METHODS / MOVES narrow a run to what is still unmeasured (the device time is short)
-TAIL=25 step "${TEST_S:-150}" test_cuda.log python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
-step "${B32_S:-240}" scale_b32.log python3 -m merger bench scale --arch ViT-B-32 --device cuda --methods "${METHODS:-$STATIC}" \
-    ${MOVES:+--moves $MOVES} --debug
-step "${L14_S:-200}" scale_l14.log python3 -m merger bench scale --arch ViT-L-14 --device cuda --moves "${MOVES:-10}" \
-    ${L14_METHODS:+--methods $L14_METHODS} --debug
-TAIL=80 step "${PROFILE_S:-120}" profile_b32.log python3 scripts/gpu_profile.py ViT-B-32
-TAIL=80 step "${PROFILE_S:-120}" profile_l14.log python3 scripts/gpu_profile.py ViT-L-14 5
+# B32_METHODS / L14_METHODS / MOVES / TOWER narrow a run to what is still unmeasured (the device time is short)
+TAIL=15 step "${TOWER_TEST_S:-90}" test_tower.log python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py \
+    -k "tower_routes or forwards_a_cpu or bf16_autocast"
+TAIL=45 step "${B32_S:-150}" scale_b32.log python3 -m devtools bench scale --arch ViT-B-32 --device cuda \
+    --methods "${B32_METHODS:-task_arithmetic,tsv_m}" --moves "${MOVES:-20}" --tower "${TOWER:-eager,patches,graphs}" --debug
+TAIL=40 step "${L14_S:-180}" scale_l14.log python3 -m devtools bench scale --arch ViT-L-14 --device cuda \
+    --methods "${L14_METHODS:-task_arithmetic}" --moves "${L14_MOVES:-10}" --tower "${L14_TOWER:-eager,patches,graphs}" --debug
+left=$(( ${BUDGET_S:-585} - SECONDS ))  # the rest of the command's time, where enough is left
+if [ "$left" -ge 60 ]; then
+    TAIL=25 step "$left" test_cuda.log python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+fi

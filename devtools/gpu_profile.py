@@ -1,6 +1,6 @@
 """Where a GPU slider move's time goes: a move's parts (apply, load, forward,
 scores) timed apart, the image tower alone under each forward precision, and the CUDA kernels of
-one move by the torch profiler. Usage (on a GPU machine): python3 scripts/gpu_profile.py ViT-B-32"""
+one move by the torch profiler. Usage (on a GPU machine): python3 devtools/gpu_profile.py ViT-B-32"""
 from __future__ import annotations
 
 import copy
@@ -30,7 +30,8 @@ def main(arch: str, n: int = 10, images: int = 128, device: str = "cuda") -> Non
     t0 = time.perf_counter()
     ex = scale_session(arch, 8, images, device)
     ev = ex.evaluator
-    print(f"{arch}: set-up {time.perf_counter() - t0:.0f} s; batch size {ev.batch_size}", flush=True)
+    said = ev.warm_tower("live")  # the app's tower route, as at open
+    print(f"{arch}: set-up {time.perf_counter() - t0:.0f} s; batch size {ev.batch_size}; {said or 'eager tower'}", flush=True)
     lams = iter([round(0.05 * i, 2) for i in range(-59, 60) if i != 0])  # λ snaps to 0.05: each one new
     ex.preview(ex.spec("task_arithmetic", lam=next(lams)))
     delta = ex.delta(ex.spec("task_arithmetic", lam=0.3))

@@ -35,7 +35,7 @@ def block():
 def test_every_drop_in_names_an_accelerable_reference():
     import importlib
 
-    assert len(drop_ins()) == 8
+    assert len(drop_ins()) == 9
     for d in drop_ins():
         module, name = d.reference.rsplit(".", 1)
         fn = getattr(importlib.import_module(module), name)

@@ -130,3 +130,38 @@ def test_tasks_with_their_own_images_are_forwarded_as_one_batch_on_the_gpu(tmp_p
     assert calls == [1, 1]  # one batch on either device, not one per image set
     for t in results[0].tasks:
         assert abs(results[1].accuracy[t] - results[0].accuracy[t]) <= 0.03, t
+
+
+@pytest.mark.parametrize("route", ["patches", "graphs"])
+def test_the_tower_routes_give_the_eager_answer_with_each_moves_weights(pools, route):
+    """The GPU's tower routes (the patch matmul; that, compiled and replayed as CUDA graphs) against the
+    reference under the same bf16 autocast: features close, the same accuracy within a few images, and
+    each move's weights (written in place) read by the replayed graph."""
+    from merger.accel import reference_only
+
+    _, gpu = pools
+    ev = gpu.evaluator
+    assert ev.tower_route == "eager"  # the default
+    ev.tower_route = route
+    try:
+        said = ev.warm_tower("live")
+        assert said.startswith("image tower compiled (graphs) in " if route == "graphs" else
+                               "image tower route patches in "), said
+        features = {}
+        for lam in (0.3, 1.5):
+            delta = gpu.delta(gpu.spec("task_arithmetic", lam=lam))
+            fast = ev.evaluate(delta=delta)
+            fast_features = torch.cat(ev.image_features("live"))
+            with reference_only("tower"):
+                ref = ev.evaluate(delta=delta)
+                ref_features = torch.cat(ev.image_features("live"))
+            rel = float((fast_features - ref_features).norm() / ref_features.norm())
+            assert rel <= 2e-2, (lam, rel)
+            for t in ref.accuracy:
+                assert abs(fast.accuracy[t] - ref.accuracy[t]) <= 0.03, (lam, t)
+            features[lam] = (fast_features, rel)
+        moved = float((features[1.5][0] - features[0.3][0]).norm() / features[0.3][0].norm())
+        assert moved > 10 * max(features[0.3][1], features[1.5][1]), moved  # not the first move's weights again
+    finally:
+        ev.tower_route = "eager"
+        ev.warm_tower()

@@ -9,6 +9,7 @@ waits for it (the work queue still decides who holds the model, and when).
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -23,14 +24,15 @@ class ModelThread:
         self._lock = threading.Lock()
 
     def run(self, fn, *args, **kwargs):
-        """fn(*args, **kwargs) on the thread (directly when already there: calls nest)."""
+        """fn(*args, **kwargs) on the thread (directly when already there: calls nest), in the caller's
+        context (``merger.accel.reference_only`` holds for the work done for it)."""
         if threading.get_ident() == self._ident:
             return fn(*args, **kwargs)
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="merger-model")
                 self._ident = self._executor.submit(threading.get_ident).result()
-        return self._executor.submit(fn, *args, **kwargs).result()
+        return self._executor.submit(contextvars.copy_context().run, fn, *args, **kwargs).result()
 
 
 def on_model_thread(method):

@@ -34,7 +34,7 @@ from merger.evaluation.work_queue import WorkQueue
 from merger.io.inputs import integer
 from merger.spec import Spec, on_experts
 
-PARTIAL_BUDGET_S = 0.3  # a full live forward slower than this makes previews progressive
+LIVE_S, FIRST_ANSWER_S = 0.15, 0.1  # a live forward over LIVE_S: moves answer first on a forward of FIRST_ANSWER_S
 
 _SESSIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -43,8 +43,6 @@ def session_for(pool) -> "PoolSession":
     """The pool's shared session (API calls, the CLI and the app reuse its caches and runs)."""
     s = _SESSIONS.get(pool)
     return s if s is not None else PoolSession(pool)
-
-
 
 
 class PoolSession:
@@ -312,16 +310,18 @@ class PoolSession:
         return (sub.accuracy, sub.loss) if sub is not None else None
 
     # ---- progressive answers ----------------------------------------------------------------
-    def measure_live(self, budget_s: float = PARTIAL_BUDGET_S) -> float:
-        """Time one full live forward (the base's, after a warm-up; kept with its features, on disk
-        for large pools, so a second open forwards nothing); when it is slower than the budget,
-        moves answer first on ``partial_images`` images per task (or the linear estimate)."""
+    def measure_live(self, budget_s: float = LIVE_S, first_s: float = FIRST_ANSWER_S) -> float:
+        """Time one full live forward (the base's, after a warm-up, a chosen tower route built first; kept
+        with its features, on disk for large pools); when slower than ``budget_s``, moves answer first on
+        ``partial_images`` images per task (or the linear estimate), as many as a forward of ``first_s`` takes."""
+        with self.queue:
+            self.evaluator.warm_tower("live")
         seconds = self.linear.base_forward("live")
         per_task = max(self.base("live").counts.values())
-        if seconds > budget_s:
-            self.partial_images = max(2, min(per_task - 1, math.floor(per_task * budget_s / seconds)))
-        else:
-            self.partial_images = None
+        n = self.partial_images = (max(2, min(per_task - 1, math.floor(per_task * min(first_s, budget_s) / seconds)))
+                                   if seconds > budget_s else None)
+        with self.queue:  # a progressive move's two batches
+            self.evaluator.warm_tower("live", windows=((0, n), (n, None)) if n else ())
         return seconds
 
     # ---- landscape values -------------------------------------------------------------------
