@@ -1,6 +1,7 @@
 """Resident memory per stage of a pool from files, as the app opens and moves it: ``python -m
-devtools.measure_stages POOL.yaml`` (or ``--write DIR``: first write a random ViT-B/32 × 8 pool with 16
-test images per task there). Prints the resident set after each stage, then the tensors held after
+devtools.measure_stages POOL.yaml`` (or ``--write DIR``: first write a random pool of ``--arch``
+(ViT-B-32) × 8 with 16 test images per task there, then measure it in a fresh process). Prints the
+resident set after each stage (``--stages``: the methods moved, in order), then the tensors held after
 the last one, by owner (docs/memory.md)."""
 from __future__ import annotations
 
@@ -18,15 +19,31 @@ STAGES = (("task arithmetic move", "task_arithmetic", {"lam": 0.3}), ("TIES move
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m devtools.measure_stages")
     ap.add_argument("pool", nargs="?", help="a pool YAML")
-    ap.add_argument("--write", default=None, help="write a random ViT-B/32 × 8 pool to this folder first")
+    ap.add_argument("--write", default=None, help="write a random pool of --arch × 8 to this folder first")
+    ap.add_argument("--arch", default="ViT-B-32", help="with --write: the architecture (ViT-B-32)")
+    ap.add_argument("--stages", default=",".join(m for _, m, _ in STAGES),
+                    help="the methods moved, in order (task_arithmetic,ties,tsv_m,tsv_m)")
     args = ap.parse_args(argv)
     if args.write:
+        import subprocess
+        import sys
+
         from devtools.bench_open import write_random_pool
 
         Path(args.write).mkdir(parents=True, exist_ok=True)
-        args.pool = str(write_random_pool(Path(args.write), "ViT-B-32", 8, 16))
+        pool = write_random_pool(Path(args.write), args.arch, 8, 16)
+        # measured in a fresh process: writing held the random experts
+        return subprocess.call([sys.executable, "-m", "devtools.measure_stages", str(pool), "--stages", args.stages])
     if not args.pool:
         ap.error("give a pool YAML or --write DIR")
+    asked = args.stages.split(",")
+    stages, left = [], list(STAGES)
+    for method in asked:  # each asked method's next stage (a second TSV-M is its second move)
+        found = next((st for st in left if st[1] == method), None)
+        if found is None:
+            ap.error(f"--stages: {method} (known: {', '.join(m for _, m, _ in STAGES)})")
+        left.remove(found)
+        stages.append(found)
     from merger.evaluation.memory import limit_arenas, release_freed_memory
 
     limit_arenas()  # as the app does at start
@@ -48,7 +65,7 @@ def main(argv=None) -> int:
     say("live images read, heads built")
     session.expert_accuracy("live")
     say("experts' accuracies")
-    for stage, method, params in STAGES:
+    for stage, method, params in stages:
         session.preview(session.spec(method, **params))
         say(stage)
     print_held(session)

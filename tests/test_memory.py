@@ -91,3 +91,25 @@ def test_the_resident_model_holds_the_image_tower_only(session):
     assert text and all(p.numel() == 0 for n, p in model.named_parameters() if n in text)
     assert all(p.numel() > 0 for n, p in model.named_parameters() if n.startswith("visual."))
     assert all(session.pool.base[n].numel() > 0 for n in text)  # the pool's base keeps them (exports)
+
+
+def test_a_cpu_forward_goes_in_batches_whose_activations_fit_the_bound(session, monkeypatch):
+    from merger._compat import open_clip
+    from merger.evaluation import evaluator as evaluator_mod
+
+    large = open_clip().create_model("ViT-L-14", pretrained=None)
+    per_image = 4 * 257 * 4096  # ViT-L/14: 257 tokens, an MLP of 4096, fp32
+    assert evaluator_mod.cpu_batch(large) == evaluator_mod.CPU_BATCH_BYTES // per_image == 63
+    ev = session.evaluator
+    assert ev.batch_size == min(1024, evaluator_mod.cpu_batch(ev.model))  # the small pool's: 1024
+    spec = session.spec("task_arithmetic", lam=0.45)
+    whole = session.evaluate_exact(spec)  # the small pool's live split in one batch
+    seen = []
+    real = evaluator_mod.encode_images.reference
+    monkeypatch.setattr(evaluator_mod, "encode_images", lambda m, x, c=None: seen.append(x.shape[0]) or real(m, x))
+    monkeypatch.setattr(ev, "batch_size", 40)
+    chunked = session.evaluate_exact(spec)
+    n = sum(x.shape[0] for x, _ in ev.inputs("live"))
+    assert seen == [40] * (n // 40) + ([n % 40] if n % 40 else [])
+    assert chunked.accuracy == whole.accuracy
+    assert chunked.loss == pytest.approx(whole.loss, rel=1e-5)

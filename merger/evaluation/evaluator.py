@@ -55,6 +55,8 @@ class Evaluator:
             )
         self.model = pool.build_model().to(self.device)
         self.model.requires_grad_(False)
+        if self.device.type == "cpu":
+            self.batch_size = min(batch_size, cpu_batch(self.model))
         state = self.model.state_dict()
         self._targets = {k: state[k] for k in pool.task_vectors.keys}  # storage shared with the model
         self.logit_scale = float(self.model.logit_scale.exp())
@@ -339,6 +341,22 @@ class Evaluator:
                 out[t] = torch.searchsorted(live_indices(n), live_indices(n, PROBE_SIZE))
             self._probe_positions = out
         return self._probe_positions
+
+
+# On the CPU a batch's widest activation (the MLP's hidden layer, fp32) stays within this: a ViT-L/14
+# forward of 128 images in one batch held 1.6 GB over the rest of the process at its peak (docs/memory.md).
+CPU_BATCH_BYTES = 256 << 20
+
+
+def cpu_batch(model) -> int:
+    """Images per CPU batch: CPU_BATCH_BYTES over one image's MLP activations (tokens × hidden × 4 bytes);
+    1024 where the image tower is not a ViT of known shape."""
+    visual = getattr(model, "visual", None)
+    try:
+        tokens, hidden = visual.positional_embedding.shape[0], visual.transformer.resblocks[0].mlp.c_fc.out_features
+    except (AttributeError, IndexError, TypeError):
+        return 1024
+    return max(1, CPU_BATCH_BYTES // (4 * tokens * hidden))
 
 
 @accelerable

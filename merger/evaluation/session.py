@@ -34,7 +34,7 @@ from merger.evaluation.work_queue import WorkQueue
 from merger.io.inputs import integer
 from merger.spec import Spec, on_experts
 
-LIVE_S, FIRST_ANSWER_S = 0.15, 0.1  # a live forward over LIVE_S: moves answer first on a forward of FIRST_ANSWER_S
+LIVE_S, FIRST_ANSWER_S = 0.3, 0.1  # a live forward over LIVE_S: moves answer first on a forward of FIRST_ANSWER_S
 
 _SESSIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
