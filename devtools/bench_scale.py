@@ -48,8 +48,7 @@ def bench_scale(args) -> int:
     ok_apply = ok_move = True
     prepared = set()
     for k, route in enumerate(routes):
-        ex.evaluator.tower_route = route
-        said = ex.evaluator.warm_tower("live")  # the compile: once per route, before its moves
+        said = ex.evaluator.use_tower(route)  # the compile: once per route, before its moves
         print(f"{'':<18}{route:<10}{said or 'the reference: model.encode_image as written'}", flush=True)
         for m in names:
             ok = time_moves(ex, m, route, moves, (k, len(routes)), cuda, prepared)
@@ -68,8 +67,7 @@ def bench_scale(args) -> int:
                                                  + ("met" if ok_move else "MISSED") if cuda else ""))
     if cuda:
         forward_precision(ex)
-    ex.evaluator.tower_route = APP_ROUTE  # the progressive moves as the app makes them
-    ex.evaluator.warm_tower()
+    ex.evaluator.use_tower(APP_ROUTE)  # the progressive moves as the app makes them
     ex.shrink()  # the table's results go: the progressive moves' λ values are computed again
     ok_partial = progressive_moves(ex, first_goal=0.150 if cuda else 5.0, complete_goal=0.400 if cuda else None)
     return 0 if ok_apply and ok_partial and (ok_move or not cuda) else 1
@@ -136,21 +134,27 @@ def scale_session(arch: str, n_experts: int, images: int, device: str):
 def move_specs(session, name: str, n: int, part: int = 0, parts: int = 1) -> list:
     """n slider moves of a method: its first slider across its range (λ, SLERP's t, ...), or for a
     method without sliders (weight averaging, Model Stock) the first expert's task weight. ``part``
-    of ``parts``: every parts-th of n × parts values, so each part's moves are new to the caches."""
+    of ``parts``: every parts-th of n × parts distinct values on the slider's steps, so each part's
+    moves are new to the caches (fewer, said, where the range has fewer steps)."""
     m = methods.get(name)
     experts = m.experts_for(session.tasks)
     total = n * parts
     if not m.params:
-        weights = [round(0.5 + i / total, 2) for i in range(total)][part::parts]
-        return [session.spec(name, experts=experts, task_weights={experts[0]: w}) for w in weights]
-    p = m.params[0]
-    if p.name == "lam":  # the range people use (0.1 to 1.55), as earlier tables; then further out
+        values = [round(0.5 + i / total, 2) for i in range(total)]
+        make = lambda w: session.spec(name, experts=experts, task_weights={experts[0]: w})  # noqa: E731
+    elif m.params[0].name == "lam":  # the range people use (0.1 to 1.55), as earlier tables; then further out
         lams = [round(0.05 * (i + 2), 2) for i in range(57)]
-        lams = (lams + [-x for x in lams])[:total][part::parts]
-        return [session.spec(name, experts=experts, lam=lam) for lam in lams]
-    lo, hi = p.min + (p.step if p.min_open else 0), p.max - (p.step if p.max_open else 0)
-    values = [lo + (hi - lo) * (i + 1) / (total + 1) for i in range(total)][part::parts]
-    return [session.spec(name, experts=experts, **{p.name: round(round(v / p.step) * p.step, 6)}) for v in values]
+        values = lams + [-x for x in lams]
+        make = lambda lam: session.spec(name, experts=experts, lam=lam)  # noqa: E731
+    else:
+        p = m.params[0]
+        lo, hi = p.min + (p.step if p.min_open else 0), p.max - (p.step if p.max_open else 0)
+        values = [round(round((lo + (hi - lo) * (i + 1) / (total + 1)) / p.step) * p.step, 6) for i in range(total)]
+        make = lambda v: session.spec(name, experts=experts, **{p.name: v})  # noqa: E731
+    values = list(dict.fromkeys(values))[:total]  # distinct: a repeat would be a cache hit
+    if len(values) < total:
+        print(f"({name}: {len(values)} distinct values on the slider's steps for {total} moves)", flush=True)
+    return [make(v) for v in values[part::parts]]
 
 
 def forward_precision(session, lams=(0.3, 0.4, 0.5, 0.6, 0.7)) -> None:

@@ -30,8 +30,8 @@ def main(arch: str, n: int = 10, images: int = 128, device: str = "cuda") -> Non
     t0 = time.perf_counter()
     ex = scale_session(arch, 8, images, device)
     ev = ex.evaluator
-    said = ev.warm_tower("live")  # the app's tower route, as at open
-    print(f"{arch}: set-up {time.perf_counter() - t0:.0f} s; batch size {ev.batch_size}; {said or 'eager tower'}", flush=True)
+    print(f"{arch}: set-up {time.perf_counter() - t0:.0f} s; batch size {ev.batch_size}; tower {ev.tower_route}",
+          flush=True)
     lams = iter([round(0.05 * i, 2) for i in range(-59, 60) if i != 0])  # λ snaps to 0.05: each one new
     ex.preview(ex.spec("task_arithmetic", lam=next(lams)))
     delta = ex.delta(ex.spec("task_arithmetic", lam=0.3))

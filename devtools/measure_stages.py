@@ -41,7 +41,8 @@ def main(argv=None) -> int:
     for method in asked:  # each asked method's next stage (a second TSV-M is its second move)
         found = next((st for st in left if st[1] == method), None)
         if found is None:
-            ap.error(f"--stages: {method} (known: {', '.join(m for _, m, _ in STAGES)})")
+            ap.error(f"--stages: {method}: each method at most as often as in "
+                     f"{','.join(m for _, m, _ in STAGES)}")
         left.remove(found)
         stages.append(found)
     from merger.evaluation.memory import limit_arenas, release_freed_memory

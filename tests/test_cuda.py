@@ -142,9 +142,8 @@ def test_the_tower_routes_give_the_eager_answer_with_each_moves_weights(pools, r
     _, gpu = pools
     ev = gpu.evaluator
     assert ev.tower_route == "eager"  # the default
-    ev.tower_route = route
     try:
-        said = ev.warm_tower("live")
+        said = ev.use_tower(route)
         assert said.startswith("image tower compiled (graphs) in " if route == "graphs" else
                                "image tower route patches in "), said
         features = {}
@@ -163,5 +162,4 @@ def test_the_tower_routes_give_the_eager_answer_with_each_moves_weights(pools, r
         moved = float((features[1.5][0] - features[0.3][0]).norm() / features[0.3][0].norm())
         assert moved > 10 * max(features[0.3][1], features[1.5][1]), moved  # not the first move's weights again
     finally:
-        ev.tower_route = "eager"
-        ev.warm_tower()
+        ev.use_tower("eager")

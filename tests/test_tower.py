@@ -24,15 +24,15 @@ def compiled(session, monkeypatch):
     monkeypatch.setattr(CompiledTower, "__call__", lambda self, x: calls.append(x.shape[0]) or call(self, x))
     ev = session.evaluator
     session.expert_accuracy("live")  # forwards of their own, made once, before the moves counted below
-    ev.tower_route = "graphs"
-    yield ev, ev.warm_tower("live", backend="eager"), calls
-    ev.tower_route = "eager"
-    ev.warm_tower()
+    yield ev, ev.use_tower("graphs", backend="eager"), calls
+    ev.use_tower("eager")
+    assert ev.compiled_tower is None and type(ev.model.visual.conv1) is torch.nn.Conv2d
 
 
 def test_the_tower_is_the_reference_unless_a_route_is_chosen(session):
-    assert session.evaluator.tower_route == "eager"  # on any device: the routes did not pay (docs/accel.md)
-    assert session.evaluator.warm_tower() is None and session.evaluator.compiled_tower is None
+    ev = session.evaluator
+    assert ev.tower_route == "eager" and ev.compiled_tower is None  # the routes did not pay (docs/accel.md)
+    assert ev.use_tower("eager") is None and type(ev.model.visual.conv1) is torch.nn.Conv2d
 
 
 def test_a_move_goes_through_the_compiled_tower_and_equals_the_reference(session, compiled):
@@ -74,15 +74,19 @@ def test_a_progressive_pool_warms_both_batches_of_a_move(session, compiled):
 
 
 def test_a_tower_that_cannot_compile_forwards_eagerly_and_says_so(session, monkeypatch):
+    from merger.accel import tower
+
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Cannot find a working triton installation")
 
+    monkeypatch.setattr(tower, "compiling", lambda: True)  # whatever this machine's own settings
+    monkeypatch.setattr(tower, "why_not_compiled_here", lambda: None)
     monkeypatch.setattr(torch, "compile", no_compiler)
     ev = session.evaluator
-    ev.tower_route = "graphs"
-    said = ev.warm_tower("live")
+    said = ev.use_tower("graphs")
     assert said == "image tower not compiled (RuntimeError): forwarding eagerly"
     assert ev.tower_route == "eager" and ev.compiled_tower is None and said in ev.notices
+    assert type(ev.model.visual.conv1) is torch.nn.Conv2d  # the patch matmul went with it
     spec = session.spec("task_arithmetic", lam=0.55)
     with reference_only("tower"):
         ref = session.evaluate_exact(spec)
@@ -120,6 +124,32 @@ def test_the_patch_embedding_keeps_the_models_weights_and_goes_back(session):
     assert embed_patches_by_matmul(model, False)
     assert type(model.visual.conv1) is torch.nn.Conv2d and model.visual.conv1.weight is weight
     assert not embed_patches_by_matmul(torch.nn.Linear(2, 2), True)
+
+
+def test_weights_given_to_the_tower_reach_the_patch_embedding_on_either_branch(session, compiled):
+    """Runs and diagnostics pass weights with torch.func.functional_call: both branches of the patch
+    embedding read them; a run's own copy of the tower is the tower as written."""
+    ev, _, _ = compiled
+    visual = ev.model.visual
+    x = torch.cat([x for x, _ in ev.inputs("live")])[:8]
+    other = {"conv1.weight": torch.randn_like(visual.conv1.weight)}
+    with torch.no_grad():
+        fast = torch.func.functional_call(visual, other, (x,))
+        with reference_only("tower"):
+            ref = torch.func.functional_call(visual, other, (x,))
+        mine = visual(x)
+    assert torch.allclose(fast, ref, rtol=1e-4, atol=1e-5) and not torch.allclose(fast, mine, atol=1e-3)
+    copied = ev.tower_copy()
+    assert type(copied.conv1) is torch.nn.Conv2d and isinstance(visual.conv1, PatchEmbedding)
+
+
+def test_the_route_has_one_owner(session, compiled):
+    ev, _, calls = compiled
+    assert ev.tower_route == "graphs"
+    ev.use_tower("eager")
+    before = len(calls)
+    session.preview(session.spec("task_arithmetic", lam=0.95))
+    assert ev.tower_route == "eager" and len(calls) == before  # the route gone is not used
 
 
 def test_the_load_writes_the_sums_of_the_reference_bit_for_bit(session):

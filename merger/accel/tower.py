@@ -1,7 +1,7 @@
 """Two routes for the image tower, written for a GPU, each the same sums as the reference. Neither is the
 default: on an H200 patches made a ViT-B/32 move 1.14–1.17× faster and graphs at most 1.07× more, short
 of the 1.5× a drop-in must give to be kept (docs/accel.md), and graphs adds a compile of 47–85 s at open. They stay as routes to
-choose (``Evaluator.tower_route``) and to measure (``python -m devtools bench scale --tower``):
+choose (``Evaluator.use_tower``) and to measure (``python -m devtools bench scale --tower``):
 
 - ``patches``: a ViT's patch embedding, a convolution whose stride is its kernel, as one matmul over the
   image's patches. cuDNN's kernel for that convolution took 6.3 ms of a ViT-B/32 move's 34 ms of GPU
@@ -12,9 +12,9 @@ choose (``Evaluator.tower_route``) and to measure (``python -m devtools bench sc
   the next replay reads.
 
 The reference is ``merger.evaluation.evaluator.encode_images`` (``model.encode_image`` as written).
-What a route builds is the evaluator's own (``Evaluator.warm_tower``: once per process and pool). For
-another autocast state, under ``reference_only("tower")`` or where compiling is off or failed, the
-reference runs."""
+What a route builds is the evaluator's own (``Evaluator.use_tower``). Under ``reference_only("tower")``
+and where compiling is off or failed, the reference runs; in another autocast state or on a batch of
+one, graphs' eager forward (with the patch matmul)."""
 from __future__ import annotations
 
 import logging
@@ -33,7 +33,8 @@ ROUTES = ("eager", "patches", "graphs")
 class PatchEmbedding(torch.nn.Module):
     """A convolution whose stride is its kernel (no bias, no padding) as one matmul over the patches, in
     the convolution's place. Its weight is the convolution's own parameter (state-dict key and storage
-    unchanged); ``reference_only("tower")`` runs the convolution."""
+    unchanged, so ``torch.func.functional_call`` reaches it); ``reference_only("tower")`` runs the
+    convolution on it."""
 
     def __init__(self, conv: torch.nn.Conv2d):
         super().__init__()
@@ -49,7 +50,7 @@ class PatchEmbedding(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling() and references_asked("tower"):  # (a constant to the compiler)
-            return self.conv[0](x)
+            return F.conv2d(x, self.weight, None, self.patch)  # the convolution, on this module's parameter
         b, c, h, w = x.shape
         p, gh, gw = self.patch, x.shape[2] // self.patch, x.shape[3] // self.patch
         x = x[:, :, : gh * p, : gw * p]  # what a strided convolution reads
@@ -60,8 +61,8 @@ class PatchEmbedding(torch.nn.Module):
 
 def embed_patches_by_matmul(model: torch.nn.Module, on: bool) -> bool:
     """Put a ``PatchEmbedding`` in place of the image tower's patch convolution (``on``), or the
-    convolution back; whether the model has one."""
-    visual = getattr(model, "visual", None)
+    convolution back; whether the tower (``model.visual``, or ``model`` itself) has one."""
+    visual = getattr(model, "visual", model)
     conv = getattr(visual, "conv1", None)
     if isinstance(conv, PatchEmbedding):
         if not on:

@@ -3,6 +3,7 @@ task: top-1 accuracy and mean cross-entropy of the zero-shot head (task arithmet
 arXiv:2212.04089). Tasks whose images are one tensor (the demo's) are forwarded once, scored per head."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import threading
@@ -71,8 +72,7 @@ class Evaluator:
         self._probe_positions: dict[str, torch.Tensor] | None = None
         self.notices: list[str] = []  # out-of-memory fallbacks, shown to the user
         self.forwards = 0  # forwards of the resident model (counted: tests and benches)
-        self.tower_route = "eager"  # the reference; patches or graphs: merger/accel/tower.py (not kept by default)
-        self.compiled_tower = None  # built by warm_tower: the image tower as tower_route runs it
+        self.compiled_tower = None  # the image tower as a chosen route runs it (use_tower; None: as written)
 
     def _build_heads(self) -> dict[str, torch.Tensor]:
         """Zero-shot heads, cached on disk keyed by the text tower's hash, classes, templates and
@@ -147,14 +147,18 @@ class Evaluator:
         base = self.pool.task_vectors.base
         keys = list(self._targets)
         targets = list(self._targets.values())
-        if all(delta[k].device == t.device and base[k].device == t.device for k, t in zip(keys, targets)):
-            # θ0 then += Δ: the sums torch.add(θ0, Δ, out=target) makes, in two launches per dtype
-            # on a GPU instead of one per tensor (150 tensors on ViT-B/32: 1.2 ms of a move on an H200)
+        if all(delta[k].device == t.device == base[k].device and base[k].dtype == t.dtype for k, t in zip(keys, targets)):
+            # θ0 then += Δ: the sums torch.add(θ0, Δ, out=target) makes (one rounding, θ0 being of the
+            # target's dtype), in two launches per dtype on a GPU instead of one per tensor (150 tensors
+            # on ViT-B/32: 1.2 ms of a move on an H200)
             torch._foreach_copy_(targets, [base[k] for k in keys])
             torch._foreach_add_(targets, [delta[k] for k in keys])
             return
-        for k, target in zip(keys, targets):  # task vectors kept in host memory
-            target.copy_(base[k] + delta[k])
+        for k, target in zip(keys, targets):
+            if delta[k].device == target.device:
+                torch.add(base[k], delta[k], out=target)
+            else:  # task vectors kept in host memory
+                target.copy_(base[k] + delta[k])
 
     def batches_kept(self, split: str) -> set[tuple]:
         """The image windows of ``split`` kept as one batch each: (0, None) all, (0, n) and (n, None)."""
@@ -183,36 +187,52 @@ class Evaluator:
                 else:
                     raise
 
+    @property
+    def tower_route(self) -> str:
+        """eager (the reference, the default), patches or graphs: merger/accel/tower.py."""
+        return self.compiled_tower.route if self.compiled_tower is not None else "eager"
+
     @on_model_thread
     @torch.inference_mode()
-    def warm_tower(self, split: str = "live", windows: Sequence[tuple] = ((0, None),), **options) -> str | None:
-        """Compile the image tower for ``tower_route`` (once) and warm it on the batches a move forwards:
-        each window of images per task, every task's together. What happened in one line, or None."""
-        if self.tower_route == "eager":
-            if self.compiled_tower is not None:
-                from merger.accel.tower import embed_patches_by_matmul
+    def use_tower(self, route: str, split: str = "live", **options) -> str | None:
+        """Forward through ``route`` from now on: built (and compiled) on this split's batch, or the
+        image tower as written back for eager. What happened in one line, or None."""
+        from merger.accel.tower import compiled_tower, embed_patches_by_matmul
 
-                embed_patches_by_matmul(self.model, False)
-            self.compiled_tower = None
+        if route == self.tower_route:
             return None
-        if not windows:
+        self.compiled_tower = None
+        embed_patches_by_matmul(self.model, False)
+        if route == "eager":
             return None
-        groups = self.inputs(split)
-        batches = [torch.cat([x[a:b] for x, _ in groups])[: self.batch_size] for a, b in windows]
-        said = None
+        x = torch.cat([x for x, _ in self.inputs(split)])[: self.batch_size]  # the batch a move forwards
         with self._autocast():
-            if self.compiled_tower is None or self.compiled_tower.route != self.tower_route:
-                from merger.accel.tower import compiled_tower
-
-                self.compiled_tower, said = compiled_tower(self.model, self.tower_route, batches[0], **options)
-                if self.compiled_tower is None:
-                    self.tower_route = "eager"
-                    self.notices.append(said)
-                    return said
-                batches = batches[1:]
-            for x in batches:  # CUDA graphs are recorded per batch size
-                self.compiled_tower.warm(x)
+            self.compiled_tower, said = compiled_tower(self.model, route, x, **options)
+        if self.compiled_tower is None:
+            self.notices.append(said)
         return said
+
+    @on_model_thread
+    @torch.inference_mode()
+    def warm_tower(self, split: str, windows: Sequence[tuple]) -> None:
+        """Record a chosen route's tower on more batches a move forwards (each window of images per
+        task, every task's together): a progressive move's two."""
+        if self.compiled_tower is None:
+            return
+        groups = self.inputs(split)
+        with self._autocast():
+            for a, b in windows:
+                x = torch.cat([x[a:b] for x, _ in groups])[: self.batch_size]
+                if x.shape[0] >= 2:  # a batch of one is not the route's (CompiledTower.fits)
+                    self.compiled_tower.warm(x)
+
+    def tower_copy(self) -> torch.nn.Module:
+        """A copy of the image tower as written (a run trains its own)."""
+        from merger.accel.tower import embed_patches_by_matmul
+
+        visual = copy.deepcopy(self.model.visual)
+        embed_patches_by_matmul(visual, False)
+        return visual
 
     def _autocast(self):
         import contextlib
@@ -223,8 +243,7 @@ class Evaluator:
 
     def _move_to(self, device: str) -> None:
         self.device = torch.device(device)
-        self.tower_route = "eager"
-        self.warm_tower()  # the reference's own modules back
+        self.use_tower("eager")  # the tower as written
         self.model.to(self.device)
         state = self.model.state_dict()
         self._targets = {k: state[k] for k in self._targets}

@@ -15,7 +15,6 @@ a batch job left behind are ever seen by a preview.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 import weakref
@@ -178,7 +177,7 @@ class PoolSession:
             if key in self._runs:
                 return self._runs[key]
             if self._run_model is None:
-                self._run_model = copy.deepcopy(self.evaluator.model.visual)
+                self._run_model = self.evaluator.tower_copy()
             ctx = Context(self.pool, self.evaluator, key.experts)
             ctx.model, ctx.statistics = self._run_model, self._statistics
             run = m.run(ctx, progress, checkpoint, **key.kwargs)
@@ -311,17 +310,16 @@ class PoolSession:
 
     # ---- progressive answers ----------------------------------------------------------------
     def measure_live(self, budget_s: float = LIVE_S, first_s: float = FIRST_ANSWER_S) -> float:
-        """Time one full live forward (the base's, after a warm-up, a chosen tower route built first; kept
-        with its features, on disk for large pools); when slower than ``budget_s``, moves answer first on
-        ``partial_images`` images per task (or the linear estimate), as many as a forward of ``first_s`` takes."""
-        with self.queue:
-            self.evaluator.warm_tower("live")
+        """Time one full live forward (the base's, after a warm-up; kept with its features, on disk for
+        large pools); when slower than ``budget_s``, moves answer first on ``partial_images`` images per
+        task (or the linear estimate), as many as a forward of ``first_s`` takes."""
         seconds = self.linear.base_forward("live")
         per_task = max(self.base("live").counts.values())
         n = self.partial_images = (max(2, min(per_task - 1, math.floor(per_task * min(first_s, budget_s) / seconds)))
                                    if seconds > budget_s else None)
-        with self.queue:  # a progressive move's two batches
-            self.evaluator.warm_tower("live", windows=((0, n), (n, None)) if n else ())
+        if n:
+            with self.queue:  # a chosen tower route recorded on a progressive move's two batches
+                self.evaluator.warm_tower("live", ((0, n), (n, None)))
         return seconds
 
     # ---- landscape values -------------------------------------------------------------------
