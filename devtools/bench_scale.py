@@ -158,16 +158,16 @@ def move_specs(session, name: str, n: int, part: int = 0, parts: int = 1) -> lis
 
 
 def forward_precision(session, lams=(0.3, 0.4, 0.5, 0.6, 0.7)) -> None:
-    """GPU: the live forward under bf16 autocast, through the compiled tower (the app's route) and the
-    eager one, against fp32 forwards: exact evaluations of the same Δs (no result cache), time per move
+    """GPU: the live forward under bf16 autocast, through the eager tower (the app's) and the route
+    last chosen, against fp32 forwards: exact evaluations of the same Δs (no result cache), time per move
     and accuracy difference."""
     from merger.accel import reference_only
 
     ev = session.evaluator
     deltas = [session.delta(session.spec(LIVE_METHODS[0], lam=lam)) for lam in lams]
     variants = {"fp32": (False, False), "bf16 autocast, eager tower": (True, True)}
-    if ev.compiled_tower is not None:
-        variants[f"bf16 autocast, tower {ev.compiled_tower.route}"] = (True, False)
+    if ev.routed_tower is not None:
+        variants[f"bf16 autocast, tower {ev.routed_tower.route}"] = (True, False)
     times, accs = {}, {}
     before = ev.autocast
     try:

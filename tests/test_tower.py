@@ -8,7 +8,7 @@ import torch
 
 import merger
 from merger.accel import reference_only
-from merger.accel.tower import CompiledTower, PatchEmbedding, embed_patches_by_matmul
+from merger.accel.tower import RoutedTower, PatchEmbedding, embed_patches_by_matmul
 
 
 @pytest.fixture(scope="module")
@@ -17,26 +17,27 @@ def session():
 
 
 @pytest.fixture()
-def compiled(session, monkeypatch):
-    """The demo's tower compiled (eager backend), with the calls that went through it counted."""
+def routed(session, monkeypatch):
+    """The demo's tower on the graphs route (dynamo's eager backend), with the calls that went through it
+    counted."""
     calls = []
-    call = CompiledTower.__call__
-    monkeypatch.setattr(CompiledTower, "__call__", lambda self, x: calls.append(x.shape[0]) or call(self, x))
+    call = RoutedTower.__call__
+    monkeypatch.setattr(RoutedTower, "__call__", lambda self, x: calls.append(x.shape[0]) or call(self, x))
     ev = session.evaluator
     session.expert_accuracy("live")  # forwards of their own, made once, before the moves counted below
     yield ev, ev.use_tower("graphs", backend="eager"), calls
     ev.use_tower("eager")
-    assert ev.compiled_tower is None and type(ev.model.visual.conv1) is torch.nn.Conv2d
+    assert ev.routed_tower is None and type(ev.model.visual.conv1) is torch.nn.Conv2d
 
 
 def test_the_tower_is_the_reference_unless_a_route_is_chosen(session):
     ev = session.evaluator
-    assert ev.tower_route == "eager" and ev.compiled_tower is None  # the routes did not pay (docs/accel.md)
+    assert ev.tower_route == "eager" and ev.routed_tower is None  # the routes did not pay (docs/accel.md)
     assert ev.use_tower("eager") is None and type(ev.model.visual.conv1) is torch.nn.Conv2d
 
 
-def test_a_move_goes_through_the_compiled_tower_and_equals_the_reference(session, compiled):
-    ev, said, calls = compiled
+def test_a_move_goes_through_the_routed_tower_and_equals_the_reference(session, routed):
+    ev, said, calls = routed
     assert said.startswith("image tower compiled (graphs) in ")
     assert isinstance(ev.model.visual.conv1, PatchEmbedding)
     n_live = sum(x.shape[0] for x, _ in ev.inputs("live"))
@@ -55,17 +56,17 @@ def test_a_move_goes_through_the_compiled_tower_and_equals_the_reference(session
     assert session.preview(session.spec("task_arithmetic", lam=0.45)).accuracy != fast.accuracy
 
 
-def test_the_compiled_tower_runs_only_in_the_state_it_was_warmed_in(session, compiled):
-    ev, _, calls = compiled
+def test_the_routed_tower_runs_only_in_the_state_it_was_warmed_in(session, routed):
+    ev, _, calls = routed
     x = torch.cat([x for x, _ in ev.inputs("live")])
-    assert ev.compiled_tower.fits(x)
-    assert not ev.compiled_tower.fits(x[:1])  # a batch of one is specialised: it would compile again
+    assert ev.routed_tower.fits(x)
+    assert not ev.routed_tower.fits(x[:1])  # a batch of one is specialised: it would compile again
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not ev.compiled_tower.fits(x)  # another autocast state would compile again
+        assert not ev.routed_tower.fits(x)  # another autocast state would compile again
 
 
-def test_a_progressive_pool_warms_both_batches_of_a_move(session, compiled):
-    ev, _, calls = compiled
+def test_a_progressive_pool_warms_both_batches_of_a_move(session, routed):
+    ev, _, calls = routed
     session.measure_live(budget_s=0.0)  # as if a full live forward were slow
     n, groups = session.partial_images, len(ev.inputs("live"))
     per_task = ev.inputs("live")[0][0].shape[0]
@@ -85,7 +86,7 @@ def test_a_tower_that_cannot_compile_forwards_eagerly_and_says_so(session, monke
     ev = session.evaluator
     said = ev.use_tower("graphs")
     assert said == "image tower not compiled (RuntimeError): forwarding eagerly"
-    assert ev.tower_route == "eager" and ev.compiled_tower is None and said in ev.notices
+    assert ev.tower_route == "eager" and ev.routed_tower is None and said in ev.notices
     assert type(ev.model.visual.conv1) is torch.nn.Conv2d  # the patch matmul went with it
     spec = session.spec("task_arithmetic", lam=0.55)
     with reference_only("tower"):
@@ -126,10 +127,10 @@ def test_the_patch_embedding_keeps_the_models_weights_and_goes_back(session):
     assert not embed_patches_by_matmul(torch.nn.Linear(2, 2), True)
 
 
-def test_weights_given_to_the_tower_reach_the_patch_embedding_on_either_branch(session, compiled):
+def test_weights_given_to_the_tower_reach_the_patch_embedding_on_either_branch(session, routed):
     """Runs and diagnostics pass weights with torch.func.functional_call: both branches of the patch
     embedding read them; a run's own copy of the tower is the tower as written."""
-    ev, _, _ = compiled
+    ev, _, _ = routed
     visual = ev.model.visual
     x = torch.cat([x for x, _ in ev.inputs("live")])[:8]
     other = {"conv1.weight": torch.randn_like(visual.conv1.weight)}
@@ -143,8 +144,8 @@ def test_weights_given_to_the_tower_reach_the_patch_embedding_on_either_branch(s
     assert type(copied.conv1) is torch.nn.Conv2d and isinstance(visual.conv1, PatchEmbedding)
 
 
-def test_the_route_has_one_owner(session, compiled):
-    ev, _, calls = compiled
+def test_the_route_has_one_owner(session, routed):
+    ev, _, calls = routed
     assert ev.tower_route == "graphs"
     ev.use_tower("eager")
     before = len(calls)
@@ -164,4 +165,4 @@ def test_the_load_writes_the_sums_of_the_reference_bit_for_bit(session):
 
 def test_an_unknown_route_is_refused():
     with pytest.raises(ValueError, match="tower route 'fast'"):
-        CompiledTower(torch.nn.Linear(2, 2), "fast")
+        RoutedTower(torch.nn.Linear(2, 2), "fast")

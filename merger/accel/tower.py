@@ -1,7 +1,8 @@
 """Two routes for the image tower, written for a GPU, each the same sums as the reference. Neither is the
 default: on an H200 patches made a ViT-B/32 move 1.14–1.17× faster and graphs at most 1.07× more, short
-of the 1.5× a drop-in must give to be kept (docs/accel.md), and graphs adds a compile of 47–85 s at open. They stay as routes to
-choose (``Evaluator.use_tower``) and to measure (``python -m devtools bench scale --tower``):
+of the 1.5× a drop-in must give to be kept (docs/accel.md), and graphs adds a compile of 47–85 s at
+open. They stay as routes to choose (``Evaluator.use_tower``) and to measure (``python -m devtools
+bench scale --tower``):
 
 - ``patches``: a ViT's patch embedding, a convolution whose stride is its kernel, as one matmul over the
   image's patches. cuDNN's kernel for that convolution took 6.3 ms of a ViT-B/32 move's 34 ms of GPU
@@ -14,7 +15,7 @@ choose (``Evaluator.use_tower``) and to measure (``python -m devtools bench scal
 The reference is ``merger.evaluation.evaluator.encode_images`` (``model.encode_image`` as written).
 What a route builds is the evaluator's own (``Evaluator.use_tower``). Under ``reference_only("tower")``
 and where compiling is off or failed, the reference runs; in another autocast state or on a batch of
-one, graphs' eager forward (with the patch matmul)."""
+one, the model's own forward (with the patch matmul in place)."""
 from __future__ import annotations
 
 import logging
@@ -75,7 +76,7 @@ def embed_patches_by_matmul(model: torch.nn.Module, on: bool) -> bool:
     return True
 
 
-class CompiledTower:
+class RoutedTower:
     """``model.encode_image`` as a route runs it: for graphs compiled with a dynamic batch size, for the
     autocast state it was warmed under."""
 
@@ -112,14 +113,14 @@ class CompiledTower:
         return self._fn(x).clone()  # a replay overwrites its output buffer
 
 
-def compiled_tower(model: torch.nn.Module, route: str, x: torch.Tensor, **options) -> tuple[CompiledTower | None, str]:
-    """A tower compiled and warmed on ``x`` for ``route``, with what happened in one line; None where the
-    compile failed (the reference then runs)."""
+def routed_tower(model: torch.nn.Module, route: str, x: torch.Tensor, **options) -> tuple[RoutedTower | None, str]:
+    """The tower built (for graphs, compiled) and warmed on ``x`` for ``route``, with what happened in one
+    line; None where that failed (the reference then runs)."""
     unsafe = why_not_compiled_here() if route == "graphs" and "backend" not in options else None
     if route == "graphs" and (unsafe or not compiling()):
         return None, f"image tower not compiled ({unsafe or 'compiling is off here'}): forwarding eagerly"
     try:
-        tower = CompiledTower(model, route, **options)
+        tower = RoutedTower(model, route, **options)
         seconds = tower.warm(x)
     except Exception as exc:  # noqa: BLE001  (no Triton, an unsupported op: the eager tower is the reference)
         embed_patches_by_matmul(model, False)
@@ -131,7 +132,7 @@ def compiled_tower(model: torch.nn.Module, route: str, x: torch.Tensor, **option
 
 @drop_in("merger.evaluation.evaluator.encode_images",
          "patch embedding as a matmul; the tower compiled and replayed as CUDA graphs (chosen by hand; else the reference)")
-def compiled_encode(reference, model, x: torch.Tensor, compiled: CompiledTower | None = None) -> torch.Tensor:
-    if compiled is None or not compiled.fits(x):
-        return reference(model, x, compiled)
-    return compiled(x)
+def routed_encode(reference, model, x: torch.Tensor, routed: RoutedTower | None = None) -> torch.Tensor:
+    if routed is None or not routed.fits(x):
+        return reference(model, x, routed)
+    return routed(x)

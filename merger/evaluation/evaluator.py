@@ -72,7 +72,7 @@ class Evaluator:
         self._probe_positions: dict[str, torch.Tensor] | None = None
         self.notices: list[str] = []  # out-of-memory fallbacks, shown to the user
         self.forwards = 0  # forwards of the resident model (counted: tests and benches)
-        self.compiled_tower = None  # the image tower as a chosen route runs it (use_tower; None: as written)
+        self.routed_tower = None  # the image tower as a chosen route runs it (use_tower; None: as written)
 
     def _build_heads(self) -> dict[str, torch.Tensor]:
         """Zero-shot heads, cached on disk keyed by the text tower's hash, classes, templates and
@@ -170,7 +170,7 @@ class Evaluator:
         while True:
             try:
                 with self._autocast():
-                    return torch.cat([encode_images(self.model, x[i: i + self.batch_size], self.compiled_tower).float()
+                    return torch.cat([encode_images(self.model, x[i: i + self.batch_size], self.routed_tower).float()
                                       for i in range(0, x.shape[0], self.batch_size)])
             except (torch.OutOfMemoryError, RuntimeError) as exc:
                 if not _is_oom(exc):
@@ -190,25 +190,25 @@ class Evaluator:
     @property
     def tower_route(self) -> str:
         """eager (the reference, the default), patches or graphs: merger/accel/tower.py."""
-        return self.compiled_tower.route if self.compiled_tower is not None else "eager"
+        return self.routed_tower.route if self.routed_tower is not None else "eager"
 
     @on_model_thread
     @torch.inference_mode()
     def use_tower(self, route: str, split: str = "live", **options) -> str | None:
         """Forward through ``route`` from now on: built (and compiled) on this split's batch, or the
         image tower as written back for eager. What happened in one line, or None."""
-        from merger.accel.tower import compiled_tower, embed_patches_by_matmul
+        from merger.accel.tower import routed_tower, embed_patches_by_matmul
 
         if route == self.tower_route:
             return None
-        self.compiled_tower = None
+        self.routed_tower = None
         embed_patches_by_matmul(self.model, False)
         if route == "eager":
             return None
-        x = torch.cat([x for x, _ in self.inputs(split)])[: self.batch_size]  # the batch a move forwards
+        x, = self._move_batches(split, ((0, None),))
         with self._autocast():
-            self.compiled_tower, said = compiled_tower(self.model, route, x, **options)
-        if self.compiled_tower is None:
+            self.routed_tower, said = routed_tower(self.model, route, x, **options)
+        if self.routed_tower is None:
             self.notices.append(said)
         return said
 
@@ -217,14 +217,17 @@ class Evaluator:
     def warm_tower(self, split: str, windows: Sequence[tuple]) -> None:
         """Record a chosen route's tower on more batches a move forwards (each window of images per
         task, every task's together): a progressive move's two."""
-        if self.compiled_tower is None:
+        if self.routed_tower is None:
             return
-        groups = self.inputs(split)
         with self._autocast():
-            for a, b in windows:
-                x = torch.cat([x[a:b] for x, _ in groups])[: self.batch_size]
-                if x.shape[0] >= 2:  # a batch of one is not the route's (CompiledTower.fits)
-                    self.compiled_tower.warm(x)
+            for x in self._move_batches(split, windows):
+                if x.shape[0] >= 2:  # a batch of one is not the route's (RoutedTower.fits)
+                    self.routed_tower.warm(x)
+
+    def _move_batches(self, split: str, windows: Sequence[tuple]) -> list[torch.Tensor]:
+        """Per window of images per task, the batch a move forwards: every task's together."""
+        groups = self.inputs(split)
+        return [torch.cat([x[a:b] for x, _ in groups])[: self.batch_size] for a, b in windows]
 
     def tower_copy(self) -> torch.nn.Module:
         """A copy of the image tower as written (a run trains its own)."""
@@ -379,9 +382,9 @@ def cpu_batch(model) -> int:
 
 
 @accelerable
-def encode_images(model, x: torch.Tensor, compiled=None) -> torch.Tensor:
-    """A batch's image features: ``model.encode_image`` as written (the reference). ``compiled``, the
-    evaluator's compiled tower, is for the drop-in (merger/accel/tower.py) alone."""
+def encode_images(model, x: torch.Tensor, routed=None) -> torch.Tensor:
+    """A batch's image features: ``model.encode_image`` as written (the reference). ``routed``, the
+    evaluator's tower on a chosen route, is for the drop-in (merger/accel/tower.py) alone."""
     return model.encode_image(x)
 
 
