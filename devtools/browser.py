@@ -39,14 +39,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(pool: str, port: int, history: str, timeout: float = 120.0, extra=()) -> subprocess.Popen:
+def start_server(pool: str, port: int, history: str, timeout: float = 120.0, extra=(), launcher=None) -> subprocess.Popen:
     """``merger app`` on a loopback port; returns once the page answers. Its output goes to a
     log next to the history (``server_log(proc)``): a pipe nobody reads would block the server once
-    its buffer is full."""
+    its buffer is full. ``launcher``: the command that takes ``app``'s arguments (``python -m merger``)."""
     log = Path(history).with_suffix(".log")
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "merger", "app", "--pool", pool, "--port", str(port), "--history", history,
-                                 *extra],
+        proc = subprocess.Popen([*(launcher or [sys.executable, "-m", "merger"]), "app", "--pool", pool, "--port", str(port),
+                                 "--history", history, *extra],
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
     proc.log = log
     deadline = time.time() + timeout

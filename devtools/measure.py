@@ -116,7 +116,7 @@ def naive_evaluation(pool_path, method: str, params: dict, split: str = "live"):
     from merger.evaluation.evaluator import tokenizer_for
     from merger.pool.pool import open_pool
 
-    data_mod._GENERATED.clear()
+    data_mod._generate_cached.cache_clear()
     pool = open_pool(pool_path)
     model = copy.deepcopy(pool.build_model())
     model.load_state_dict(merge(pool, method, **params))

@@ -276,3 +276,32 @@ def test_a_refused_value_goes_back_to_the_one_on_screen_and_the_browsers_clamp_c
         with pytest.warns(UserWarning, match=f"{field}: expected"):
             (frame,) = list(events.move_or_restore(me, None, *inputs))
         assert all(u == gr.skip() for u in frame)
+
+
+def test_a_value_controls_listener_carries_the_move_and_that_control_alone(ctl):
+    """Gradio builds a component for every output of every frame, a skipped one too: with every
+    control an output of every move, each frame of numbers waited on 29 of them. A value control's
+    listener restores itself only; the experts' and the method's restore every control."""
+    import asyncio
+
+    import gradio as gr
+
+    from merger.ui.app import build_app
+    from merger.ui.merge_events import MergeTabEvents
+
+    app = build_app(ctl.session)
+    moves = [bf for bf in app.fns.values() if bf.name in ("move_or_restore", "move_of_control")]
+    n_controls = len(PARAM_NAMES) + len(ctl.weight_experts) + len(ctl.weight_blocks)
+    assert sorted(len(bf.outputs) for bf in moves) == ([MergeTabEvents.MOVE_OUTPUTS + 1] * n_controls
+                                                       + [MergeTabEvents.MOVE_OUTPUTS + n_controls] * 2)
+    lam_at = PARAM_NAMES.index("lam")
+    lam_listener = next(bf for bf in moves if bf.name == "move_of_control" and bf.outputs[-1] is bf.inputs[3 + lam_at])
+    me = SimpleNamespace(session_hash="one-control")
+    inputs = helpers.with_weights(ctl, controls(ctl, lam=0.4))
+    frames = list(lam_listener.fn(me, None, *inputs))
+    assert len(frames[0]) == MergeTabEvents.MOVE_OUTPUTS + 1 and "lam=0.4" in frames[0][3]
+    inputs[2 + lam_at] = 5
+    with pytest.warns(UserWarning, match="outside"):
+        (frame,) = lam_listener.fn(me, None, *inputs)
+    assert frame == (gr.skip(),) * MergeTabEvents.MOVE_OUTPUTS + (gr.update(value=0.4),)
+    asyncio.run(app.postprocess_data(lam_listener, list(frame), None))  # Gradio takes the frame as wired

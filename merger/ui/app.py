@@ -50,11 +50,13 @@ def build_app(session, history=None, title: str = "merger", cluster=None, presen
             # One listener per control: the Merge plots, the data-driven panel and the landscape marker
             # from one merge and one forward (MergeTabEvents.move). It takes the values as the browser
             # sent them: a value out of range goes back to the one on screen (move_or_restore), where
-            # Gradio's check would refuse it and leave it in the box.
-            for c in merge["inputs"]:
-                c.change(events.move_or_restore, [land_state, *merge["inputs"]],
-                         [*merge["outputs"], *merge["learned"], land_plot, *merge["inputs"][2:]], preprocess=False,
-                         trigger_mode="always_last", **PREVIEW_EVENT, show_progress="hidden", api_visibility="private")
+            # Gradio's check would refuse it and leave it in the box. A value control restores itself only.
+            controls = merge["inputs"][2:]
+            for i, c in enumerate(merge["inputs"]):
+                listener, restores = (events.move_or_restore, controls) if i < 2 else (events.move_at(i - 2), [c])
+                c.change(listener, [land_state, *merge["inputs"]], [*merge["outputs"], *merge["learned"], land_plot, *restores],
+                         preprocess=False, trigger_mode="always_last", **PREVIEW_EVENT, show_progress="hidden",
+                         api_visibility="private")
             build_analysis_tabs(ctl, merge["inputs"], merge["experts"])
             build_history_tab(ctl, events, merge)
         plots_by_id = {b.elem_id: b for b in app.blocks.values() if isinstance(b, gr.Plot)}

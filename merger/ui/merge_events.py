@@ -306,6 +306,15 @@ class MergeTabEvents:
         for frame in self.move(request, land_state, experts, method, *values):
             yield (*frame, *controls)
 
+    def move_at(self, position: int):
+        """``move_or_restore`` as the listener of the value control at ``position``: its frames carry
+        the move's outputs and that control alone. Gradio builds every output of every frame, a
+        skipped one too, so the other controls would delay each frame (docs/performance.md)."""
+        def move_of_control(request: gr.Request, land_state, experts, method, *values):
+            for frame in self.move_or_restore(request, land_state, experts, method, *values):
+                yield (*frame[:self.MOVE_OUTPUTS], frame[self.MOVE_OUTPUTS + position])
+        return move_of_control
+
     def _clamp_echo(self, who: str, experts, method, values) -> int | None:
         """The control whose value is the browser's putting a refused one in range (see
         ``move_or_restore``), or None. Where that value is the one on screen anyway, the move is

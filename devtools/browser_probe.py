@@ -1,0 +1,139 @@
+"""Where a slider move's time goes between Chromium and the server: ``python -m devtools.browser_probe``.
+
+The page and the server share this machine's clock: the page marks when it sets λ, posts the move
+and shows its summary; the server, started by this module with timers around the Merge tab's
+listener, its forwards and Gradio's postprocessing of each frame, writes when each ran. The bench
+(``python -m devtools bench browser``) times the whole; this splits it. A dev tool: it wraps
+functions of the running server only.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SET_AND_WAIT = """async ([value, timeout]) => {
+  const slider = document.querySelector('#ctl-lam input[type=range]');
+  const summary = document.querySelector('#summary');
+  const want = '(lam=' + value + ')';
+  window.__posts = [];
+  const t0 = performance.timeOrigin + performance.now();
+  return await new Promise((resolve) => {
+    const done = () => { if (summary.innerText.includes(want)) { obs.disconnect();
+      resolve({t0, shown: performance.timeOrigin + performance.now(), posts: window.__posts}); } };
+    const obs = new MutationObserver(done);
+    obs.observe(summary, {subtree: true, childList: true, characterData: true, attributes: true});
+    slider.value = value;
+    slider.dispatchEvent(new Event('input', {bubbles: true}));
+    slider.dispatchEvent(new Event('change', {bubbles: true}));
+    setTimeout(() => { obs.disconnect(); resolve(null); }, timeout);
+  });
+}"""
+MARK_POSTS = """() => { const f = window.fetch; window.fetch = (...a) => {
+  if (String(a[0].url || a[0]).includes('queue/join')) (window.__posts = window.__posts || []).push(performance.timeOrigin + performance.now());
+  return f(...a); }; }"""
+
+
+def serve(log: str, argv: list[str]) -> None:
+    """The app (``merger app`` arguments), its listener, forwards and postprocessing timed into ``log``."""
+    import gradio as gr
+    from gradio.blocks import Blocks
+
+    from merger.cli import run
+    from merger.evaluation.evaluator import Evaluator
+    from merger.ui.merge_events import MergeTabEvents
+
+    out = open(log, "a", buffering=1)
+    listener, forward, postprocess = MergeTabEvents.move_or_restore, Evaluator.forward, Blocks.postprocess_data
+
+    def timed_listener(self, request: gr.Request, land_state, experts, method, *values):
+        out.write(f"listener {time.time():.4f}\n")
+        for i, frame in enumerate(listener(self, request, land_state, experts, method, *values)):
+            out.write(f"frame{i} {time.time():.4f}\n")
+            yield frame
+
+    def timed_forward(self, *args, **kwargs):
+        t = time.time()
+        result = forward(self, *args, **kwargs)
+        out.write(f"forward {t:.4f} {time.time() - t:.4f}\n")
+        return result
+
+    async def timed_postprocess(self, block_fn, predictions, state):
+        t = time.time()
+        result = await postprocess(self, block_fn, predictions, state)
+        if block_fn.fn is not None and getattr(block_fn.fn, "__name__", "") in ("move_of_control", "move_or_restore"):
+            out.write(f"postprocess {t:.4f} {time.time() - t:.4f} {len(block_fn.outputs)}\n")
+        return result
+
+    MergeTabEvents.move_or_restore, Evaluator.forward, Blocks.postprocess_data = timed_listener, timed_forward, timed_postprocess
+    sys.argv = ["merger", *argv]
+    run()
+
+
+def probe(pool: str, moves: int) -> None:
+    from playwright.sync_api import sync_playwright
+
+    from devtools.browser import free_port, open_page, start_server
+
+    values = [f"{0.05 * i:.2f}".rstrip("0").rstrip(".") for i in range(1, 41) if i != 6]
+    random.Random(1).shuffle(values)
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "times.log"
+        log.write_text("")
+        port = free_port()
+        proc = start_server(pool, port, str(Path(tmp) / "history.sqlite"),
+                            launcher=[sys.executable, "-m", "devtools.browser_probe", "--serve", str(log)])
+        try:
+            with sync_playwright() as p:
+                browser, page = open_page(p, f"http://127.0.0.1:{port}/")
+                page.evaluate(MARK_POSTS)
+                page.evaluate(SET_AND_WAIT, ["0.3", 15000])  # the figures' first render
+                marks = []
+                for v in values[:moves]:
+                    marks.append(page.evaluate(SET_AND_WAIT, [v, 15000]))
+                    page.wait_for_timeout(800)
+                browser.close()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+        lines = [line.split() for line in log.read_text().splitlines()]
+    times = {kind: [float(x[1]) for x in lines if x[0] == kind] for kind in ("listener", "frame0")}
+    forwards = [(float(x[1]), float(x[2])) for x in lines if x[0] == "forward"]
+    phases: dict[str, list[float]] = {k: [] for k in ("page until it posts", "post until the listener starts",
+                                                     "listener until its first frame", "  of which the forward",
+                                                     "first frame until shown", "slider → shown")}
+    for m in marks:
+        if m is None or not m["posts"]:
+            continue
+        t0, post, shown = m["t0"] / 1e3, m["posts"][0] / 1e3, m["shown"] / 1e3
+        start = min(t for t in times["listener"] if t >= t0)
+        frame = min(t for t in times["frame0"] if t >= start)
+        fwd = sum(d for t, d in forwards if start <= t <= frame)
+        for k, v in zip(phases, (post - t0, start - post, frame - start, fwd, shown - frame, shown - t0)):
+            phases[k].append(1e3 * v)
+    print(f"Chromium, {pool} pool, {len(phases['slider → shown'])} distinct λ values; ms, p50 (min–max):")
+    for k, v in phases.items():
+        print(f"  {k:<34}{statistics.median(v):7.1f}  ({min(v):.0f}–{max(v):.0f})")
+    pp = [(float(x[2]), x[3]) for x in lines if x[0] == "postprocess"]
+    print(f"  Gradio's postprocessing of a frame  {1e3 * statistics.median(d for d, _ in pp):7.1f}  "
+          f"(listeners of {', '.join(sorted({n for _, n in pp}))} outputs)")
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--serve":
+        serve(sys.argv[2], sys.argv[3:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pool", default="demo")
+    parser.add_argument("--moves", type=int, default=20)
+    args = parser.parse_args()
+    probe(args.pool, args.moves)
+
+
+if __name__ == "__main__":
+    main()
