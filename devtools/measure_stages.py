@@ -1,12 +1,15 @@
 """Resident memory per stage of a pool from files, as the app opens and moves it: ``python -m
 devtools.measure_stages POOL.yaml`` (or ``--write DIR``: first write a random pool of ``--arch``
 (ViT-B-32) × 8 with 16 test images per task there, then measure it in a fresh process). Prints the
-resident set after each stage (``--stages``: the methods moved, in order), then the tensors held after
+resident set after each stage (``--stages``: the methods moved, in order) and the highest one sampled
+within each part of the stage (the merge, the load of θ0 + Δ, the forwards), then the tensors held after
 the last one, by owner (docs/memory.md)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +17,40 @@ from devtools.measure import rss_gb
 
 STAGES = (("task arithmetic move", "task_arithmetic", {"lam": 0.3}), ("TIES move", "ties", {"lam": 1.0, "sparsity": 0.8}),
           ("TSV-M move (prepare + apply)", "tsv_m", {"lam": 1.0}), ("TSV-M second move", "tsv_m", {"lam": 0.8}))
+
+
+class PartPeaks:
+    """The highest resident set sampled (every 2 ms) within each part of a stage: the merge
+    (``Merges.delta``), the load of θ0 + Δ and the forwards; "other" for the rest."""
+
+    def __init__(self):
+        from merger.evaluation.evaluator import Evaluator
+        from merger.evaluation.merges import Merges
+
+        self.part, self.peaks = "other", {}
+        for cls, name, part in ((Merges, "delta", "merge"), (Evaluator, "load_delta", "load"), (Evaluator, "forward", "forward")):
+            setattr(cls, name, self._within(part, getattr(cls, name)))
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _within(self, part: str, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            before, self.part = self.part, part
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.part = before
+        return timed
+
+    def _sample(self) -> None:
+        while True:
+            now, part = rss_gb()[0], self.part
+            self.peaks[part] = max(now, self.peaks.get(part, 0.0))
+            time.sleep(0.002)
+
+    def said(self) -> str:
+        peaks, self.peaks = self.peaks, {}
+        return ", ".join(f"{part} {gb:.2f}" for part, gb in sorted(peaks.items(), key=lambda kv: kv[0]))
 
 
 def main(argv=None) -> int:
@@ -48,16 +85,20 @@ def main(argv=None) -> int:
     from merger.evaluation.memory import limit_arenas, release_freed_memory
 
     limit_arenas()  # as the app does at start
-    t0 = time.perf_counter()
+    t0, parts = time.perf_counter(), []
 
     def say(stage: str) -> None:
         gc.collect()
         release_freed_memory()  # as the app's MemoryKeeper does every 10 s
         now, peak = rss_gb()
-        print(f"{stage:<34}{now:6.2f} GB (peak {peak:5.2f}){time.perf_counter() - t0:8.1f} s", flush=True)
+        print(f"{stage:<34}{now:6.2f} GB (peak {peak:5.2f}){time.perf_counter() - t0:8.1f} s"
+              + (f"   within: {parts[0].said()}" if parts else ""),
+              flush=True)
 
     say("python + torch")
     import merger
+
+    parts.append(PartPeaks())
 
     pool = merger.open_pool(args.pool)
     say("pool open (task vectors)")

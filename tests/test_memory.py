@@ -113,3 +113,45 @@ def test_a_cpu_forward_goes_in_batches_whose_activations_fit_the_bound(session, 
     assert seen == [40] * (n // 40) + ([n % 40] if n % 40 else [])
     assert chunked.accuracy == whole.accuracy
     assert chunked.loss == pytest.approx(whole.loss, rel=1e-5)
+
+
+def test_a_lambda_move_holds_its_state_once_and_loads_one_value_at_a_time(session, monkeypatch):
+    """Δ = λ · a prepared or derived state: the Δ cache holds no tensor of its own (a copy beside the
+    state was one more model's worth at a TSV-M move's peak), its values are λ · the state's bit for
+    bit, and the CPU load holds at most one of them at a time beside the model."""
+    import gc
+    import weakref
+
+    import torch
+
+    from merger.evaluation.merges import held_bytes
+    from merger.methods._scaled import Scaled
+
+    merges = session.merges
+    spec = session.spec("tsv_m", lam=0.7)
+    delta = session.delta(spec)
+    assert isinstance(delta, Scaled) and spec in merges._deltas
+    states = set()
+    held_bytes([session.pool.task_vectors.stacked, session.pool.task_vectors.base,
+                list(merges._prepared.values()), list(merges._derived.values())], states)
+    assert held_bytes(merges._deltas[spec], states) == 0
+    for k in delta:
+        assert torch.equal(delta[k], delta.state[k] * 0.7), k
+    alive, most = set(), [0]
+    read = Scaled.__getitem__
+
+    def counted(self, key):
+        value = read(self, key)
+        alive.add(id(value))
+        weakref.finalize(value, alive.discard, id(value))
+        most[0] = max(most[0], len(alive))
+        return value
+
+    monkeypatch.setattr(Scaled, "__getitem__", counted)
+    gc.collect()
+    session.evaluator.load_delta(delta)
+    assert len(delta) > 10 and most[0] == 1
+    base = session.pool.task_vectors.base
+    for k, target in session.evaluator.model.state_dict().items():
+        if k in delta:
+            assert torch.equal(target, torch.add(base[k], read(delta, k))), k

@@ -13,7 +13,9 @@ import torch
 from merger import methods
 from merger.io import disk_cache
 from merger.errors import MergerError
+from merger.evaluation.memory import release_freed_memory
 from merger.evaluation.shared_work import SharedWork
+from merger.methods._scaled import Scaled
 from merger.spec import Spec, on_experts, with_block_weights
 
 
@@ -59,6 +61,8 @@ def held_bytes(state, seen: set) -> int:
                 total += storage.nbytes()
         elif isinstance(obj, dict):
             todo.extend(obj.values())
+        elif isinstance(obj, Scaled):  # holds its state only (reading its values would compute them)
+            todo.append(obj.state)
         elif isinstance(obj, (list, tuple)):  # states are dicts, lists and tuples of tensors (disk_cache.flatten)
             todo.extend(obj)
     return total
@@ -117,6 +121,8 @@ class Merges:
             state = disk_cache.unflatten(hit[1], hit[0], tv, tv.device)
         else:
             state = method.prepare_with(tv, progress, cancel, **prepare_args)
+            if method.slow_prepare:  # its workspace back to the system before the move's load and forward
+                release_freed_memory()
             if store is not None:
                 tensors, structure = disk_cache.flatten(state)
                 self.disk.put(store, f"{method.name} over {', '.join(experts)}", tensors, structure)
@@ -292,10 +298,13 @@ class Merges:
                   (self._prepared, lambda k: k[0] != on_screen.method))
         others = [(cache, key, held_bytes(value, set(pool_storages))) for cache, other in caches
                   for key, value in cache.items() if other(key)]
-        total = sum(size for _, _, size in others)
+        total, evicted = sum(size for _, _, size in others), 0
         for cache, key, size in others:  # each cache in its LRU order
             if total <= self.others_bytes:
-                return
+                break
             cache.pop(key, None)
-            self.counts["evicted"] += 1
+            evicted += 1
             total -= size
+        self.counts["evicted"] += evicted
+        if evicted:  # back to the system before this merge makes its own states (another thread's arena
+            release_freed_memory()  # would not serve them: the process held both at the move's peak)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Mapping, NoReturn
 
 from merger.errors import Cancelled, MethodError, listed, shown_value
+from merger.methods._scaled import Scaled, lam_times  # noqa: F401  (the methods' apply of λ · a state)
 
 
 @dataclass(frozen=True)
@@ -380,14 +381,6 @@ def sum_weights(scale: str):
             return [lam / num_experts] * num_experts, "λ/T per task (a mean of the task vectors, scaled by λ)"
         return [1.0 / num_experts] * num_experts, "1/T per task (the weight average is the anchor)"
     return weights
-
-
-def lam_times(field: str | None = None) -> Callable[..., dict]:
-    """The apply of a method whose λ only scales what it prepared or derived (``state[field]``, or the
-    state itself): Δ = λ · that, one multiply per tensor; the other parameters acted before."""
-    def apply(state, lam: float, **_) -> dict:
-        return {k: v * lam for k, v in (state[field] if field else state).items()}
-    return apply
 
 
 def kept_rank(rank_ratio: float, m: int, n: int) -> int:
