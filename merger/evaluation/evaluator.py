@@ -144,22 +144,22 @@ class Evaluator:
     @torch.no_grad()
     def load_delta(self, delta: Mapping[str, torch.Tensor]) -> None:
         """θ0 + Δ written straight into the model's tensors (no intermediate copy)."""
-        base = self.pool.task_vectors.base
-        keys = list(self._targets)
-        targets = list(self._targets.values())
-        # A Δ's values are read once each: a Scaled Δ computes them as they are read. On the CPU one
-        # at a time, so that no more than one is held beside the model.
-        values = [delta[k] for k in keys] if targets and targets[0].device.type != "cpu" else None
+        base, keys, targets = self.pool.task_vectors.base, list(self._targets), list(self._targets.values())
+        # A Δ's values are read once each: a Scaled Δ computes them as they are read. One at a time
+        # (no more than one held beside the model) unless Δ is on the model's GPU.
+        first = delta[keys[0]] if keys else None
+        values = ([first, *(delta[k] for k in keys[1:])]
+                  if first is not None and first.device.type != "cpu" and first.device == targets[0].device else None)
         if values is not None and all(d.device == t.device == base[k].device and base[k].dtype == t.dtype
                                       for k, d, t in zip(keys, values, targets)):
             # θ0 then += Δ: the sums torch.add(θ0, Δ, out=target) makes (one rounding, θ0 being of the
-            # target's dtype), in two launches per dtype on a GPU instead of one per tensor (150 tensors
-            # on ViT-B/32: 1.2 ms of a move on an H200)
+            # target's dtype), in two launches per dtype on a GPU instead of one per tensor (docs/accel.md)
             torch._foreach_copy_(targets, [base[k] for k in keys])
             torch._foreach_add_(targets, values)
             return
         for i, (k, target) in enumerate(zip(keys, targets)):
-            d = delta[k] if values is None else values[i]
+            d = values[i] if values is not None else first if i == 0 else delta[k]
+            first = None
             if d.device == target.device:
                 torch.add(base[k], d, out=target)
             else:  # task vectors kept in host memory

@@ -298,13 +298,15 @@ class Merges:
                   (self._prepared, lambda k: k[0] != on_screen.method))
         others = [(cache, key, held_bytes(value, set(pool_storages))) for cache, other in caches
                   for key, value in cache.items() if other(key)]
-        total, evicted = sum(size for _, _, size in others), 0
+        total, evicted = sum(size for _, _, size in others), []
         for cache, key, size in others:  # each cache in its LRU order
             if total <= self.others_bytes:
                 break
-            cache.pop(key, None)
-            evicted += 1
+            evicted.append(cache.pop(key, None))
             total -= size
-        self.counts["evicted"] += evicted
-        if evicted:  # back to the system before this merge makes its own states (another thread's arena
-            release_freed_memory()  # would not serve them: the process held both at the move's peak)
+        self.counts["evicted"] += len(evicted)
+        still = set(pool_storages)
+        held_bytes([list(cache.values()) for cache, _ in caches], still)
+        if held_bytes(evicted, still):  # what went (a Scaled Δ's state may stay) back to the system before
+            del evicted  # this merge makes its own: another thread's arena would not serve them
+            release_freed_memory()

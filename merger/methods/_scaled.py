@@ -15,6 +15,9 @@ class Scaled(Mapping):
     def __getitem__(self, key):
         return self.state[key] * self.lam
 
+    def __contains__(self, key) -> bool:  # Mapping's would compute the value
+        return key in self.state
+
     def __iter__(self):
         return iter(self.state)
 
