@@ -107,17 +107,27 @@ SET_AND_WAIT = """async ([value, timeout]) => {
   const slider = document.querySelector('#ctl-lam input[type=range]');
   const summary = document.querySelector('#summary');
   const want = '(lam=' + value + ')';
-  const t0 = performance.now();
+  window.__posts = [];
+  const t0 = performance.timeOrigin + performance.now();
   return await new Promise((resolve) => {
-    const done = () => { if (summary.innerText.includes(want)) { obs.disconnect(); resolve(performance.now() - t0); } };
+    const done = () => { if (summary.innerText.includes(want)) { obs.disconnect();
+      resolve({t0, shown: performance.timeOrigin + performance.now(), posts: window.__posts}); } };
     const obs = new MutationObserver(done);
     obs.observe(summary, {subtree: true, childList: true, characterData: true, attributes: true});
     slider.value = value;
     slider.dispatchEvent(new Event('input', {bubbles: true}));
     slider.dispatchEvent(new Event('change', {bubbles: true}));
-    setTimeout(() => { obs.disconnect(); resolve(-1); }, timeout);
+    setTimeout(() => { obs.disconnect(); resolve(null); }, timeout);
   });
-}"""
+}"""  # page clock (ms since the epoch): when λ was set and when the summary showed it; null: not shown
+
+
+def lambda_values(moves: int, seed: int = 0) -> list[str]:
+    """Distinct λ values on the slider's steps (not its 0.3 start), in a shuffled order: each a cache miss."""
+    values = [f"{0.05 * i:.2f}".rstrip("0").rstrip(".") for i in range(1, 41)]
+    values = [v for v in values if v != "0.3"]
+    random.Random(seed).shuffle(values)
+    return values[:moves]
 
 
 def _server(pool: str, tmp: str):
@@ -156,10 +166,7 @@ def bench_browser(args) -> int:
 
     alone = evaluation_alone(args.pool)
     moves = args.moves if args.moves_given else 20
-    values = [f"{0.05 * i:.2f}".rstrip("0").rstrip(".") for i in range(1, 41)]
-    values = [v for v in values if v != "0.3"]
-    random.Random(0).shuffle(values)
-    values = values[:moves]
+    values = lambda_values(moves)
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = _server(args.pool, tmp)
         try:
@@ -168,7 +175,8 @@ def bench_browser(args) -> int:
                 page.evaluate(SET_AND_WAIT, ["0.3", 15000])  # warm: the first render of the figures
                 lat = []
                 for v in values:  # a person looks at each result before the next move
-                    lat.append(page.evaluate(SET_AND_WAIT, [v, 15000]))
+                    shown = page.evaluate(SET_AND_WAIT, [v, 15000])
+                    lat.append(shown["shown"] - shown["t0"] if shown else -1)
                     page.wait_for_timeout(800)
                 browser.close()
         finally:

@@ -9,7 +9,6 @@ functions of the running server only.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import subprocess
 import sys
@@ -17,23 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-SET_AND_WAIT = """async ([value, timeout]) => {
-  const slider = document.querySelector('#ctl-lam input[type=range]');
-  const summary = document.querySelector('#summary');
-  const want = '(lam=' + value + ')';
-  window.__posts = [];
-  const t0 = performance.timeOrigin + performance.now();
-  return await new Promise((resolve) => {
-    const done = () => { if (summary.innerText.includes(want)) { obs.disconnect();
-      resolve({t0, shown: performance.timeOrigin + performance.now(), posts: window.__posts}); } };
-    const obs = new MutationObserver(done);
-    obs.observe(summary, {subtree: true, childList: true, characterData: true, attributes: true});
-    slider.value = value;
-    slider.dispatchEvent(new Event('input', {bubbles: true}));
-    slider.dispatchEvent(new Event('change', {bubbles: true}));
-    setTimeout(() => { obs.disconnect(); resolve(null); }, timeout);
-  });
-}"""
 MARK_POSTS = """() => { const f = window.fetch; window.fetch = (...a) => {
   if (String(a[0].url || a[0]).includes('queue/join')) (window.__posts = window.__posts || []).push(performance.timeOrigin + performance.now());
   return f(...a); }; }"""
@@ -78,10 +60,9 @@ def serve(log: str, argv: list[str]) -> None:
 def probe(pool: str, moves: int) -> None:
     from playwright.sync_api import sync_playwright
 
+    from devtools.bench_live import SET_AND_WAIT, lambda_values
     from devtools.browser import free_port, open_page, start_server
 
-    values = [f"{0.05 * i:.2f}".rstrip("0").rstrip(".") for i in range(1, 41) if i != 6]
-    random.Random(1).shuffle(values)
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "times.log"
         log.write_text("")
@@ -94,7 +75,7 @@ def probe(pool: str, moves: int) -> None:
                 page.evaluate(MARK_POSTS)
                 page.evaluate(SET_AND_WAIT, ["0.3", 15000])  # the figures' first render
                 marks = []
-                for v in values[:moves]:
+                for v in lambda_values(moves, seed=1):
                     marks.append(page.evaluate(SET_AND_WAIT, [v, 15000]))
                     page.wait_for_timeout(800)
                 browser.close()

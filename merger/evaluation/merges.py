@@ -304,6 +304,8 @@ class Merges:
                 break
             evicted.append(cache.pop(key, None))
             total -= size
+        if not evicted:
+            return
         self.counts["evicted"] += len(evicted)
         still = set(pool_storages)
         held_bytes([list(cache.values()) for cache, _ in caches], still)
