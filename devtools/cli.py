@@ -89,7 +89,7 @@ def build_parser() -> Parser:
                                     "load", "attacks", "open", "hub", "cluster", "soak", "room"],
                    help="merge: prepare/apply per method on ViT-B-32; accel: each speed-up piece off and on "
                         "(what it speeds, the ratio, the difference); live: the Merge tab's listener per move "
-                        "(time, forwards, applies); browser: Chromium slider → shown result; workshop: 10 clients "
+                        "(time, forwards, applies); browser: Chromium slider → shown result (a move at a time; a drag, with and without the page's plot script); workshop: 10 clients "
                         "drag while browsers run batch jobs; api: the evaluate endpoint through gradio_client; "
                         "scale: ViT-B-32 pool (first partial answer); open: a ViT-B-32 pool from files, cold and warm "
                         "(disk cache); hub: a ViT-B-32 pool on a local fake Hugging Face hub, fetched, then opened cold and warm; cluster: a sweep and a landscape here and on a local Ray instance "

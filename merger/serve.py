@@ -147,6 +147,7 @@ def main(argv=None, prog: str | None = None) -> int:
     if session.partial_images:  # a slow pool: the linear estimate's forwards, as batch work behind the moves
         threading.Thread(target=_estimate_forwards, args=(session,), name="linear-estimate", daemon=True).start()
     from merger.ui.login import LoginGate
+    from merger.ui.plot_draws import PLOT_DRAWS_HEAD
 
     app = build_app(session, history, cluster=cluster, presenter=args.presenter[0] if args.presenter else None)
     app.queue(default_concurrency_limit=1)
@@ -156,7 +157,7 @@ def main(argv=None, prog: str | None = None) -> int:
         # max_file_size: the app takes no file from a browser, so Gradio's upload route takes next to nothing
         auth = LoginGate(dict([args.auth, *([args.presenter] if args.presenter else [])])) if args.auth else None
         app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
-                   footer_links=["api"], css=None, quiet=True, prevent_thread_lock=True, show_error=True,
+                   footer_links=["api"], css=None, head=PLOT_DRAWS_HEAD, quiet=True, prevent_thread_lock=True, show_error=True,
                    max_file_size=UPLOAD_LIMIT, state_session_capacity=args.max_sessions)
     except OSError:  # taken since the check above
         print(f"error: --host {args.host} --port {args.port}: cannot serve there: the port is taken, or "

@@ -152,3 +152,79 @@ def test_a_refused_lambda_goes_back_to_the_value_on_screen_with_one_warning(serv
     assert len(toasts) == 1 and "5 is outside [-3, 3]" in toasts[0]
     rows = sqlite3.connect(history).execute("SELECT params FROM evaluations WHERE params LIKE '%\"lam\": 3%'")
     assert rows.fetchall() == []
+
+
+# Counts what reaches Plotly's own react: through the page's script where it is, else every call
+COUNT_DRAWS = """() => { const [owner, key] = Plotly.react.original ? [Plotly.react, 'original'] : [Plotly, 'react'];
+  const own = owner[key]; window.draws = []; let n = 0;
+  owner[key] = function (div, ...args) {
+    div.drawNumber = div.drawNumber || ++n; window.draws.push(div.drawNumber); return own.call(this, div, ...args); }; }"""
+
+
+def test_a_move_draws_each_figure_once_in_a_div_on_the_page(server):
+    """Gradio re-mounts a Plot on each new value after the old one drew it: the page's script
+    (merger/ui/plot_draws.py) lets only the figures on the page draw, each once, the new values."""
+    import time
+
+    from playwright.sync_api import sync_playwright
+
+    _, url, _ = server
+    with sync_playwright() as p:
+        b, page = browser.open_page(p, url)
+        page.locator("#acc-plot .main-svg").first.wait_for(timeout=60_000)
+        page.evaluate(COUNT_DRAWS)
+        before = browser.shown(page)
+        browser.type_lambda(page, 0.9)  # one move
+        after = browser.wait_for_change(page, before)
+        page.wait_for_function("() => window.draws.length >= 3", timeout=60_000)  # the figures' frame, drawn
+        time.sleep(1)  # any draw more would have come
+        draws = page.evaluate("() => window.draws")
+        drawn = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')].filter(d => d.drawNumber)
+            .map(d => [d.drawNumber, d.closest('[id]') && d.closest('[id]').id, d.data[0].y || d.data[0].r])""")
+        b.close()
+    # accuracy, loss, radar: once each (this small pool answers at once; a slow one would draw a partial answer first)
+    assert len(draws) == len(set(draws)) >= 3
+    assert sorted(n for n, _, _ in drawn) == sorted(draws)  # every draw in a div still on the page
+    bars = next(values for _, where, values in drawn if where == "acc-plot")  # per task, this move's
+    assert sum(bars) / len(bars) == pytest.approx(after["average"], abs=1e-3)
+
+
+def test_the_page_script_draws_the_latest_figure_once_per_frame_where_its_div_is():
+    """merger/ui/plot_draws.py against a Plotly that records what it is asked: per div and frame the
+    latest figure, none in a div gone from the page, the resize asked with a draw only where the div's
+    width is no longer the one drawn, a div named by id drawn the same way, and a draw that fails or
+    throws failing the caller's promise."""
+    from playwright.sync_api import sync_playwright
+
+    from merger.ui.plot_draws import PLOT_DRAWS_HEAD
+
+    missing = browser.browser_missing()
+    if missing:
+        if REQUIRED:
+            pytest.fail(f"browser test required (MERGER_REQUIRE_BROWSER=1) but {missing}")
+        pytest.skip(f"browser test skipped: {missing}")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=browser.CHROMIUM, headless=True, args=browser.CHROMIUM_FLAGS)
+        page = b.new_page()
+        page.set_content(f"<html><head>{PLOT_DRAWS_HEAD}</head><body><div id=a></div><div id=b></div></body></html>")
+        page.evaluate("""() => { window.asked = []; window.Plotly = {  // arrives after the script, as Gradio loads it
+            react: (div, figure) => { asked.push(['react', div.id || div, figure]);
+                if (figure === 'throws') throw new Error('thrown');
+                const width = Math.round(div.getBoundingClientRect().width);
+                div._fullLayout = {width: figure === 'drawn narrower' ? width - 15 : width};
+                return figure === 'bad' ? Promise.reject(new Error('bad figure')) : Promise.resolve(div); },
+            Plots: {resize: (div) => { asked.push(['resize', div.id]); return Promise.resolve(div); }}}; }""")
+        same_frame = page.evaluate("""async () => { const [a, b] = [document.getElementById('a'), document.getElementById('b')];
+            const first = Plotly.react(a, 'first'); Plotly.Plots.resize(a); Plotly.react(b, 'gone'); b.remove();
+            const latest = Plotly.react(a, 'latest'); Plotly.Plots.resize(a);
+            const before = asked.length; await first; return [before, first === latest, asked.slice()]; }""")
+        later = page.evaluate("""async () => { asked.length = 0; const a = document.getElementById('a');
+            await Plotly.Plots.resize(a); await Plotly.react('a', 'by id');
+            const drawn = Plotly.react(a, 'drawn narrower'); Plotly.Plots.resize(a); await drawn;
+            const failed = await Plotly.react(a, 'bad').then(() => 'drawn', (e) => e.message);
+            const thrown = await Plotly.react(a, 'throws').then(() => 'drawn', (e) => e.message);
+            return [asked.slice(), failed, thrown, typeof Plotly.react.original, typeof Plotly.Plots.resize.original]; }""")
+        b.close()
+    assert same_frame == [0, True, [["react", "a", "latest"]]]
+    assert later == [[["resize", "a"], ["react", "a", "by id"], ["react", "a", "drawn narrower"], ["resize", "a"],
+                      ["react", "a", "bad"], ["react", "a", "throws"]], "bad figure", "thrown", "function", "function"]
