@@ -211,14 +211,14 @@ def bench_browser(args) -> int:
                 cdp.send("Performance.enable")
                 negatives = lambda_values(4 * DRAG_MOVES, seed=1, negative=True)
                 for i in range(4):  # in alternation, so that the machine's noise falls on both
-                    own = i % 2 == 0
-                    if own and not page.evaluate(PLOTLY_OWN_DRAWS):
-                        raise RuntimeError("the page has no merger/ui/plot_draws.py script")
-                    if not own:
+                    way = "Plotly's own draws" if i % 2 == 0 else "as shipped"
+                    if way == "as shipped":
                         page.evaluate(PAGE_DRAWS)
-                    lat, busy = _one_after_another(page, cdp, negatives[i * DRAG_MOVES: (i + 1) * DRAG_MOVES])
-                    rapid["Plotly's own draws" if own else "as shipped"] += lat
-                    main_thread["Plotly's own draws" if own else "as shipped"].append(busy)
+                    elif not page.evaluate(PLOTLY_OWN_DRAWS):
+                        raise RuntimeError("the page has no merger/ui/plot_draws.py script")
+                    drag, busy = _one_after_another(page, cdp, negatives[i * DRAG_MOVES: (i + 1) * DRAG_MOVES])
+                    rapid[way] += drag
+                    main_thread[way].append(busy)
                 browser.close()
         finally:
             _stop(proc)
