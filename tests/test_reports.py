@@ -41,6 +41,12 @@ def test_demo_report_picks_lambda_on_validation(pool):
     ex = merger.PoolSession(pool)
     val = {lam: ex.preview(ex.spec("task_arithmetic", lam=lam), "val").average_accuracy for lam in TA_GRID}
     assert n["best_lam"] == max(val, key=val.get)
+    # at the picked λ only (what the demo's targets read): the same pick and numbers, progress to the end
+    seen = []
+    best = demo_numbers(pool, split="test", others=(), every_lam=False, progress=lambda f, label: seen.append(f))
+    assert best["best_lam"] == n["best_lam"] and list(best["by_lam"]) == [n["best_lam"]]
+    assert best["by_lam"][n["best_lam"]].accuracy == n["by_lam"][n["best_lam"]].accuracy
+    assert seen[-1] == 1.0 and len(seen) == 2 + len(TA_GRID) + 1
 
 
 def test_methods_report_tunes_on_validation_and_times_each_method(pool):

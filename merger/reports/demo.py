@@ -15,26 +15,38 @@ def compared_methods() -> list[str]:
             if not m.data_driven and m is not TASK_ARITHMETIC and m.num_experts is None]
 
 
-def demo_numbers(pool, split: str = "test", progress=None, others=None) -> dict:
+def demo_numbers(pool, split: str = "test", progress=None, others=None, every_lam: bool = True) -> dict:
     """Chance, base, experts, task arithmetic over its λ grid (the reported λ picked on the
     validation split, never on the split it is reported on) and the ``others`` methods at defaults
-    (None: every compared method; the targets need none)."""
+    (None: every compared method; the targets need none). ``every_lam=False``: task arithmetic on
+    ``split`` at the picked λ only, all the targets read."""
     ex = PoolSession(pool)
     classes = {t: len(ex.evaluator.data.classes(t)) for t in pool.tasks}
-    steps = [("base", lambda: ex.base(split)), ("experts", lambda: ex.expert_accuracy(split))]
-    steps += [(f"TA λ={lam:g} {s}", lambda lam=lam, s=s: ex.preview(ex.spec(TASK_ARITHMETIC.name, lam=lam), s))
-              for s in (split, "val") for lam in TA_GRID]
     others = compared_methods() if others is None else list(others)
-    steps += [(m, lambda m=m: ex.preview(ex.spec(m), split)) for m in others]
+    on_split = len(TA_GRID) if every_lam else 1
+    total = 2 + len(TA_GRID) + (0 if split == "val" else on_split) + len(others)
     done = {}
-    for i, (label, step) in enumerate(steps):
+
+    def run(label, step):
+        if label in done:  # split="val": its grid is the one λ was picked on
+            return
         done[label] = step()
         if progress:
-            progress((i + 1) / len(steps), label)
-    base, experts = done["base"], done["experts"]
-    ta = {lam: done[f"TA λ={lam:g} {split}"] for lam in TA_GRID}
+            progress(len(done) / total, label)
+
+    ta_at = lambda lam, s: lambda: ex.preview(ex.spec(TASK_ARITHMETIC.name, lam=lam), s)  # noqa: E731
+    run("base", lambda: ex.base(split))
+    run("experts", lambda: ex.expert_accuracy(split))
+    for lam in TA_GRID:
+        run(f"TA λ={lam:g} val", ta_at(lam, "val"))
     val = {lam: done[f"TA λ={lam:g} val"].average_accuracy for lam in TA_GRID}
     best = max(val, key=val.get)
+    for lam in TA_GRID if every_lam else (best,):
+        run(f"TA λ={lam:g} {split}", ta_at(lam, split))
+    for m in others:
+        run(m, lambda m=m: ex.preview(ex.spec(m), split))
+    base, experts = done["base"], done["experts"]
+    ta = {lam: done[f"TA λ={lam:g} {split}"] for lam in TA_GRID if f"TA λ={lam:g} {split}" in done}
     others = {m: done[m] for m in others}
     return {"split": split, "chance": {t: 1.0 / c for t, c in classes.items()}, "base": base,
             "experts": experts, "by_lam": ta, "best_lam": best, "others": others}
