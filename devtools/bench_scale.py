@@ -65,8 +65,7 @@ def bench_scale(args) -> int:
     print(f"goals (static methods, tower {app_route}): apply <= {'30 ms' if cuda else '1.5 s'}: "
           + ("met" if ok_apply else "MISSED") + (f"; slider→result p50 <= {goal_move * 1e3:.0f} ms: "
                                                  + ("met" if ok_move else "MISSED") if cuda else ""))
-    if cuda:
-        forward_precision(ex)
+    forward_precision(ex, **({} if cuda else {"lams": (0.3, 0.5)}))  # a CPU forward takes seconds
     ex.evaluator.use_tower(APP_ROUTE)  # the progressive moves as the app makes them
     ex.shrink()  # the table's results go: the progressive moves' λ values are computed again
     ok_partial = progressive_moves(ex, first_goal=0.150 if cuda else 5.0, complete_goal=0.400 if cuda else None)
@@ -158,16 +157,18 @@ def move_specs(session, name: str, n: int, part: int = 0, parts: int = 1) -> lis
 
 
 def forward_precision(session, lams=(0.3, 0.4, 0.5, 0.6, 0.7)) -> None:
-    """GPU: the live forward under bf16 autocast, through the eager tower (the app's) and the route
-    last chosen, against fp32 forwards: exact evaluations of the same Δs (no result cache), time per move
-    and accuracy difference."""
+    """The live forward under bf16 autocast (a GPU's default; ``--forward bf16`` on the CPU), through the
+    eager tower (the app's) and the route last chosen, against fp32 forwards: exact evaluations of the
+    same Δs (no result cache), time per move and accuracy difference."""
     from merger.accel import reference_only
 
     ev = session.evaluator
     deltas = [session.delta(session.spec(LIVE_METHODS[0], lam=lam)) for lam in lams]
-    variants = {"fp32": (False, False), "bf16 autocast, eager tower": (True, True)}
+    bf16, cuda = ev.EVERYWHERE, ev.device.type == "cuda"
+    variants = {"fp32": (False, False), "bf16 autocast, eager tower": (bf16, True)}
     if ev.routed_tower is not None:
-        variants[f"bf16 autocast, tower {ev.routed_tower.route}"] = (True, False)
+        variants[f"bf16 autocast, tower {ev.routed_tower.route}"] = (bf16, False)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     times, accs = {}, {}
     before = ev.autocast
     try:
@@ -177,10 +178,10 @@ def forward_precision(session, lams=(0.3, 0.4, 0.5, 0.6, 0.7)) -> None:
                 ev.evaluate(delta=deltas[0], split="live")  # warm-up: kernels chosen for this precision
                 times[name], accs[name] = [], []
                 for d in deltas:
-                    torch.cuda.synchronize()
+                    sync()
                     t = time.perf_counter()
                     r = ev.evaluate(delta=d, split="live")
-                    torch.cuda.synchronize()
+                    sync()
                     times[name].append(time.perf_counter() - t)
                     accs[name].append(r.accuracy)
     finally:
@@ -190,10 +191,11 @@ def forward_precision(session, lams=(0.3, 0.4, 0.5, 0.6, 0.7)) -> None:
     for name in variants:
         line = f"  {name:<30} p50 {statistics.median(times[name]) * 1e3:7.1f} ms"
         if name == "fp32":
-            line += f" (TF32 {'on' if tf32 else 'off'})"
+            line += f" (TF32 {'on' if tf32 else 'off'})" if cuda else ""
         else:
             diffs = [100 * abs(a[t] - b[t]) for a, b in zip(accs[name], accs["fp32"]) for t in a]
-            line += f"; accuracy − fp32: mean {statistics.mean(diffs):.2f}, max {max(diffs):.2f} points per task"
+            line += (f" ({statistics.median(times['fp32']) / statistics.median(times[name]):.2f}x); accuracy − fp32: "
+                     f"mean {statistics.mean(diffs):.2f}, max {max(diffs):.2f} points per task")
         print(line, flush=True)
 
 

@@ -7,8 +7,16 @@ import argparse
 import os
 
 from merger import cli
-from merger.cli_jobs import POOL_HELP, Parser, positive_float, positive_int, user_password
+from merger.cli_jobs import FORWARDS, POOL_HELP, Parser, positive_float, positive_int, user_password
 from merger.errors import MergerError
+
+
+def forwards(text: str) -> str:
+    """``--forward``: one or two of FORWARDS, comma-separated."""
+    given = text.split(",")
+    if not 1 <= len(given) <= 2 or any(f not in FORWARDS for f in given):
+        raise argparse.ArgumentTypeError(f"'{text}': one or two of {', '.join(FORWARDS)}, comma-separated")
+    return text
 
 
 def cmd_report(args) -> int:
@@ -31,8 +39,9 @@ def cmd_report(args) -> int:
         text, ok = report_coefficients(pool)
         print(text)
         return 0 if ok else 1
-    from devtools.report_bf16 import bf16_rows, format_bf16
+    from devtools.report_bf16 import bf16_rows, format_bf16, format_forwards, forward_rows
 
+    print(format_forwards(forward_rows(args.pool)) + "\n")
     print(format_bf16(bf16_rows(args.pool)))
     return 0
 
@@ -65,7 +74,7 @@ def build_parser() -> Parser:
     p = sub.add_parser("report", help="layout (import cycles, front-end imports, method-name literals, module "
                                       "sizes of merger/), precision (every static merge against its fp64 "
                                       "definition on a random ViT-B-32 pool), coefficients (weight moves in the "
-                                      "Merge tab), bf16 (task vectors stored in bf16 against fp32)")
+                                      "Merge tab), bf16 (forwards in bf16 autocast, then task vectors stored in bf16, against fp32)")
     p.add_argument("what", choices=["layout", "precision", "coefficients", "bf16"])
     p.add_argument("--pool", default="demo", help=POOL_HELP)
     p.add_argument("--arch", default="ViT-B-32", help="precision: the random pool's architecture")
@@ -116,6 +125,9 @@ def build_parser() -> Parser:
     p.add_argument("--images", type=positive_int, default=None,
                    help="scale: synthetic images per task (128); open: test images per task (32)")
     p.add_argument("--device", default="cpu", help="scale: cpu or cuda")
+    p.add_argument("--forward", default="auto", type=forwards,
+                   help="browser: the server's --forward (auto, fp32, bf16); two, comma-separated (auto,bf16): a "
+                   "move at a time on a server each, in alternation")
     p.add_argument("--tower", default=None,
                    help="scale: image-tower routes timed in turn, comma-separated (a GPU: eager,patches,graphs; "
                         "the CPU: eager); the goals are eager's, the app's route")

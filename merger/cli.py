@@ -9,8 +9,8 @@ import sys
 import threading
 
 from merger import methods, runtime
-from merger.cli_jobs import (POOL_HELP, Parser, add_job_args, add_job_commands, cmd_landscape, new_folders,
-                             positive_float, positive_int, progress_bar, user_password)
+from merger.cli_jobs import (POOL_HELP, Parser, add_forward_arg, add_job_args, add_job_commands, cmd_landscape,
+                             new_folders, positive_float, positive_int, progress_bar, set_forward, user_password)
 from merger.cli_reports import cmd_cache, cmd_pools, cmd_report
 from merger.errors import DataError, MergerError
 from merger.methods import PARAM_NAMES
@@ -147,14 +147,17 @@ def cmd_eval(args) -> int:
     pool = open_pool(args.pool, device=args.device)
     ex = PoolSession(pool)
     spec = ex.spec(args.method, experts=args.experts, **weights_args(args), **method_params(args))
+    set_forward(ex.evaluator, args.forward)  # after the spec's checks: the evaluator reads the pool's data
     _run_data_driven(pool, spec)
     # Exact parameters (not snapped to slider steps): merge, then evaluate.
     result = ex.evaluate_exact(spec, args.split)
     note = ex.note(spec)  # what the page says beside it
     if args.json:
-        print(json.dumps({"spec": spec.as_dict(), **result.to_dict(), **({"note": note} if note else {})}, indent=2))
+        print(json.dumps({"spec": spec.as_dict(), **result.to_dict(), "forwards_in_bf16": ex.evaluator.forwards_in_bf16,
+                          **({"note": note} if note else {})}, indent=2))
         return 0
-    print(f"{spec.label()} over {', '.join(spec.experts)}; {args.split} split")
+    print(f"{spec.label()} over {', '.join(spec.experts)}; {args.split} split"
+          + ("; forwards in bf16 autocast" if ex.evaluator.forwards_in_bf16 else ""))
     print(f"{'task':<14}{'accuracy %':>11}{'loss':>9}{'normalised %':>14}")
 
     def ratio(v):  # no ratio over an expert at 0 % on its own task (a tiny split can do that)
@@ -225,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test", help="test (default), train, val, live or probe")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--device", default="cpu")
+    add_forward_arg(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("demo", help="build, report or export the built-in demo pool")

@@ -116,6 +116,19 @@ def progress_bar(desc: str):
 
 
 POOL_HELP = 'pool YAML, or "demo" (the default: the built-in demo pool)'
+FORWARDS = ("auto", "fp32", "bf16")
+
+
+def add_forward_arg(p) -> None:
+    p.add_argument("--forward", default="auto", choices=FORWARDS,
+                   help="the forwards' precision: auto (bf16 autocast on a GPU, fp32 on the CPU), fp32, or bf16 "
+                   "autocast on the CPU too (faster where it has AMX or AVX512-BF16; its accuracies then differ "
+                   "from fp32 forwards' by about an image a task: docs/performance.md). Merges stay fp32")
+
+
+def set_forward(evaluator, forward: str) -> None:
+    """``--forward`` on an Evaluator (before its first forward)."""
+    evaluator.autocast = {"auto": True, "fp32": False, "bf16": evaluator.EVERYWHERE}[forward]
 
 
 def add_job_args(p, history: bool = True) -> None:

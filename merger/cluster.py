@@ -101,7 +101,7 @@ def _worker_class():
 
         @ray.remote(max_restarts=RETRIES, max_task_retries=RETRIES)
         class PoolWorker:
-            def __init__(self, pool_source: str, device: str):
+            def __init__(self, pool_source: str, device: str, autocast: bool | str):
                 import torch
 
                 from merger.evaluation.session import PoolSession
@@ -110,6 +110,7 @@ def _worker_class():
                 cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
                 torch.set_num_threads(max(1, int(cpus)))  # its share of the machine, not every core
                 self.session = PoolSession(open_pool(pool_source, device=device))
+                self.session.evaluator.autocast = autocast  # the app's forwards' precision (--forward)
 
             def pid(self) -> int:
                 return os.getpid()
@@ -135,7 +136,7 @@ class Cluster:
     hand each answer to a callback as it arrives (in completion order)."""
 
     def __init__(self, address: str, pool_source: str, workers: int = 2, num_cpus: int | None = None,
-                 experts: Sequence[str] = ()):
+                 experts: Sequence[str] = (), autocast: bool | str = True):
         if not 1 <= workers <= MAX_WORKERS:
             raise MergerError(f"--workers {workers}: from 1 to {MAX_WORKERS} workers")
         connect(address, num_cpus)
@@ -154,7 +155,7 @@ class Cluster:
         self.device = "cuda" if gpus else "cpu"
         source = Path(pool_source)
         source = str(source.resolve()) if source.exists() else pool_source  # workers may start elsewhere
-        self.workers = [_worker_class().options(**options).remote(source, self.device) for _ in range(workers)]
+        self.workers = [_worker_class().options(**options).remote(source, self.device, autocast) for _ in range(workers)]
         self._expert_acc: dict = {}
         try:
             ray.get([w.pid.remote() for w in self.workers], timeout=START_S)

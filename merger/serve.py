@@ -25,7 +25,7 @@ def _port(text: str) -> int:
 
 
 def parse_args(argv=None, prog: str | None = None):
-    from merger.cli_jobs import Parser, positive_float, positive_int, user_password, worker_count
+    from merger.cli_jobs import Parser, add_forward_arg, positive_float, positive_int, user_password, worker_count
     from merger.io.history import DEFAULT_PATH
 
     ap = Parser(prog=prog, description="merger: interactive model-merging explorer")
@@ -33,6 +33,7 @@ def parse_args(argv=None, prog: str | None = None):
     ap.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     ap.add_argument("--port", type=_port, default=7860, help="TCP port, 1-65535 (default 7860)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    add_forward_arg(ap)
     ap.add_argument("--history", default=str(DEFAULT_PATH),
                     help="SQLite file of evaluated specs ('' to turn history off)")
     ap.add_argument("--share", action="store_true", help="ask Gradio for a public share link (off by default)")
@@ -97,7 +98,7 @@ def main(argv=None, prog: str | None = None) -> int:
               "or --host an address of this machine", file=sys.stderr)
         return 2
     import merger
-    from merger.cli_jobs import new_folders
+    from merger.cli_jobs import new_folders, set_forward
     from merger.io.history import History
 
     try:  # the flags' files and folders: said before anything changes in the process
@@ -121,12 +122,14 @@ def main(argv=None, prog: str | None = None) -> int:
     try:
         pool = merger.open_pool(args.pool, device=args.device, roots=roots)
         session = merger.PoolSession(pool)
+        set_forward(session.evaluator, args.forward)
         forward_s = session.measure_live()  # decides whether moves answer progressively
         cluster = None
         if args.ray:
             from merger.cluster import Cluster
 
-            cluster = Cluster(args.ray, pool.source, workers=args.workers, experts=list(pool.experts))
+            cluster = Cluster(args.ray, pool.source, workers=args.workers, experts=list(pool.experts),
+                              autocast=session.evaluator.autocast)
     except merger.MergerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -141,7 +144,8 @@ def main(argv=None, prog: str | None = None) -> int:
               + ("; over it already: caches will be dropped as they fill" if held > keeper.budget_gb else ""),
               flush=True)
     keeper.start()
-    print(f"{pool.name}: one live forward {1e3 * forward_s:.0f} ms; " + (
+    print(f"{pool.name}: one live forward {1e3 * forward_s:.0f} ms"
+          f"{' in bf16 autocast' if session.evaluator.forwards_in_bf16 else ''}; " + (
         f"moves answer first on {session.partial_images} images per task, then on all" if session.partial_images
         else "moves answer on the whole live split at once"), flush=True)
     if session.partial_images:  # a slow pool: the linear estimate's forwards, as batch work behind the moves

@@ -34,8 +34,8 @@ def test_heads_follow_the_protocol(demo_like):
         assert torch.allclose(ex.evaluator.heads[t], torch.stack(rows), atol=1e-6)
 
 
-def reference_accuracy(pool, state_dict, split="live"):
-    """A fresh model, no caches: load the weights, preprocess, forward, score."""
+def reference_accuracy(pool, state_dict, split="live", bf16=False):
+    """A fresh model, no caches: load the weights, preprocess, forward (under bf16 autocast: ``bf16``), score."""
     model = pool.build_model()
     model.load_state_dict(state_dict)
     ev = merger.Evaluator(pool)  # only for its data store and heads
@@ -43,7 +43,9 @@ def reference_accuracy(pool, state_dict, split="live"):
     with torch.no_grad():
         for t in pool.tasks:
             d = ev.data.split(t, split)
-            f = F.normalize(model.encode_image(preprocess(d.images, pool.preprocess_cfg)), dim=-1)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                f = model.encode_image(preprocess(d.images, pool.preprocess_cfg)).float()
+            f = F.normalize(f, dim=-1)
             logits = model.logit_scale.exp() * f @ ev.heads[t].T
             out[t] = (float((logits.argmax(-1) == d.labels).float().mean()), float(F.cross_entropy(logits, d.labels)))
     return out
@@ -58,6 +60,25 @@ def test_evaluate_matches_a_fresh_model(demo_like):
         assert res.accuracy[t] == pytest.approx(ref[t][0], abs=1e-6)
         assert res.loss[t] == pytest.approx(ref[t][1], rel=1e-4)
     assert res.average_accuracy == pytest.approx(sum(r[0] for r in ref.values()) / 3)
+
+
+def test_bf16_forwards_on_the_cpu_are_a_fresh_model_under_bf16_autocast(demo_like):
+    """--forward bf16: the same protocol, every forward under torch.autocast("cpu", bfloat16); the
+    default stays fp32 on the CPU."""
+    from merger.cli_jobs import set_forward
+
+    path, pool, ex = demo_like
+    merged = merger.merge(pool, "ties", lam=1.0, sparsity=0.8)
+    half = merger.PoolSession(merger.open_pool(path))
+    set_forward(half.evaluator, "bf16")
+    assert half.evaluator.forwards_in_bf16 and not ex.evaluator.forwards_in_bf16
+    res, fp32 = half.evaluator.evaluate(merged, "live"), ex.evaluator.evaluate(merged, "live")
+    ref = reference_accuracy(pool, merged, bf16=True)
+    for t in pool.tasks:
+        assert res.accuracy[t] == pytest.approx(ref[t][0], abs=1e-6)
+        assert abs(res.loss[t] - ref[t][1]) < abs(fp32.loss[t] - ref[t][1]) / 10, t  # bf16's rounding, not fp32's
+    set_forward(half.evaluator, "fp32")
+    assert half.evaluator.evaluate(merged, "live").loss == fp32.loss
 
 
 def test_expert_weights_reproduce_expert_accuracy(demo_like):

@@ -142,3 +142,7 @@ def test_the_forwards_are_kept_on_disk_and_a_second_open_makes_none(tmp_path, mo
     fourth.pool.architecture = {**fourth.pool.architecture, "note": "another model"}
     fourth.linear.forget_features()
     assert fourth.linear.missing(fourth.tasks) == ["", *fourth.tasks]
+    # nor forwards in another precision (--forward bf16)
+    fifth = PoolSession(open_pool(path))
+    fifth.evaluator.autocast = fifth.evaluator.EVERYWHERE
+    assert fifth.linear.missing(fifth.tasks) == ["", *fifth.tasks]

@@ -205,6 +205,24 @@ def test_an_export_killed_between_its_renames_is_settled_by_the_next_export_or_r
                                                             "m.safetensors", "m.yaml"]
 
 
+def test_eval_forwards_in_the_precision_asked_for(tmp_path):
+    """--forward: fp32 on the CPU unless bf16 autocast is asked for, which the output then says; a bad
+    value is refused naming the flag."""
+    import json
+
+    from helpers import write_pool
+
+    pool = write_pool(tmp_path, n_experts=3, scale=0.2, demo_data=True)
+    argv = ("eval", "--pool", str(pool), "--method", "task_arithmetic", "--lam", "0.3", "--split", "live")
+    fp32, default, bf16 = (run_cli(*argv, "--json", *more) for more in (("--forward", "fp32"), (), ("--forward", "bf16")))
+    a, b, c = (json.loads(r.stdout) for r in (fp32, default, bf16))
+    assert a["loss"] == b["loss"] and not a["forwards_in_bf16"] and not b["forwards_in_bf16"]
+    assert c["forwards_in_bf16"] and c["loss"] != a["loss"]  # bf16's rounding
+    assert "; live split; forwards in bf16 autocast" in run_cli(*argv, "--forward", "bf16").stdout
+    bad = run_cli(*argv, "--forward", "fp16")
+    assert bad.returncode == 2 and "--forward" in bad.stderr and "'fp16'" in bad.stderr
+
+
 def test_cli_errors_are_one_line_with_exit_2_or_1(tiny_pool, tmp_path):
     bad = run_cli("merge", "--pool", str(tiny_pool), "--method", "ties", "--out", str(tiny_pool) + "/x.safetensors")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr

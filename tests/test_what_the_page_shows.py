@@ -307,3 +307,25 @@ def test_a_value_controls_listener_carries_the_move_and_that_control_alone(ctl):
         (frame,) = lam_listener.fn(me, None, *inputs)
     assert frame == (gr.skip(),) * MergeTabEvents.MOVE_OUTPUTS + (gr.update(value=0.4),)
     asyncio.run(app.postprocess_data(lam_listener, list(frame), None))  # Gradio takes the frame as wired
+
+
+def test_the_page_says_the_forwards_precision(ctl):
+    """`merger app --forward bf16`: the page's heading says the forwards run in bf16 autocast, since
+    its numbers then differ from fp32 forwards' (by about an image a task on the demo)."""
+    import gradio as gr
+
+    from merger import serve
+    from merger.cli_jobs import set_forward
+    from merger.ui.app import build_app
+
+    def heading():
+        app = build_app(ctl.session)
+        return next(b.value for b in app.blocks.values() if isinstance(b, gr.Markdown) and b.value.startswith("# merger"))
+
+    assert serve.parse_args([]).forward == "auto" and serve.parse_args(["--forward", "bf16"]).forward == "bf16"
+    assert "Forwards in fp32 (cpu)." in heading()
+    set_forward(ctl.session.evaluator, "bf16")
+    try:
+        assert "Forwards in bf16 autocast (cpu)." in heading()
+    finally:
+        set_forward(ctl.session.evaluator, "auto")

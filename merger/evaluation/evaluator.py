@@ -8,6 +8,7 @@ import hashlib
 import json
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -41,13 +42,14 @@ def tokenizer_for(pool):
 
 class Evaluator:
     """Built once per pool; ``evaluate(weights, split)`` copies weights in place and forwards."""
+    EVERYWHERE = "everywhere"  # autocast: bf16 forwards on the CPU too (docs/performance.md)
 
     def __init__(self, pool, device: str | torch.device | None = None, batch_size: int = 1024):
         self.pool = pool
         self.model_thread = ModelThread()  # every load and forward of the model runs on it
         self.device = torch.device(device) if device else pool.device
         self.batch_size = batch_size
-        self.autocast = True  # GPU forwards in bf16 (fp32 accumulation); False: fp32 forwards
+        self.autocast: bool | str = True  # bf16 forwards (fp32 sums) on a GPU; EVERYWHERE: on the CPU too; False: fp32
         self.data = TaskDataStore(pool)
         missing = [t for t in pool.tasks if not (pool.task_info.get(t) or {}).get("data")]
         if missing:
@@ -243,12 +245,12 @@ class Evaluator:
         embed_patches_by_matmul(visual, False)
         return visual
 
-    def _autocast(self):
-        import contextlib
+    @property
+    def forwards_in_bf16(self) -> bool:  # under bf16 autocast; the merge arithmetic stays fp32 either way
+        return self.autocast == self.EVERYWHERE or (self.autocast is True and self.device.type == "cuda")
 
-        if self.device.type == "cuda" and self.autocast:  # bf16 forward passes; merge arithmetic stays fp32
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.forwards_in_bf16 else nullcontext()
 
     def _move_to(self, device: str) -> None:
         self.device = torch.device(device)

@@ -191,6 +191,7 @@ class LinearEstimate:
         return disk_cache.key_of({"kind": "features", "base": hashes["base"], "expert": hashes.get(name) if name else None,
                                   "split": split, "inputs": self._fingerprint(split), "dtype": str(tv.dtype),
                                   "device": self.session.evaluator.device.type, "architecture": pool.architecture,
+                                  "bf16_forwards": self.session.evaluator.forwards_in_bf16,
                                   "code": disk_cache.source_hash(LinearEstimate, Evaluator)})
 
     def _fingerprint(self, split: str) -> str:

@@ -40,7 +40,8 @@ def build_app(session, history=None, title: str = "merger", cluster=None, presen
     # Gradio's copies of the downloads offered (exports, CSVs): every 10 minutes, those over an hour old go
     with gr.Blocks(title=title, delete_cache=(600, 3600)) as app:
         gr.Markdown(f"# merger · model-merging explorer\nPool **{pool.name}** ({pool.architecture_name}): "
-                    f"{len(pool.tasks)} experts: {', '.join(pool.tasks)}.")
+                    f"{len(pool.tasks)} experts: {', '.join(pool.tasks)}. Forwards in "
+                    f"{'bf16 autocast' if session.evaluator.forwards_in_bf16 else 'fp32'} ({session.evaluator.device.type}).")
         room_parts = panel.build() if panel is not None else None
         with gr.Tabs() as tabs:
             merge = build_merge_tab(ctl, events, first, batch)
