@@ -200,8 +200,10 @@ def bench_browser(args) -> int:
     values = lambda_values(moves)
     lat: dict = {f: [] for f in forwards}
     with tempfile.TemporaryDirectory() as tmp:
-        servers = {f: _server(args.pool, tmp, f) for f in forwards}
+        servers: dict = {}
         try:
+            for f in forwards:  # one at a time, inside the try: a second that fails stops the first
+                servers[f] = _server(args.pool, tmp, f)
             with sync_playwright() as p:
                 pages = {f: open_page(p, url)[1] for f, (_, url) in servers.items()}
                 for page in pages.values():

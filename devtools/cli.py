@@ -12,10 +12,10 @@ from merger.errors import MergerError
 
 
 def forwards(text: str) -> str:
-    """``--forward``: one or two of FORWARDS, comma-separated."""
+    """``--forward``: one or two different FORWARDS, comma-separated."""
     given = text.split(",")
-    if not 1 <= len(given) <= 2 or any(f not in FORWARDS for f in given):
-        raise argparse.ArgumentTypeError(f"'{text}': one or two of {', '.join(FORWARDS)}, comma-separated")
+    if not 1 <= len(set(given)) == len(given) <= 2 or any(f not in FORWARDS for f in given):
+        raise argparse.ArgumentTypeError(f"'{text}': one or two different ones of {', '.join(FORWARDS)}, comma-separated")
     return text
 
 

@@ -110,22 +110,27 @@ def _worker_class():
                 cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
                 torch.set_num_threads(max(1, int(cpus)))  # its share of the machine, not every core
                 self.session = PoolSession(open_pool(pool_source, device=device))
-                self.session.evaluator.autocast = autocast  # the app's forwards' precision (--forward)
+                self.autocast = autocast  # the app's forwards' precision, set as the evaluator is first used
+
+            def _session(self):
+                if self.autocast is not None:  # once: an out-of-memory fallback may change it later
+                    self.session.evaluator.autocast, self.autocast = self.autocast, None
+                return self.session
 
             def pid(self) -> int:
                 return os.getpid()
 
             def evaluate(self, spec, split: str):
-                result = self.session.preview(spec, split)
+                result = self._session().preview(spec, split)
                 return dataclasses.replace(result, per_image={})  # what the driver records, not per image
 
             def plane_row(self, plane, xs: Sequence[float], y: float, split: str):
                 device = self.session.pool.task_vectors.device
                 plane = dataclasses.replace(plane, origin=plane.origin.to(device), dirs=plane.dirs.to(device))
-                return [self.session.values_on_plane(plane, x, y, split) for x in xs]
+                return [self._session().values_on_plane(plane, x, y, split) for x in xs]
 
             def expert_accuracy(self, split: str) -> dict:
-                return self.session.expert_accuracy(split)
+                return self._session().expert_accuracy(split)
 
         _WORKER_CLASS = PoolWorker
     return _WORKER_CLASS
@@ -137,6 +142,7 @@ class Cluster:
 
     def __init__(self, address: str, pool_source: str, workers: int = 2, num_cpus: int | None = None,
                  experts: Sequence[str] = (), autocast: bool | str = True):
+        """``autocast``: the workers' ``Evaluator.autocast`` (the app gives its own forwards' precision)."""
         if not 1 <= workers <= MAX_WORKERS:
             raise MergerError(f"--workers {workers}: from 1 to {MAX_WORKERS} workers")
         connect(address, num_cpus)

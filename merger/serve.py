@@ -128,8 +128,9 @@ def main(argv=None, prog: str | None = None) -> int:
         if args.ray:
             from merger.cluster import Cluster
 
+            ev = session.evaluator  # the workers forward as the sliders do, whatever device they are on
             cluster = Cluster(args.ray, pool.source, workers=args.workers, experts=list(pool.experts),
-                              autocast=session.evaluator.autocast)
+                              autocast=ev.EVERYWHERE if ev.forwards_in_bf16 else False)
     except merger.MergerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

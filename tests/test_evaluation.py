@@ -81,6 +81,18 @@ def test_bf16_forwards_on_the_cpu_are_a_fresh_model_under_bf16_autocast(demo_lik
     assert half.evaluator.evaluate(merged, "live").loss == fp32.loss
 
 
+def test_a_fallback_to_the_cpu_keeps_the_forwards_precision(demo_like):
+    """Out of memory on a GPU even at batch 1, the evaluator moves to the CPU (``Evaluator.encode``): its
+    later forwards stay in the precision of the results already cached (bf16 by default on a GPU)."""
+    path, _, _ = demo_like
+    for autocast, bf16 in ((True, True), (False, False)):
+        ev = merger.PoolSession(merger.open_pool(path)).evaluator
+        ev.autocast, ev.device = autocast, torch.device("cuda")  # as if it had forwarded there
+        assert ev.forwards_in_bf16 == bf16
+        ev._move_to("cpu")  # what encode() calls then
+        assert ev.device.type == "cpu" and ev.forwards_in_bf16 == bf16
+
+
 def test_expert_weights_reproduce_expert_accuracy(demo_like):
     _, pool, ex = demo_like
     experts = ex.expert_accuracy("live")

@@ -196,8 +196,7 @@ class Evaluator:
                     raise
 
     @property
-    def tower_route(self) -> str:
-        """eager (the reference, the default), patches or graphs: merger/accel/tower.py."""
+    def tower_route(self) -> str:  # eager (the reference, the default), patches or graphs: merger/accel/tower.py
         return self.routed_tower.route if self.routed_tower is not None else "eager"
 
     @on_model_thread
@@ -253,6 +252,7 @@ class Evaluator:
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.forwards_in_bf16 else nullcontext()
 
     def _move_to(self, device: str) -> None:
+        self.autocast = self.EVERYWHERE if self.forwards_in_bf16 else False  # the precision the caches' results had
         self.device = torch.device(device)
         self.use_tower("eager")  # the tower as written
         self.model.to(self.device)

@@ -19,10 +19,10 @@ def demo_numbers(pool, split: str = "test", progress=None, others=None, every_la
     """Chance, base, experts, task arithmetic over its λ grid (the reported λ picked on the
     validation split, never on the split it is reported on) and the ``others`` methods at defaults
     (None: every compared method; the targets need none). ``every_lam=False``: task arithmetic on
-    ``split`` at the picked λ only, all the targets read."""
+    ``split`` at the picked λ only, all the targets read (on "val" it has every λ anyway)."""
     ex = PoolSession(pool)
     classes = {t: len(ex.evaluator.data.classes(t)) for t in pool.tasks}
-    others = compared_methods() if others is None else list(others)
+    others = compared_methods() if others is None else list(dict.fromkeys(others))
     on_split = len(TA_GRID) if every_lam else 1
     total = 2 + len(TA_GRID) + (0 if split == "val" else on_split) + len(others)
     done = {}
