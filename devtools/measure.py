@@ -113,7 +113,7 @@ def naive_evaluation(pool_path, method: str, params: dict, split: str = "live"):
     from merger.api import merge
     from merger.data import tasks as data_mod
     from merger.data.heads import zero_shot_head
-    from merger.evaluation.evaluator import tokenizer_for
+    from merger.data.heads import tokenizer_for
     from merger.pool.pool import open_pool
 
     data_mod._generate_cached.cache_clear()

@@ -127,7 +127,9 @@ def cmd_merge(args) -> int:
         from merger.io.model_card import card_text, write_card
 
         try:
-            result, why = session_for(pool).evaluate_exact(spec, args.card_split), ""
+            session = session_for(pool)
+            set_forward(session.evaluator, args.forward)  # its data: a pool without any raises DataError here
+            result, why = session.evaluate_exact(spec, args.card_split), ""
         except DataError as exc:  # a pool without task data merges all the same: its card says so
             result, why = None, str(exc)
         card = write_card(weights, card_text(pool, spec, read_spec_file(yaml_path), result, why))
@@ -153,11 +155,10 @@ def cmd_eval(args) -> int:
     result = ex.evaluate_exact(spec, args.split)
     note = ex.note(spec)  # what the page says beside it
     if args.json:
-        print(json.dumps({"spec": spec.as_dict(), **result.to_dict(), "forwards_in_bf16": ex.evaluator.forwards_in_bf16,
-                          **({"note": note} if note else {})}, indent=2))
+        print(json.dumps({"spec": spec.as_dict(), **result.to_dict(), **({"note": note} if note else {})}, indent=2))
         return 0
     print(f"{spec.label()} over {', '.join(spec.experts)}; {args.split} split"
-          + ("; forwards in bf16 autocast" if ex.evaluator.forwards_in_bf16 else ""))
+          + ("; forwards in bf16 autocast" if result.forward == "bf16" else ""))
     print(f"{'task':<14}{'accuracy %':>11}{'loss':>9}{'normalised %':>14}")
 
     def ratio(v):  # no ratio over an expert at 0 % on its own task (a tiny split can do that)
@@ -220,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--card-split", default="test", choices=["test", "val", "live", "none"],
                    help="the split the model card (README.md beside the weights) reports; none: no card")
     p.add_argument("--device", default="cpu")
+    add_forward_arg(p)
     p.set_defaults(func=cmd_merge)
 
     p = sub.add_parser("eval", help="merge and evaluate per task")

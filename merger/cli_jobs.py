@@ -138,6 +138,7 @@ def add_job_args(p, history: bool = True) -> None:
                         "or host:port / ray://host:port; absent: run here")
     p.add_argument("--workers", type=worker_count, default=2, help="with --ray: workers, each opening the pool once")
     p.add_argument("--device", default="cpu", help="without --ray: where this process evaluates")
+    add_forward_arg(p)
     if history:
         from merger.io.history import DEFAULT_PATH
 
@@ -169,14 +170,19 @@ def add_job_commands(sub) -> None:
     p.set_defaults(func=cmd_tune)
 
 
-def _cluster(args, pool):
+def _cluster(args, session):
+    """The job's forwards in ``--forward``'s precision (on this device's terms, as the app's), and its
+    Ray workers forwarding in that same precision wherever they run (None: no --ray, it runs here)."""
+    set_forward(session.evaluator, args.forward)
     if not args.ray:
         return None
     from merger.cluster import Cluster, connect
 
     connect(args.ray)  # an unreachable address is refused before anything is said about workers
     print(f"starting {args.workers} Ray workers ({args.ray}); each opens the pool once...", file=sys.stderr, flush=True)
-    return Cluster(args.ray, pool.source, workers=args.workers, experts=list(pool.experts))
+    pool = session.pool
+    return Cluster(args.ray, pool.source, workers=args.workers, experts=list(pool.experts),
+                   autocast=session.evaluator.pinned_autocast)
 
 
 def _recording(args, session, counts: dict, cluster=None):
@@ -201,13 +207,14 @@ def _recording(args, session, counts: dict, cluster=None):
         history.record(ref, spec, result)  # evaluate_all's: snapped
         evaluated(spec, result)
 
-    def known(spec, split):
-        row = history.find(ref, spec, split)
+    def known(spec, split):  # a row of another precision is no answer of this job's
+        row = history.find(ref, spec, split, session.evaluator.forward_precision)
         if row is None:
             return None
         counts["reused"] += 1
         experts = cluster.expert_accuracy(split) if cluster is not None else session.expert_accuracy(split)
-        return Result(split, json.loads(row["accuracy"]), json.loads(row["loss"]), expert_accuracy=experts)
+        return Result(split, json.loads(row["accuracy"]), json.loads(row["loss"]), expert_accuracy=experts,
+                      forward=row["forward"])
 
     return on_result, (known if args.resume else None)
 
@@ -246,7 +253,7 @@ def cmd_sweep(args) -> int:
         out_path = inputs.check_output_file(args.out, "--out", MergerError,
                                             keep=(*session.pool.input_files(), args.history or None))
     counts: dict = {}
-    cluster = _cluster(args, session.pool)
+    cluster = _cluster(args, session)
     on_result, known = _recording(args, session, counts, cluster)
     t0 = time.perf_counter()
     with progress_bar("sweep") as update:
@@ -322,7 +329,7 @@ def cmd_tune(args) -> int:
     session = _open(args)
     experts = args.experts.split(",") if args.experts else None
     counts: dict = {}
-    cluster = _cluster(args, session.pool)
+    cluster = _cluster(args, session)
     on_result, known = _recording(args, session, counts, cluster)
     if args.weights:
         from merger.evaluation.tuning import tune_weights, weight_range
@@ -360,7 +367,7 @@ def cmd_landscape(args) -> int:
 
     t0 = time.perf_counter()
     session = _open(args)
-    cluster = _cluster(args, session.pool)
+    cluster = _cluster(args, session)
     with progress_bar("landscape") as update:
         html, js = write_landscape(session.landscape, args.out, args.plane, args.points.split(","), args.grid,
                                    args.metric, task=args.task, tasks=[t for t in (args.tasks or "").split(",") if t],

@@ -61,7 +61,7 @@ def _session_report(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    from merger.evaluation.evaluator import heads_cache_dir
+    from merger.data.heads import heads_cache_dir
     from merger.io.disk_cache import DiskCache
 
     cache, heads = DiskCache(), DiskCache(heads_cache_dir())

@@ -130,7 +130,7 @@ def main(argv=None, prog: str | None = None) -> int:
 
             ev = session.evaluator  # the workers forward as the sliders do, whatever device they are on
             cluster = Cluster(args.ray, pool.source, workers=args.workers, experts=list(pool.experts),
-                              autocast=ev.EVERYWHERE if ev.forwards_in_bf16 else False)
+                              autocast=ev.pinned_autocast)
     except merger.MergerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -111,7 +111,7 @@ def test_the_cap_evicts_the_least_recently_used(tmp_path):
 
 
 def test_cache_info_and_clear(cached_pool, capsys):
-    from merger.evaluation.evaluator import heads_cache_dir
+    from merger.data.heads import heads_cache_dir
 
     prepare(cached_pool)
     disk_cache.DiskCache(heads_cache_dir()).put("b" * 32, "a head", {"head": torch.zeros(3, 4)}, None)

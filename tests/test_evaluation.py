@@ -11,7 +11,7 @@ import merger
 from merger.data import splits as split_rules
 from merger.data.tasks import preprocess
 from merger.errors import DataError, PoolError
-from merger.evaluation.evaluator import tokenizer_for
+from merger.data.heads import tokenizer_for
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,12 @@ def test_the_card_holds_the_merge_its_sources_and_the_eval_table(tiny_pool, tmp_
     for task, acc in numbers["accuracy"].items():
         assert f"| {task} | {100 * acc:.1f} |" in card
     assert f"| average | {100 * numbers['average_accuracy']:.1f} |" in card
+    assert "the forwards in fp32, the merge in fp32." in card
+    bf16 = merger_cli("merge", "--pool", str(tiny_pool), "--method", "ties", "--out", str(tmp_path / "bf16" / "m.safetensors"),
+                      "--card-split", "test", "--forward", "bf16", cwd=tmp_path, capsys=capsys)
+    assert bf16.returncode == 0, bf16.stderr
+    assert "the forwards in bf16 autocast (bf16 products, fp32 sums), the merge in fp32." in (
+        tmp_path / "bf16" / "README.md").read_text()
 
 
 def test_a_readme_merger_did_not_write_is_kept(tiny_pool, tmp_path, capsys):

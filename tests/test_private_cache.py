@@ -141,7 +141,7 @@ def test_a_signed_entry_of_an_unknown_structure_is_dropped_and_rebuilt(tmp_path,
 
 @pytest.mark.parametrize("damage", ["nan", "permuted", "wider"])
 def test_a_planted_zero_shot_head_is_computed_again(tmp_path, monkeypatch, damage):
-    from merger.evaluation.evaluator import heads_cache_dir
+    from merger.data.heads import heads_cache_dir
 
     monkeypatch.setenv("MERGER_CACHE_DIR", str(tmp_path / "cache"))
     pool = open_pool(write_pool(tmp_path / "pool", n_experts=2, demo_data=True))

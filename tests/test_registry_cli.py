@@ -216,8 +216,8 @@ def test_eval_forwards_in_the_precision_asked_for(tmp_path):
     argv = ("eval", "--pool", str(pool), "--method", "task_arithmetic", "--lam", "0.3", "--split", "live")
     fp32, default, bf16 = (run_cli(*argv, "--json", *more) for more in (("--forward", "fp32"), (), ("--forward", "bf16")))
     a, b, c = (json.loads(r.stdout) for r in (fp32, default, bf16))
-    assert a["loss"] == b["loss"] and not a["forwards_in_bf16"] and not b["forwards_in_bf16"]
-    assert c["forwards_in_bf16"] and c["loss"] != a["loss"]  # bf16's rounding
+    assert a["loss"] == b["loss"] and a["forward"] == b["forward"] == "fp32"
+    assert c["forward"] == "bf16" and c["loss"] != a["loss"]  # bf16's rounding
     assert "; live split; forwards in bf16 autocast" in run_cli(*argv, "--forward", "bf16").stdout
     bad = run_cli(*argv, "--forward", "fp16")
     assert bad.returncode == 2 and "--forward" in bad.stderr and "'fp16'" in bad.stderr

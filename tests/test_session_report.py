@@ -105,6 +105,8 @@ def test_the_export_report_draws_the_figures_the_page_shows(tmp_path):
 
 
 def test_the_cli_report_draws_the_historys_lambda_sweeps(pool, tmp_path, capsys):
+    import dataclasses
+
     from merger.cli import main
     from merger.io.export import pool_reference
     from merger.io.history import History
@@ -114,11 +116,13 @@ def test_the_cli_report_draws_the_historys_lambda_sweeps(pool, tmp_path, capsys)
     for lam in (0.2, 0.6, 1.0):
         spec = session.spec("task_arithmetic", lam=lam)
         history.record(pool_reference(pool), spec, session.preview(spec, "val"))
+        history.record(pool_reference(pool), spec, dataclasses.replace(session.preview(spec, "val"), forward="bf16"))
     out = tmp_path / "report.html"
     assert main(["report", "session", "--pool", pool.source, "--out", str(out), "--history",
                  str(tmp_path / "history.sqlite")]) == 0
     text = out.read_text()
     assert "λ sweeps in the history (val split)" in text and "task_arithmetic()" in text
+    assert "task_arithmetic() (bf16 forwards)" in text  # its own curve, not points mixed into the fp32 one
     assert "1 sweep figure(s)" in capsys.readouterr().out
     assert main(["report", "session", "--pool", pool.source, "--out", str(out), "--history",
                  str(tmp_path / "nope.sqlite")]) == 2

@@ -6,6 +6,7 @@ the image embedding normalised. Heads stay frozen: they are never merged.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -66,3 +67,20 @@ def logits(image_features: torch.Tensor, head: torch.Tensor, logit_scale: torch.
     """Zero-shot logits: scale · normalised image embedding · headᵀ (scale is exp of the stored log)."""
     scale = logit_scale.exp() if torch.is_tensor(logit_scale) else torch.tensor(logit_scale).exp()
     return scale * F.normalize(image_features.float(), dim=-1) @ head.T
+
+
+def heads_cache_dir() -> Path:
+    from merger.io.disk_cache import cache_dir
+
+    return cache_dir() / "heads"
+
+
+def tokenizer_for(pool):
+    """The tokenizer of a pool's text tower."""
+    if pool.tokenizer_name == "demo":
+        from merger.demo.tokenizer import DemoTokenizer
+
+        return DemoTokenizer()
+    from merger._compat import open_clip
+
+    return open_clip().get_tokenizer(pool.architecture.get("model", "ViT-B-32"))

@@ -9,7 +9,6 @@ import json
 import threading
 import time
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
@@ -17,27 +16,12 @@ import torch.nn.functional as F
 
 from merger.accel import accelerable
 from merger.data import heads as heads_mod
+from merger.data.heads import heads_cache_dir, tokenizer_for
 from merger.data.splits import SPLITS
 from merger.data.tasks import TaskDataStore, preprocess
 from merger.errors import DataError, PoolError
 from merger.evaluation.model_thread import ModelThread, on_model_thread
 from merger.evaluation.result import Result, joined, result_subset  # noqa: F401  (where callers import them)
-
-
-def heads_cache_dir() -> Path:
-    from merger.io.disk_cache import cache_dir
-
-    return cache_dir() / "heads"
-
-
-def tokenizer_for(pool):
-    if pool.tokenizer_name == "demo":
-        from merger.demo.tokenizer import DemoTokenizer
-
-        return DemoTokenizer()
-    from merger._compat import open_clip
-
-    return open_clip().get_tokenizer(pool.architecture.get("model", "ViT-B-32"))
 
 
 class Evaluator:
@@ -248,11 +232,19 @@ class Evaluator:
     def forwards_in_bf16(self) -> bool:  # under bf16 autocast; the merge arithmetic stays fp32 either way
         return self.autocast == self.EVERYWHERE or (self.autocast is True and self.device.type == "cuda")
 
+    @property
+    def forward_precision(self) -> str:  # what each result and history row records: "bf16" (autocast) or "fp32"
+        return "bf16" if self.forwards_in_bf16 else "fp32"
+
+    @property
+    def pinned_autocast(self) -> bool | str:  # the setting that keeps this precision on any device
+        return self.EVERYWHERE if self.forwards_in_bf16 else False
+
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.forwards_in_bf16 else nullcontext()
 
     def _move_to(self, device: str) -> None:
-        self.autocast = self.EVERYWHERE if self.forwards_in_bf16 else False  # the precision the caches' results had
+        self.autocast = self.pinned_autocast  # the precision the caches' results had
         self.device = torch.device(device)
         self.use_tower("eager")  # the tower as written
         self.model.to(self.device)
@@ -356,8 +348,8 @@ class Evaluator:
             self.load(None if weights is None else {k: weights[k] for k in self._targets})
         per_image: dict = {}
         acc, loss, counts = self.forward(split, limit=limit, per_image=per_image, start=start)
-        return Result(split, acc, loss, {}, counts, time.perf_counter() - t0,
-                      partial=limit is not None or start > 0, per_image=per_image)
+        return Result(split, acc, loss, {}, counts, time.perf_counter() - t0, partial=limit is not None or start > 0,
+                      per_image=per_image, forward=self.forward_precision)
 
     def probe_positions(self) -> dict[str, torch.Tensor]:
         """Per task, where the probe split's images sit in the live split (both are fixed subsets

@@ -126,7 +126,8 @@ class LinearEstimate:
             return None
         per_image: dict = {}
         acc, loss, counts = self.session.evaluator.score(split, feats, per_image)
-        return Result(split, acc, loss, {}, counts, self._seconds.get(split, 0.0), per_image=per_image)
+        return Result(split, acc, loss, {}, counts, self._seconds.get(split, 0.0), per_image=per_image,
+                      forward=self.session.evaluator.forward_precision)
 
     def _forward(self, name: str, split: str) -> list[torch.Tensor]:
         ev = self.session.evaluator
@@ -155,7 +156,8 @@ class LinearEstimate:
         per_image: dict = {}
         acc, loss, counts = self.session.evaluator.score(split, feats, per_image)
         result = Result(split, acc, loss, self.session.expert_accuracy(split), counts, 0.0,
-                        per_image=per_image, estimate=True)  # references from the experts' features
+                        per_image=per_image, estimate=True,  # references from the experts' features
+                        forward=self.session.evaluator.forward_precision)
         lru_put(self._shown, (spec.snap(), split), result, 256)
         return result
 

@@ -21,6 +21,7 @@ class Result:
     seconds: float = 0.0
     partial: bool = False  # on the first images of each task only (a progressive answer's first part)
     estimate: bool = False  # the linear estimate (no forward of its own): shown, never stored as a result
+    forward: str = "fp32"  # the forwards' precision: fp32, or bf16 (autocast); the merge is fp32 either way
     # per task: (correct [N] bool, loss [N]) on the CPU, so subsets of the split cost no forward
     per_image: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
@@ -78,6 +79,7 @@ class Result:
             "average_loss": finite(self.average_loss),
             "normalized_accuracy": finite(self.normalized_accuracy) if self.expert_accuracy else None,
             "counts": self.counts,
+            "forward": self.forward,
         }
 
 
@@ -89,7 +91,7 @@ def result_subset(result: Result, positions: Mapping[str, torch.Tensor]) -> Resu
     for t, (correct, losses) in result.per_image.items():
         idx = positions[t]
         acc[t], loss[t], counts[t] = float(correct[idx].float().mean()), float(losses[idx].mean()), int(idx.numel())
-    return Result(result.split, acc, loss, result.expert_accuracy, counts)
+    return Result(result.split, acc, loss, result.expert_accuracy, counts, forward=result.forward)
 
 
 def joined(first: Result, rest: Result) -> Result:
@@ -101,4 +103,4 @@ def joined(first: Result, rest: Result) -> Result:
         correct, losses = per_image[t] = tuple(torch.cat(p) for p in zip(*parts))
         acc[t], loss[t], counts[t] = float(correct.float().mean()), float(losses.mean()), int(correct.numel())
     return Result(first.split, acc, loss, first.expert_accuracy, counts, first.seconds + rest.seconds,
-                  per_image=per_image)
+                  per_image=per_image, forward=first.forward)

@@ -18,7 +18,11 @@ DEFAULT_PATH = Path.home() / ".merger" / "history.sqlite"  # the app's and the C
 
 FRACTION_COLUMNS = ("average_accuracy", "normalized_accuracy", "accuracy")  # in [0, 1]; the page shows percent
 COLUMNS = ("id", "time", "pool", "method", "params", "experts", "split", "average_accuracy",
-           "normalized_accuracy", "average_loss", "accuracy", "loss")
+           "normalized_accuracy", "average_loss", "accuracy", "loss", "forward")
+# A history written before rows recorded their forwards' precision (fp32, or bf16 autocast): opened, it
+# is copied into today's table in one transaction, with that precision unknown (NULL), which no
+# resumed job reuses.
+COLUMNS_WITHOUT_PRECISION = COLUMNS[:-1]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS evaluations (
@@ -34,9 +38,11 @@ CREATE TABLE IF NOT EXISTS evaluations (
     average_loss REAL,
     accuracy TEXT NOT NULL,
     loss TEXT NOT NULL,
-    UNIQUE (pool, method, params, experts, split)
+    forward TEXT,
+    UNIQUE (pool, method, params, experts, split, forward)
 )
 """
+KEY = "pool = ? AND method = ? AND params = ? AND experts = ? AND split = ? AND forward = ?"
 
 
 def params_of(spec) -> dict:
@@ -62,6 +68,9 @@ class History:
             self._db.execute(SCHEMA)
             self._db.commit()
             found = tuple(row[1] for row in self._db.execute("PRAGMA table_info(evaluations)"))
+            if found == COLUMNS_WITHOUT_PRECISION:
+                self._add_precision()
+                found = COLUMNS
             if found != COLUMNS:  # another program's table of that name, or another version's
                 raise MergerError(f"--history {self.path}: its table 'evaluations' has the columns "
                                   f"{', '.join(found)[:200]}, not merger's ({', '.join(COLUMNS)}); name another file, "
@@ -75,6 +84,21 @@ class History:
             raise MergerError(f"--history {self.path}: cannot be used as the history ({exc}); name another "
                               f"file, or '' to turn history off") from None
 
+    def _add_precision(self) -> None:
+        """The rows of a history from before the precision was recorded, in today's table (whose
+        unique key holds it): every row kept, ids and times with it; all or nothing."""
+        columns = ", ".join(COLUMNS_WITHOUT_PRECISION)
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(SCHEMA.replace("IF NOT EXISTS evaluations", "evaluations_with_precision"))
+            self._db.execute(f"INSERT INTO evaluations_with_precision ({columns}) SELECT {columns} FROM evaluations")
+            self._db.execute("DROP TABLE evaluations")
+            self._db.execute("ALTER TABLE evaluations_with_precision RENAME TO evaluations")
+            self._db.commit()
+        except sqlite3.Error:
+            self._db.rollback()
+            raise
+
     def record(self, pool: str, spec, result) -> None:
         """Store (or refresh) one evaluated spec. A write that fails (a full disk, a file made
         read-only since) never costs the result it records: recording stops, said once on stderr
@@ -83,27 +107,25 @@ class History:
             time.strftime("%Y-%m-%d %H:%M:%S"), pool, spec.method, json.dumps(params_of(spec), sort_keys=True),
             ",".join(spec.experts), result.split, result.average_accuracy,
             result.normalized_accuracy if result.expert_accuracy else None, result.average_loss,
-            json.dumps(result.accuracy), json.dumps(result.loss),
+            json.dumps(result.accuracy), json.dumps(result.loss), result.forward,
         )
-        key = "pool = ? AND method = ? AND params = ? AND experts = ? AND split = ?"
         with self._lock:
             if self.write_error is not None:
                 return
             try:
-                self._upsert(key, row)
+                self._upsert(row)
             except sqlite3.Error as exc:
                 self.write_error = (f"--history {self.path}: cannot record results any more ({exc}); nothing "
                                     "after this is kept")
                 print(f"warning: {self.write_error}", file=sys.stderr, flush=True)
 
-    def _upsert(self, key: str, row: tuple) -> None:
+    def _upsert(self, row: tuple) -> None:
         # A row evaluated before only gets its new time: updated first, since an upsert that finds
         # the row still spends an AUTOINCREMENT id (ids 1, 4 after three of the same). The upsert
         # stays for a row another process adds in between.
-        if self._db.execute(f"UPDATE evaluations SET time = ? WHERE {key}", row[:6]).rowcount == 0:
-            self._db.execute("INSERT INTO evaluations (time, pool, method, params, experts, split, "
-                             "average_accuracy, normalized_accuracy, average_loss, accuracy, loss) "
-                             "VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (pool, method, params, experts, split) "
+        if self._db.execute(f"UPDATE evaluations SET time = ? WHERE {KEY}", (*row[:6], row[-1])).rowcount == 0:
+            self._db.execute(f"INSERT INTO evaluations ({', '.join(COLUMNS[1:])}) VALUES ({', '.join('?' * 12)}) "
+                             "ON CONFLICT (pool, method, params, experts, split, forward) "
                              "DO UPDATE SET time = excluded.time", row)
         self._db.commit()
 
@@ -138,19 +160,20 @@ class History:
             cur = self._db.execute(sql, (*args, int(limit)))
             return [dict(zip(COLUMNS, r)) for r in cur.fetchall()]
 
-    def find(self, pool: str, spec, split: str) -> dict | None:
-        """The row of one spec on one split, or None (a resumed job skips what it finds)."""
-        key = (pool, spec.method, json.dumps(params_of(spec), sort_keys=True), ",".join(spec.experts), split)
+    def find(self, pool: str, spec, split: str, forward: str) -> dict | None:
+        """The row of one spec on one split with forwards in that precision, or None (a resumed job
+        skips what it finds)."""
+        key = (pool, spec.method, json.dumps(params_of(spec), sort_keys=True), ",".join(spec.experts), split, forward)
         with self._lock:
-            r = self._db.execute("SELECT * FROM evaluations WHERE pool = ? AND method = ? AND params = ? AND "
-                                 "experts = ? AND split = ?", key).fetchone()
+            r = self._db.execute(f"SELECT * FROM evaluations WHERE {KEY}", key).fetchone()
         return dict(zip(COLUMNS, r)) if r else None
 
-    def best(self, pool: str, method: str, experts, split: str = "val") -> tuple[dict, int] | None:
+    def best(self, pool: str, method: str, experts, forward: str, split: str = "val") -> tuple[dict, int] | None:
         """(the row of highest average accuracy, how many rows were compared) among one method's
-        evaluations of exactly these experts on one split, or None when there are none."""
-        key = (pool, method, ",".join(experts), split)
-        where = "WHERE pool = ? AND method = ? AND experts = ? AND split = ?"
+        evaluations of exactly these experts on one split with forwards in that precision, or None
+        when there are none."""
+        key = (pool, method, ",".join(experts), split, forward)
+        where = "WHERE pool = ? AND method = ? AND experts = ? AND split = ? AND forward = ?"
         with self._lock:
             r = self._db.execute(f"SELECT * FROM evaluations {where} ORDER BY average_accuracy DESC, id LIMIT 1",
                                  key).fetchone()

@@ -14,6 +14,7 @@ from pathlib import Path
 from merger.io import checkpoints
 
 MARK = "<!-- written by merger: a model card of exported merged weights -->"
+PRECISIONS = {"fp32": "fp32", "bf16": "bf16 autocast (bf16 products, fp32 sums)"}
 
 
 def card_text(pool, spec, record: dict, result, no_result: str = "") -> str:
@@ -51,7 +52,8 @@ def card_text(pool, spec, record: dict, result, no_result: str = "") -> str:
     lines += [f"| average | {100 * result.average_accuracy:.1f} | {100 * result.average_margin():.1f} | "
               f"{average_loss:.3f} | |", "",
               "Every task of the pool is evaluated, merged or not, with its zero-shot head (the class names and "
-              "templates of the pool).", ""]
+              f"templates of the pool); the forwards in {PRECISIONS.get(result.forward, result.forward)}, the merge "
+              "in fp32.", ""]
     return "\n".join(lines + _reproduce(record))
 
 

@@ -86,7 +86,8 @@ def history_sweeps(history, pool, limit: int = 5000) -> dict:
         if isinstance(lam, (int, float)) and row["average_accuracy"] is not None:
             rest = ", ".join(f"{k}={v}" for k, v in sorted(params.items()))
             experts = "" if row["experts"] == ",".join(pool.tasks) else f" [{row['experts']}]"
-            label = f"{row['method']}({rest}){experts}"
+            precision = "" if row["forward"] == "fp32" else f" ({row['forward'] or 'unrecorded'} forwards)"
+            label = f"{row['method']}({rest}){experts}{precision}"
             curves.setdefault(row["split"], {}).setdefault(label, {})[float(lam)] = row["average_accuracy"]
     views = {}
     for split, per_label in sorted(curves.items()):

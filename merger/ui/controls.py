@@ -274,7 +274,8 @@ class ControlPanel:
         no one pool's."""
         if self.history is None or not m.params:
             return ""
-        found = self.history.best(self.pool_ref, m.name, ticked(experts or self.pool.tasks))
+        found = self.history.best(self.pool_ref, m.name, ticked(experts or self.pool.tasks),
+                                  self.session.evaluator.forward_precision)
         if found is None:
             return "  \nThis pool's best setting is not known yet: **Auto-tune** (Compare tab) finds it on val."
         row, n = found

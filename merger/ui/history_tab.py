@@ -12,17 +12,19 @@ class HistoryTab:
     def __init__(self, ctl):
         self.ctl = ctl
 
-    HISTORY_HEADERS = ["id", "time", "method", "params", "experts", "split", "avg acc %", "normalised %", "loss"]
+    HISTORY_HEADERS = ["id", "time", "method", "params", "experts", "split", "forward", "avg acc %", "normalised %",
+                       "loss"]
     # Set widths, or the table sizes each column to its longest text and scrolls sideways (7 experts)
-    COLUMN_WIDTHS = ["4%", "11%", "12%", "22%", "22%", "6%", "8%", "9%", "6%"]
+    COLUMN_WIDTHS = ["4%", "11%", "12%", "19%", "19%", "6%", "6%", "8%", "9%", "6%"]
 
     def history_rows(self, method_filter="", text=""):
         if self.ctl.history is None:
             return []
         rows = self.ctl.history.rows(method=method_filter or None, pool=self.ctl.pool_ref, text=_searched(text))
         # ", " between experts: the table wraps a long list there instead of scrolling sideways
+        # forward: the forwards' precision; "?" on a row written before it was recorded
         return [[r["id"], r["time"], r["method"], r["params"], r["experts"].replace(",", ", "), r["split"],
-                 round(100 * r["average_accuracy"], 2),
+                 r["forward"] or "?", round(100 * r["average_accuracy"], 2),
                  None if r["normalized_accuracy"] is None else round(100 * r["normalized_accuracy"], 2),
                  round(r["average_loss"], 4)] for r in rows]
 

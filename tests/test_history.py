@@ -1,0 +1,116 @@
+"""The history records each row's forwards' precision: a resumed job reuses rows of its own precision
+only, and a history written before the precision was recorded opens with every row kept."""
+import json
+import sqlite3
+import subprocess
+
+import pytest
+from helpers import write_pool
+
+from merger.errors import MergerError
+from merger.evaluation.result import Result
+from merger.io import history as history_module
+from merger.io.history import History
+
+# The table as merger wrote it before rows recorded their forwards' precision
+OLD_SCHEMA = """CREATE TABLE evaluations (id INTEGER PRIMARY KEY AUTOINCREMENT, time TEXT NOT NULL, pool TEXT NOT NULL,
+    method TEXT NOT NULL, params TEXT NOT NULL, experts TEXT NOT NULL, split TEXT NOT NULL, average_accuracy REAL,
+    normalized_accuracy REAL, average_loss REAL, accuracy TEXT NOT NULL, loss TEXT NOT NULL,
+    UNIQUE (pool, method, params, experts, split))"""
+OLD_ROWS = [(3, "2026-11-01 10:00:00", "p", "task_arithmetic", '{"lam": 0.3}', "a,b", "live", 0.5, 0.6, 1.25,
+             '{"a": 0.4, "b": 0.6}', '{"a": 1.0, "b": 1.5}'),
+            (7, "2026-11-02 11:00:00", "p", "ties", '{"lam": 1.0, "sparsity": 0.8}', "a,b", "val", 0.25, None, 2.0,
+             '{"a": 0.2, "b": 0.3}', '{"a": 2.0, "b": 2.0}')]
+
+
+def cli(*argv, capsys):
+    from merger.cli import main
+
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out.out, out.err)
+
+
+def old_history(path):
+    db = sqlite3.connect(path)
+    db.execute(OLD_SCHEMA)
+    db.executemany(f"INSERT INTO evaluations VALUES ({', '.join('?' * 12)})", OLD_ROWS)
+    db.commit()
+    db.close()
+
+
+def test_an_older_history_keeps_every_row_with_its_precision_unknown(tmp_path, monkeypatch):
+    path = tmp_path / "old.sqlite"
+    old_history(path)
+    history = History(path)
+    rows = sorted(history.rows(), key=lambda r: r["id"])
+    assert [tuple(r[c] for c in history_module.COLUMNS[:-1]) for r in rows] == OLD_ROWS  # ids and times too
+    assert [r["forward"] for r in rows] == [None, None]
+
+    class Spec:  # what record and find read of a spec
+        method, kwargs, experts = "task_arithmetic", {"lam": 0.3}, ("a", "b")
+
+        def as_dict(self):
+            return {"method": self.method, **self.kwargs}
+
+    fp32 = Result("live", {"a": 0.5, "b": 0.5}, {"a": 1.0, "b": 1.0}, forward="fp32")
+    assert history.find("p", Spec(), "live", "fp32") is None  # a row of unknown precision is no job's answer
+    history.record("p", Spec(), fp32)
+    history.record("p", Spec(), Result("live", {"a": 0.75, "b": 0.5}, {"a": 1.0, "b": 1.0}, forward="bf16"))
+    history.record("p", Spec(), fp32)  # again: its time is refreshed, no row added
+    found = {f: history.find("p", Spec(), "live", f) for f in ("fp32", "bf16")}
+    assert found["fp32"]["average_accuracy"] == 0.5 and found["bf16"]["average_accuracy"] == 0.625
+    assert found["fp32"]["id"] > 7 and len(history.rows()) == 4
+    assert [r["forward"] for r in history.rows(method="task_arithmetic")].count(None) == 1
+    csv_text = history.export_csv(tmp_path / "h.csv").read_text()
+    assert csv_text.splitlines()[0].endswith(",loss,forward") and ",bf16" in csv_text
+    history.close()
+    assert len(History(path).rows()) == 4  # opened again: nothing copied twice
+
+    # an older history that cannot be written: refused at start, the file as it was
+    readonly = tmp_path / "readonly.sqlite"
+    old_history(readonly)
+    before = readonly.read_bytes()
+    connect = sqlite3.connect
+    monkeypatch.setattr(history_module.sqlite3, "connect", lambda p, **kw: connect(f"file:{p}?mode=ro", uri=True, **kw))
+    with pytest.raises(MergerError, match=f"--history {readonly}: cannot be used as the history "
+                                          r"\(attempt to write a readonly database\)"):
+        History(readonly)
+    assert readonly.read_bytes() == before
+
+
+def test_a_resumed_sweep_reuses_the_rows_of_its_own_precision_only(tmp_path, capsys):
+    pool = write_pool(tmp_path / "pool", n_experts=2, demo_data=True)
+    path = tmp_path / "h.sqlite"
+    sweep = ("sweep", "--pool", str(pool), "--methods", "task_arithmetic", "--values", "0.1,0.2",
+             "--history", str(path))
+    first = cli(*sweep, capsys=capsys)
+    assert first.returncode == 0, first.stderr
+    bf16 = cli(*sweep, "--resume", "--forward", "bf16", capsys=capsys)
+    assert bf16.returncode == 0, bf16.stderr
+    assert "(2 evaluated, 0 from the history)" in bf16.stdout
+    again = cli(*sweep, "--resume", "--forward", "bf16", capsys=capsys)
+    assert "(0 evaluated, 2 from the history)" in again.stdout
+    assert again.stdout.splitlines()[-2] == bf16.stdout.splitlines()[-2]  # the curve, from the bf16 rows
+    rows = History(path).rows()
+    assert sorted(r["forward"] for r in rows) == ["bf16", "bf16", "fp32", "fp32"]
+    by = {(json.loads(r["params"])["lam"], r["forward"]): json.loads(r["loss"]) for r in rows}
+    assert by[(0.1, "fp32")] != by[(0.1, "bf16")]  # two evaluations, each in its own precision
+
+
+def test_the_best_known_setting_is_one_of_the_apps_own_precision(tmp_path):
+    import dataclasses
+
+    from helpers import ui_controller
+
+    from merger import methods
+
+    ctl = ui_controller(tmp_path)
+    session, ref = ctl.session, ctl.pool_ref
+    fp32 = session.preview(session.spec("task_arithmetic", lam=0.2), "val")
+    assert fp32.forward == "fp32"
+    ctl.history.record(ref, session.spec("task_arithmetic", lam=0.2), fp32)
+    better = dataclasses.replace(fp32, accuracy={t: 1.0 for t in fp32.accuracy}, forward="bf16")
+    ctl.history.record(ref, session.spec("task_arithmetic", lam=0.9), better)  # a bf16 job's row: not this app's
+    said = ctl.best_known(methods.get("task_arithmetic"), list(ctl.pool.tasks))
+    assert f"`lam=0.2`, {100 * fp32.average_accuracy:.1f} % (of 1 val evaluation in the History tab)" in said
