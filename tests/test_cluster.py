@@ -97,6 +97,24 @@ def test_resume_skips_the_points_the_history_holds(pool, tmp_path):
     assert len(History(tmp_path / "h.sqlite").rows()) == 3
 
 
+def test_a_jobs_workers_forward_in_its_precision(pool, tmp_path):
+    """--forward bf16 with --ray: the workers' forwards run under bf16 autocast as this process's would,
+    and the history says so."""
+    from merger.evaluation.evaluator import Evaluator
+    from merger.evaluation.session import PoolSession
+
+    cmd = [sys.executable, "-m", "merger", "sweep", "--pool", pool.source, "--methods", "task_arithmetic", "--values",
+           "0.3", "--ray", "local", "--workers", "1", "--forward", "bf16", "--history", str(tmp_path / "h.sqlite")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    row, = History(tmp_path / "h.sqlite").rows()
+    fp32, bf16 = (PoolSession(merger.open_pool(pool.source)) for _ in range(2))  # a session has one precision
+    bf16.evaluator.autocast = Evaluator.EVERYWHERE
+    fp32, bf16 = (s.preview(s.spec("task_arithmetic", lam=0.3), "live").loss for s in (fp32, bf16))
+    assert row["forward"] == "bf16" and json.loads(row["loss"]) == pytest.approx(bf16, rel=1e-6)
+    assert json.loads(row["loss"]) != pytest.approx(fp32, rel=1e-6)
+
+
 def test_ray_absent_or_unreachable_is_said_with_the_address(pool, monkeypatch):
     from merger import cluster as cluster_module
 
