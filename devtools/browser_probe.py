@@ -57,7 +57,7 @@ def serve(log: str, argv: list[str]) -> None:
     run()
 
 
-def probe(pool: str, moves: int) -> None:
+def probe(pool: str, moves: int, forward: str = "auto") -> None:
     from playwright.sync_api import sync_playwright
 
     from devtools.bench_live import SET_AND_WAIT, lambda_values
@@ -68,6 +68,7 @@ def probe(pool: str, moves: int) -> None:
         log.write_text("")
         port = free_port()
         proc = start_server(pool, port, str(Path(tmp) / "history.sqlite"),
+                            extra=("--forward", forward),
                             launcher=[sys.executable, "-m", "devtools.browser_probe", "--serve", str(log)])
         try:
             with sync_playwright() as p:
@@ -97,7 +98,8 @@ def probe(pool: str, moves: int) -> None:
         fwd = sum(d for t, d in forwards if start <= t <= frame)
         for k, v in zip(phases, (post - t0, start - post, frame - start, fwd, shown - frame, shown - t0)):
             phases[k].append(1e3 * v)
-    print(f"Chromium, {pool} pool, {len(phases['slider → shown'])} distinct λ values; ms, p50 (min–max):")
+    print(f"Chromium, {pool} pool, --forward {forward}, {len(phases['slider → shown'])} distinct λ values; "
+          "ms, p50 (min–max):")
     for k, v in phases.items():
         print(f"  {k:<34}{statistics.median(v):7.1f}  ({min(v):.0f}–{max(v):.0f})")
     pp = [(float(x[2]), x[3]) for x in lines if x[0] == "postprocess"]
@@ -112,8 +114,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pool", default="demo")
     parser.add_argument("--moves", type=int, default=20)
+    parser.add_argument("--forward", default="auto", help="the app's --forward (auto, fp32, bf16)")
     args = parser.parse_args()
-    probe(args.pool, args.moves)
+    probe(args.pool, args.moves, args.forward)
 
 
 if __name__ == "__main__":
