@@ -114,3 +114,23 @@ def test_the_best_known_setting_is_one_of_the_apps_own_precision(tmp_path):
     ctl.history.record(ref, session.spec("task_arithmetic", lam=0.9), better)  # a bf16 job's row: not this app's
     said = ctl.best_known(methods.get("task_arithmetic"), list(ctl.pool.tasks))
     assert f"`lam=0.2`, {100 * fp32.average_accuracy:.1f} % (of 1 val evaluation in the History tab)" in said
+
+
+def test_two_processes_opening_an_older_history_copy_it_once(tmp_path):
+    """The app and a sweep started together on an older history: the second to take the lock finds the
+    table copied, and a row the first recorded in between keeps its precision."""
+    path = tmp_path / "old.sqlite"
+    old_history(path)
+    late = History.__new__(History)  # the second process: it read the old columns before the first copied
+    late._db = sqlite3.connect(str(path), check_same_thread=False, timeout=10)
+    first = History(path)
+
+    class Spec:
+        method, kwargs, experts = "task_arithmetic", {"lam": 0.5}, ("a", "b")
+
+        def as_dict(self):
+            return {"method": self.method, **self.kwargs}
+
+    first.record("p", Spec(), Result("live", {"a": 0.5, "b": 0.5}, {"a": 1.0, "b": 1.0}, forward="bf16"))
+    late._add_precision()
+    assert sorted((r["id"], r["forward"]) for r in first.rows()) == [(3, None), (7, None), (8, "bf16")]

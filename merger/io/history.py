@@ -67,7 +67,7 @@ class History:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute(SCHEMA)
             self._db.commit()
-            found = tuple(row[1] for row in self._db.execute("PRAGMA table_info(evaluations)"))
+            found = self._columns()
             if found == COLUMNS_WITHOUT_PRECISION:
                 self._add_precision()
                 found = COLUMNS
@@ -84,12 +84,18 @@ class History:
             raise MergerError(f"--history {self.path}: cannot be used as the history ({exc}); name another "
                               f"file, or '' to turn history off") from None
 
+    def _columns(self) -> tuple:
+        return tuple(row[1] for row in self._db.execute("PRAGMA table_info(evaluations)"))
+
     def _add_precision(self) -> None:
         """The rows of a history from before the precision was recorded, in today's table (whose
         unique key holds it): every row kept, ids and times with it; all or nothing."""
         columns = ", ".join(COLUMNS_WITHOUT_PRECISION)
         try:
             self._db.execute("BEGIN IMMEDIATE")
+            if self._columns() == COLUMNS:  # another process copied it while this one waited for the lock
+                self._db.rollback()
+                return
             self._db.execute(SCHEMA.replace("IF NOT EXISTS evaluations", "evaluations_with_precision"))
             self._db.execute(f"INSERT INTO evaluations_with_precision ({columns}) SELECT {columns} FROM evaluations")
             self._db.execute("DROP TABLE evaluations")
