@@ -3,12 +3,14 @@
 The page and the server share this machine's clock: the page marks when it sets λ, posts the move
 and shows its summary; the server, started by this module with timers around the Merge tab's
 listener, its forwards and Gradio's postprocessing of each frame, writes when each ran. The bench
-(``python -m devtools bench browser``) times the whole; this splits it. A dev tool: it wraps
-functions of the running server only.
+(``python -m devtools bench browser``) times the whole; this splits it. It also reads, from Linux's
+/proc, the CPU time the server and Chromium spend per move above what they spend idle. A dev tool:
+it wraps functions of the running server only.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -22,9 +24,21 @@ MARK_POSTS = """() => { const f = window.fetch; window.fetch = (...a) => {
 
 
 def serve(log: str, argv: list[str]) -> None:
-    """The app (``merger app`` arguments), its listener, forwards and postprocessing timed into ``log``."""
+    """The app (``merger app`` arguments), its listener, forwards and postprocessing timed into ``log``.
+    MERGER_PROBE_QUEUE_POLL_MS: how often Gradio's queue looks for new events (its own: 1 ms)."""
     import gradio as gr
+    import gradio.queueing
     from gradio.blocks import Blocks
+
+    poll_ms = os.environ.get("MERGER_PROBE_QUEUE_POLL_MS")
+    if poll_ms:
+        queue_init = gradio.queueing.Queue.__init__
+
+        def polling_queue(self, *args, **kwargs):
+            queue_init(self, *args, **kwargs)
+            self.sleep_when_free = float(poll_ms) / 1e3
+
+        gradio.queueing.Queue.__init__ = polling_queue
 
     from merger.cli import run
     from merger.evaluation.evaluator import Evaluator
@@ -57,16 +71,61 @@ def serve(log: str, argv: list[str]) -> None:
     run()
 
 
-def probe(pool: str, moves: int, forward: str = "auto") -> None:
+def cpu_seconds(pids) -> float:
+    """User and system CPU seconds the processes have used so far (Linux: /proc), every thread."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
+def chromium_pids() -> list[int]:
+    """Every process of the browsers running here (the probe's is the one)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if "chrom" in (entry / "comm").read_text():
+                    out.append(int(entry.name))
+            except OSError:
+                pass
+    return out
+
+
+def cpu_per_move(page, server_pid: int, moves) -> dict:
+    """CPU milliseconds per move of the server and of Chromium, above what each uses idle (measured
+    for as long first)."""
+    def spent():
+        return cpu_seconds([server_pid]), cpu_seconds(chromium_pids())
+
+    t0, idle0 = time.perf_counter(), spent()
+    page.wait_for_timeout(3000)
+    idle_s, idle1 = time.perf_counter() - t0, spent()
+    t1 = time.perf_counter()
+    moves()
+    busy_s, busy1 = time.perf_counter() - t1, spent()
+    n = len(moves.values)
+    return {who: 1e3 * ((busy1[i] - idle1[i]) - (idle1[i] - idle0[i]) * busy_s / idle_s) / n
+            for i, who in enumerate(("server", "Chromium"))}
+
+
+def probe(pool: str, moves: int, forward: str = "auto", queue_poll_ms: float | None = None) -> None:
     from playwright.sync_api import sync_playwright
 
-    from devtools.bench_live import SET_AND_WAIT, lambda_values
+    from devtools.bench_live import PAUSE_S, SET_AND_WAIT, lambda_values
     from devtools.browser import free_port, open_page, start_server
 
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "times.log"
         log.write_text("")
         port = free_port()
+        if queue_poll_ms is not None:
+            os.environ["MERGER_PROBE_QUEUE_POLL_MS"] = str(queue_poll_ms)  # read by serve(), in the server
         proc = start_server(pool, port, str(Path(tmp) / "history.sqlite"),
                             extra=("--forward", forward),
                             launcher=[sys.executable, "-m", "devtools.browser_probe", "--serve", str(log)])
@@ -76,9 +135,13 @@ def probe(pool: str, moves: int, forward: str = "auto") -> None:
                 page.evaluate(MARK_POSTS)
                 page.evaluate(SET_AND_WAIT, ["0.3", 15000])  # the figures' first render
                 marks = []
-                for v in lambda_values(moves, seed=1):
-                    marks.append(page.evaluate(SET_AND_WAIT, [v, 15000]))
-                    page.wait_for_timeout(800)
+
+                def each_move():
+                    for v in each_move.values:
+                        marks.append(page.evaluate(SET_AND_WAIT, [v, 15000]))
+                        page.wait_for_timeout(1e3 * PAUSE_S)
+                each_move.values = lambda_values(moves, seed=1)
+                cpu = cpu_per_move(page, proc.pid, each_move)
                 browser.close()
         finally:
             proc.terminate()
@@ -98,13 +161,17 @@ def probe(pool: str, moves: int, forward: str = "auto") -> None:
         fwd = sum(d for t, d in forwards if start <= t <= frame)
         for k, v in zip(phases, (post - t0, start - post, frame - start, fwd, shown - frame, shown - t0)):
             phases[k].append(1e3 * v)
-    print(f"Chromium, {pool} pool, --forward {forward}, {len(phases['slider → shown'])} distinct λ values; "
-          "ms, p50 (min–max):")
+    print(f"Chromium, {pool} pool, --forward {forward}, {len(phases['slider → shown'])} distinct λ values"
+          + (f", Gradio's queue polling every {queue_poll_ms:g} ms" if queue_poll_ms is not None else "")
+          + "; ms, p50 (min–max):")
     for k, v in phases.items():
         print(f"  {k:<34}{statistics.median(v):7.1f}  ({min(v):.0f}–{max(v):.0f})")
     pp = [(float(x[2]), x[3]) for x in lines if x[0] == "postprocess"]
     print(f"  Gradio's postprocessing of a frame  {1e3 * statistics.median(d for d, _ in pp):7.1f}  "
           f"(listeners of {', '.join(sorted({n for _, n in pp}))} outputs)")
+    print(f"CPU per move above idle, ms: the server {cpu['server']:.0f} (every thread of its forward's), "
+          f"Chromium {cpu['Chromium']:.0f} (most of it the figures, drawn after the summary shows); "
+          f"{os.cpu_count()} cores here")
 
 
 def main() -> None:
@@ -115,8 +182,10 @@ def main() -> None:
     parser.add_argument("--pool", default="demo")
     parser.add_argument("--moves", type=int, default=20)
     parser.add_argument("--forward", default="auto", help="the app's --forward (auto, fp32, bf16)")
+    parser.add_argument("--queue-poll-ms", type=float, default=None,
+                        help="how often Gradio's queue looks for new events in the probed server (its own: 1)")
     args = parser.parse_args()
-    probe(args.pool, args.moves, args.forward)
+    probe(args.pool, args.moves, args.forward, args.queue_poll_ms)
 
 
 if __name__ == "__main__":
