@@ -126,9 +126,26 @@ def add_forward_arg(p) -> None:
                    "from fp32 forwards' by about an image a task: docs/performance.md). Merges stay fp32")
 
 
+def autocast_of(forward: str) -> bool | str:
+    """``--forward`` as an ``Evaluator.autocast`` setting."""
+    from merger.evaluation.evaluator import Evaluator
+
+    return {"auto": True, "fp32": False, "bf16": Evaluator.EVERYWHERE}[forward]
+
+
 def set_forward(evaluator, forward: str) -> None:
     """``--forward`` on an Evaluator (before its first forward)."""
-    evaluator.autocast = {"auto": True, "fp32": False, "bf16": evaluator.EVERYWHERE}[forward]
+    evaluator.autocast = autocast_of(forward)
+
+
+def job_precision(args) -> str:
+    """The precision a job's forwards run in, here (--device) or on its Ray workers, which take this
+    process's: worked out from the flags, so that a job on workers builds no model here."""
+    import torch
+
+    from merger.evaluation.evaluator import Evaluator
+
+    return Evaluator.precision_of(autocast_of(args.forward), torch.device(args.device).type)
 
 
 def add_job_args(p, history: bool = True) -> None:
@@ -171,18 +188,19 @@ def add_job_commands(sub) -> None:
 
 
 def _cluster(args, session):
-    """The job's forwards in ``--forward``'s precision (on this device's terms, as the app's), and its
-    Ray workers forwarding in that same precision wherever they run (None: no --ray, it runs here)."""
-    set_forward(session.evaluator, args.forward)
+    """The job's Ray workers, forwarding in ``job_precision`` wherever they run; None without --ray,
+    where this process's evaluator forwards in it."""
     if not args.ray:
+        set_forward(session.evaluator, args.forward)
         return None
     from merger.cluster import Cluster, connect
+    from merger.evaluation.evaluator import Evaluator
 
     connect(args.ray)  # an unreachable address is refused before anything is said about workers
     print(f"starting {args.workers} Ray workers ({args.ray}); each opens the pool once...", file=sys.stderr, flush=True)
     pool = session.pool
     return Cluster(args.ray, pool.source, workers=args.workers, experts=list(pool.experts),
-                   autocast=session.evaluator.pinned_autocast)
+                   autocast=Evaluator.EVERYWHERE if job_precision(args) == "bf16" else False)
 
 
 def _recording(args, session, counts: dict, cluster=None):
@@ -201,14 +219,14 @@ def _recording(args, session, counts: dict, cluster=None):
     from merger.io.export import pool_reference
     from merger.io.history import History
 
-    history, ref = History(args.history), pool_reference(session.pool)
+    history, ref, precision = History(args.history), pool_reference(session.pool), job_precision(args)
 
     def on_result(spec, result):
         history.record(ref, spec, result)  # evaluate_all's: snapped
         evaluated(spec, result)
 
     def known(spec, split):  # a row of another precision is no answer of this job's
-        row = history.find(ref, spec, split, session.evaluator.forward_precision)
+        row = history.find(ref, spec, split, precision)
         if row is None:
             return None
         counts["reused"] += 1

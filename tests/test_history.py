@@ -31,10 +31,12 @@ def cli(*argv, capsys):
     return subprocess.CompletedProcess(argv, code, out.out, out.err)
 
 
-def old_history(path):
+def old_history(path, schema=OLD_SCHEMA, rows=OLD_ROWS):
     db = sqlite3.connect(path)
-    db.execute(OLD_SCHEMA)
-    db.executemany(f"INSERT INTO evaluations VALUES ({', '.join('?' * 12)})", OLD_ROWS)
+    db.execute(schema)
+    db.executemany(f"INSERT INTO evaluations VALUES ({', '.join('?' * 12)})", rows)
+    if "AUTOINCREMENT" in schema:
+        db.execute("UPDATE sqlite_sequence SET seq = 10 WHERE name = 'evaluations'")  # ids 8 to 10 spent since
     db.commit()
     db.close()
 
@@ -60,8 +62,10 @@ def test_an_older_history_keeps_every_row_with_its_precision_unknown(tmp_path, m
     history.record("p", Spec(), fp32)  # again: its time is refreshed, no row added
     found = {f: history.find("p", Spec(), "live", f) for f in ("fp32", "bf16")}
     assert found["fp32"]["average_accuracy"] == 0.5 and found["bf16"]["average_accuracy"] == 0.625
-    assert found["fp32"]["id"] > 7 and len(history.rows()) == 4
+    assert found["fp32"]["id"] == 11 and len(history.rows()) == 4  # no id given out before is given again
     assert [r["forward"] for r in history.rows(method="task_arithmetic")].count(None) == 1
+    with pytest.raises(ValueError, match="a result's forwards ran in 'fp16', not one of fp32, bf16"):
+        history.record("p", Spec(), Result("live", {"a": 0.5}, {"a": 1.0}, forward="fp16"))
     csv_text = history.export_csv(tmp_path / "h.csv").read_text()
     assert csv_text.splitlines()[0].endswith(",loss,forward") and ",bf16" in csv_text
     history.close()
@@ -77,6 +81,19 @@ def test_an_older_history_keeps_every_row_with_its_precision_unknown(tmp_path, m
                                           r"\(attempt to write a readonly database\)"):
         History(readonly)
     assert readonly.read_bytes() == before
+    monkeypatch.undo()
+
+    # a copy that fails half way (a row today's table refuses) leaves the file as it was: all or nothing
+    loose = tmp_path / "loose.sqlite"
+    old_history(loose, schema=OLD_SCHEMA.replace(" NOT NULL", "").replace(" AUTOINCREMENT", ""),
+                rows=[OLD_ROWS[0], (8, None, *OLD_ROWS[1][2:])])  # a row without its time
+    with pytest.raises(MergerError, match=f"--history {loose}: cannot be used as the history "
+                                          r"\(NOT NULL constraint failed: evaluations_with_precision.time\)"):
+        History(loose)
+    db = sqlite3.connect(loose)
+    assert len(db.execute("SELECT * FROM evaluations").fetchall()) == 2
+    assert [r[1] for r in db.execute("PRAGMA table_info(evaluations)")] == list(history_module.COLUMNS[:-1])
+    assert db.execute("SELECT name FROM sqlite_master WHERE name = 'evaluations_with_precision'").fetchone() is None
 
 
 def test_a_resumed_sweep_reuses_the_rows_of_its_own_precision_only(tmp_path, capsys):
@@ -133,4 +150,36 @@ def test_two_processes_opening_an_older_history_copy_it_once(tmp_path):
 
     first.record("p", Spec(), Result("live", {"a": 0.5, "b": 0.5}, {"a": 1.0, "b": 1.0}, forward="bf16"))
     late._add_precision()
-    assert sorted((r["id"], r["forward"]) for r in first.rows()) == [(3, None), (7, None), (8, "bf16")]
+    assert sorted((r["id"], r["forward"]) for r in first.rows()) == [(3, None), (7, None), (11, "bf16")]
+
+
+def test_a_results_parts_and_subsets_keep_its_precision():
+    import torch
+
+    from merger.evaluation.result import joined, result_subset
+
+    def part(n):
+        return Result("live", {"a": 0.5}, {"a": 1.0}, counts={"a": n}, forward="bf16",
+                      per_image={"a": (torch.ones(n, dtype=torch.bool), torch.ones(n))})
+
+    assert joined(part(2), part(3)).forward == "bf16"
+    assert result_subset(part(4), {"a": torch.tensor([0, 2])}).forward == "bf16"
+
+
+def test_a_job_on_ray_workers_builds_no_model_here(tmp_path, monkeypatch):
+    """Its precision comes from the flags: the workers evaluate, and this process only records."""
+    from types import SimpleNamespace
+
+    import merger
+    from merger import cli_jobs, cluster
+    from merger.evaluation import session as session_module
+
+    session = merger.PoolSession(merger.open_pool(write_pool(tmp_path / "pool", n_experts=2, demo_data=True)))
+    started = {}
+    monkeypatch.setattr(session_module, "Evaluator", lambda *a, **k: pytest.fail("a model was built here"))
+    monkeypatch.setattr(cluster, "connect", lambda address: None)
+    monkeypatch.setattr(cluster, "Cluster", lambda *a, autocast, **k: started.setdefault("autocast", autocast))
+    args = SimpleNamespace(ray="local", workers=1, forward="bf16", device="cpu")
+    cli_jobs._cluster(args, session)
+    assert started["autocast"] == "everywhere" and cli_jobs.job_precision(args) == "bf16"
+    assert cli_jobs.job_precision(SimpleNamespace(forward="auto", device="cpu")) == "fp32"

@@ -228,13 +228,18 @@ class Evaluator:
         embed_patches_by_matmul(visual, False)
         return visual
 
-    @property
-    def forwards_in_bf16(self) -> bool:  # under bf16 autocast; the merge arithmetic stays fp32 either way
-        return self.autocast == self.EVERYWHERE or (self.autocast is True and self.device.type == "cuda")
+    @staticmethod
+    def precision_of(autocast: bool | str, device_type: str) -> str:
+        """What forwards with this ``autocast`` setting run in on this kind of device: "bf16" (autocast) or "fp32"."""
+        return "bf16" if autocast == Evaluator.EVERYWHERE or (autocast is True and device_type == "cuda") else "fp32"
 
     @property
-    def forward_precision(self) -> str:  # what each result and history row records: "bf16" (autocast) or "fp32"
-        return "bf16" if self.forwards_in_bf16 else "fp32"
+    def forwards_in_bf16(self) -> bool:  # under bf16 autocast; the merge arithmetic stays fp32 either way
+        return self.forward_precision == "bf16"
+
+    @property
+    def forward_precision(self) -> str:  # what each result and history row records
+        return self.precision_of(self.autocast, self.device.type)
 
     @property
     def pinned_autocast(self) -> bool | str:  # the setting that keeps this precision on any device

@@ -23,6 +23,7 @@ COLUMNS = ("id", "time", "pool", "method", "params", "experts", "split", "averag
 # is copied into today's table in one transaction, with that precision unknown (NULL), which no
 # resumed job reuses.
 COLUMNS_WITHOUT_PRECISION = COLUMNS[:-1]
+PRECISIONS = ("fp32", "bf16")  # a row's forward: fp32, or bf16 autocast
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS evaluations (
@@ -98,8 +99,12 @@ class History:
                 return
             self._db.execute(SCHEMA.replace("IF NOT EXISTS evaluations", "evaluations_with_precision"))
             self._db.execute(f"INSERT INTO evaluations_with_precision ({columns}) SELECT {columns} FROM evaluations")
+            # the ids given out so far (a refreshed row spent one too), so that none is given again
+            spent = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'evaluations'").fetchone()
             self._db.execute("DROP TABLE evaluations")
             self._db.execute("ALTER TABLE evaluations_with_precision RENAME TO evaluations")
+            if spent is not None:
+                self._db.execute("UPDATE sqlite_sequence SET seq = max(seq, ?) WHERE name = 'evaluations'", spent)
             self._db.commit()
         except sqlite3.Error:
             self._db.rollback()
@@ -109,6 +114,8 @@ class History:
         """Store (or refresh) one evaluated spec. A write that fails (a full disk, a file made
         read-only since) never costs the result it records: recording stops, said once on stderr
         and kept in ``write_error`` for the page to show."""
+        if result.forward not in PRECISIONS:  # a NULL would add a row at each record: NULLs never collide
+            raise ValueError(f"a result's forwards ran in {result.forward!r}, not one of {', '.join(PRECISIONS)}")
         row = (
             time.strftime("%Y-%m-%d %H:%M:%S"), pool, spec.method, json.dumps(params_of(spec), sort_keys=True),
             ",".join(spec.experts), result.split, result.average_accuracy,
