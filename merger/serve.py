@@ -82,6 +82,34 @@ def _estimate_forwards(session) -> None:
           "show it first, then the exact answer", flush=True)
 
 
+def fp32_forward_seconds(evaluator) -> float:
+    """One live forward of the weights in the model, timed in fp32 (after a warm-up where a forward is
+    short); the evaluator's own precision is kept."""
+    setting = evaluator.autocast
+    evaluator.autocast = False
+    try:
+        t = time.perf_counter()
+        evaluator.forward("live")
+        seconds = time.perf_counter() - t
+        if seconds < 1.0:
+            t = time.perf_counter()
+            evaluator.forward("live")
+            seconds = time.perf_counter() - t
+    finally:
+        evaluator.autocast = setting
+    return seconds
+
+
+def bf16_warning(bf16_s: float, fp32_s: float) -> str | None:
+    """What --forward bf16 on a CPU gets said when its forward is no faster than fp32's: bf16 matrix
+    products are emulated where the CPU lacks the instructions."""
+    if bf16_s < fp32_s:
+        return None
+    return (f"warning: --forward bf16: a live forward took {1e3 * bf16_s:.0f} ms, and {1e3 * fp32_s:.0f} ms in fp32: "
+            "this CPU seems to lack bf16 matrix instructions (AVX512-BF16, AMX, Arm's BF16), so its bf16 forwards "
+            "are slower and less precise than fp32's; --forward auto runs fp32 here")
+
+
 def main(argv=None, prog: str | None = None) -> int:
     args = parse_args(argv, prog)  # imports no huggingface_hub, which reads HF_HUB_OFFLINE once
     if not _names_hub(args.pool):  # the app reads only what is here, unless its pool is on the Hub
@@ -124,11 +152,16 @@ def main(argv=None, prog: str | None = None) -> int:
         session = merger.PoolSession(pool)
         set_forward(session.evaluator, args.forward)
         forward_s = session.measure_live()  # decides whether moves answer progressively
+        ev = session.evaluator
+        if ev.forwards_in_bf16 and ev.device.type == "cpu":  # asked for: is it faster here?
+            warned = bf16_warning(forward_s, fp32_forward_seconds(ev))
+            if warned:
+                print(warned, file=sys.stderr, flush=True)
         cluster = None
         if args.ray:
             from merger.cluster import Cluster
 
-            ev = session.evaluator  # the workers forward as the sliders do, whatever device they are on
+            # the workers forward as the sliders do, whatever device they are on
             cluster = Cluster(args.ray, pool.source, workers=args.workers, experts=list(pool.experts),
                               autocast=ev.pinned_autocast)
     except merger.MergerError as exc:
