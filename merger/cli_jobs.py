@@ -138,9 +138,12 @@ def set_forward(evaluator, forward: str) -> None:
     evaluator.autocast = autocast_of(forward)
 
 
+def precision_said(args) -> str:  # what a job's last line adds about its forwards' precision
+    return "; forwards in bf16 autocast" if job_precision(args) == "bf16" else ""
+
+
 def job_precision(args) -> str:
-    """The precision a job's forwards run in, here (--device) or on its Ray workers, which take this
-    process's: worked out from the flags, so that a job on workers builds no model here."""
+    """A job's forwards' precision, here or on its Ray workers: from the flags (no model built here)."""
     import torch
 
     from merger.evaluation.evaluator import Evaluator
@@ -286,7 +289,8 @@ def cmd_sweep(args) -> int:
     where = f"on {args.workers} Ray workers ({args.ray})" if cluster else "here"
     n = sum(len(c['x']) for c in out.values())
     print(f"{n} point{'s' if n != 1 else ''} ({counts['evaluated']} evaluated, {counts['reused']} from "
-          f"the history) {where} in {time.perf_counter() - t0:.1f} s" + (f"; history: {args.history}" if args.history else ""))
+          f"the history) {where} in {time.perf_counter() - t0:.1f} s{precision_said(args)}"
+          + (f"; history: {args.history}" if args.history else ""))
     if out_path is not None:
         from merger.io.checkpoints import write_text_atomic
 
@@ -358,7 +362,7 @@ def cmd_tune(args) -> int:
         print(f"{out['spec'].label()}: val {100 * out['val_accuracy']:.1f} %, test "
               f"{100 * out['test_accuracy']:.1f} % after {out['trials']} trials (seed {out['seed']})"
               + (f" on {args.workers} Ray workers ({args.ray})" if cluster else "")
-              + f"; {counts['evaluated']} evaluated, {counts['reused']} from the history")
+              + f"; {counts['evaluated']} evaluated, {counts['reused']} from the history" + precision_said(args))
         # every weight, those left at 1 too (the label names only the others)
         print("weights: " + ", ".join(f"{e}={w:g}" for e, w in out["task_weights"].items()))
         if out["at_edge"]:
@@ -376,7 +380,7 @@ def cmd_tune(args) -> int:
         if r["at_edge"]:
             print(f"{r['method']}: {', '.join(r['at_edge'])} at the edge of its grid: the best may lie beyond it")
     print(f"{counts['evaluated']} points evaluated, {counts['reused']} from the history"
-          + (f" (on {args.workers} Ray workers, {args.ray})" if cluster else ""))
+          + (f" (on {args.workers} Ray workers, {args.ray})" if cluster else "") + precision_said(args))
     return 0
 
 
@@ -392,5 +396,5 @@ def cmd_landscape(args) -> int:
                                    split=args.split, path_names=(args.paths or "").split(","), view=args.view,
                                    progress=update, cluster=cluster, files_relative_to=Path.cwd())
     where = f" on {args.workers} Ray workers ({args.ray})" if cluster else ""
-    print(f"wrote {html} and {js} ({args.grid}×{args.grid}{where}, {time.perf_counter() - t0:.1f} s)")
+    print(f"wrote {html} and {js} ({args.grid}×{args.grid}{where}, {time.perf_counter() - t0:.1f} s){precision_said(args)}")
     return 0

@@ -106,6 +106,7 @@ def test_a_resumed_sweep_reuses_the_rows_of_its_own_precision_only(tmp_path, cap
     bf16 = cli(*sweep, "--resume", "--forward", "bf16", capsys=capsys)
     assert bf16.returncode == 0, bf16.stderr
     assert "(2 evaluated, 0 from the history)" in bf16.stdout
+    assert "; forwards in bf16 autocast" in bf16.stdout and "bf16" not in first.stdout
     again = cli(*sweep, "--resume", "--forward", "bf16", capsys=capsys)
     assert "(0 evaluated, 2 from the history)" in again.stdout
     assert again.stdout.splitlines()[-2] == bf16.stdout.splitlines()[-2]  # the curve, from the bf16 rows
