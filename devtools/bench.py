@@ -123,7 +123,11 @@ def run(what: str, args) -> int:
         from devtools.bench_accel import bench_accel
 
         return bench_accel(args)
-    if what in ("live", "browser", "workshop"):
+    if what == "browser":
+        from devtools.bench_browser import bench_browser
+
+        return bench_browser(args)
+    if what in ("live", "workshop"):
         from devtools import bench_live
 
         return getattr(bench_live, f"bench_{what}")(args)

@@ -117,7 +117,8 @@ def cpu_per_move(page, server_pid: int, moves) -> dict:
 def probe(pool: str, moves: int, forward: str = "auto", queue_poll_ms: float | None = None) -> None:
     from playwright.sync_api import sync_playwright
 
-    from devtools.bench_live import PAUSE_S, SET_AND_WAIT, lambda_values
+    from devtools.bench_browser import PAUSE_S
+    from devtools.bench_live import SET_AND_WAIT, lambda_values
     from devtools.browser import free_port, open_page, start_server
 
     with tempfile.TemporaryDirectory() as tmp:
