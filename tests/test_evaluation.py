@@ -63,26 +63,26 @@ def test_evaluate_matches_a_fresh_model(demo_like):
 
 
 def test_bf16_forwards_no_faster_than_fp32_are_said_at_start(demo_like, monkeypatch):
-    """app --forward bf16 on a CPU times one fp32 forward beside its own: where bf16 is no faster (its
+    """app --forward bf16 on a CPU times a forward in each precision, alike: where bf16 is no faster (its
     products emulated), it says so; the app's precision stays bf16."""
     from merger.cli_jobs import set_forward
-    from merger.serve import bf16_warning, fp32_forward_seconds
+    from merger.serve import bf16_warning, forward_seconds
 
     ev = merger.PoolSession(merger.open_pool(demo_like[0])).evaluator
     set_forward(ev, "bf16")
     seen = []
     monkeypatch.setattr(ev, "forward", lambda split: seen.append((split, ev.forwards_in_bf16)))
-    assert fp32_forward_seconds(ev) >= 0 and seen == [("live", False)] * 2  # a warm-up, then the one timed
+    assert forward_seconds(ev, False) >= 0 and seen == [("live", False)] * 2  # a warm-up, then the one timed
     assert ev.forwards_in_bf16
     monkeypatch.setattr(ev, "forward", lambda split: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        fp32_forward_seconds(ev)
+        forward_seconds(ev, False)
     assert ev.forwards_in_bf16  # kept on a failure too
     assert bf16_warning(0.05, 0.08) is None
     assert bf16_warning(0.2, 0.08) == (
         "warning: --forward bf16: a live forward took 200 ms, and 80 ms in fp32: this CPU seems to lack bf16 "
-        "matrix instructions (AVX512-BF16, AMX, Arm's BF16), so its bf16 forwards are slower and less precise "
-        "than fp32's; --forward auto runs fp32 here")
+        "matrix instructions (AVX512-BF16, AMX, Arm's BF16), so its bf16 forwards are no faster than fp32's, "
+        "and less precise; --forward auto runs fp32 here")
 
 
 def test_bf16_forwards_on_the_cpu_are_a_fresh_model_under_bf16_autocast(demo_like):
