@@ -203,7 +203,7 @@ def _cluster(args, session):
     print(f"starting {args.workers} Ray workers ({args.ray}); each opens the pool once...", file=sys.stderr, flush=True)
     pool = session.pool
     return Cluster(args.ray, pool.source, workers=args.workers, experts=list(pool.experts),
-                   autocast=Evaluator.EVERYWHERE if job_precision(args) == "bf16" else False)
+                   autocast=Evaluator.autocast_keeping(job_precision(args)))
 
 
 def _recording(args, session, counts: dict, cluster=None):

@@ -165,7 +165,7 @@ def main(argv=None, prog: str | None = None) -> int:
 
             # the workers forward as the sliders do, whatever device they are on
             cluster = Cluster(args.ray, pool.source, workers=args.workers, experts=list(pool.experts),
-                              autocast=ev.pinned_autocast)
+                              autocast=ev.autocast_keeping(ev.forward_precision))
     except merger.MergerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

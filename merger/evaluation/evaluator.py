@@ -241,15 +241,15 @@ class Evaluator:
     def forward_precision(self) -> str:  # what each result and history row records
         return self.precision_of(self.autocast, self.device.type)
 
-    @property
-    def pinned_autocast(self) -> bool | str:  # the setting that keeps this precision on any device
-        return self.EVERYWHERE if self.forwards_in_bf16 else False
+    @staticmethod
+    def autocast_keeping(precision: str) -> bool | str:  # the setting that gives this precision on any device
+        return Evaluator.EVERYWHERE if precision == "bf16" else False
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.forwards_in_bf16 else nullcontext()
 
     def _move_to(self, device: str) -> None:
-        self.autocast = self.pinned_autocast  # the precision the caches' results had
+        self.autocast = self.autocast_keeping(self.forward_precision)  # the precision the caches' results had
         self.device = torch.device(device)
         self.use_tower("eager")  # the tower as written
         self.model.to(self.device)
