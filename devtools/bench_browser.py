@@ -42,7 +42,7 @@ def evaluation_alone(pool_path: str, times: int = 9, forward: str = "auto") -> t
     """Median seconds of one live evaluation of the pool's base in this process (load, forward,
     scores), back to back and each after a pause of PAUSE_S: the part of a move that no work of
     Gradio or the page can remove. After a pause the cores have idled (on this project's virtual
-    machines an evaluation then took 1.3-1.5 times as long)."""
+    machines an evaluation then took 1.4-1.7 times as long: docs/performance.md)."""
     from merger.cli_jobs import set_forward
     from merger.evaluation.session import PoolSession
     from merger.pool.pool import open_pool

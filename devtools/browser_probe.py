@@ -97,9 +97,9 @@ def chromium_pids() -> list[int]:
     return out
 
 
-def cpu_per_move(page, server_pid: int, moves) -> dict:
-    """CPU milliseconds per move of the server and of Chromium, above what each uses idle (measured
-    for as long first)."""
+def cpu_per_move(page, server_pid: int, make_moves, n: int) -> dict:
+    """CPU milliseconds per move of the server and of Chromium over ``make_moves()`` (n moves), above
+    what each uses idle (measured for 3 s first)."""
     def spent():
         return cpu_seconds([server_pid]), cpu_seconds(chromium_pids())
 
@@ -107,9 +107,8 @@ def cpu_per_move(page, server_pid: int, moves) -> dict:
     page.wait_for_timeout(3000)
     idle_s, idle1 = time.perf_counter() - t0, spent()
     t1 = time.perf_counter()
-    moves()
+    make_moves()
     busy_s, busy1 = time.perf_counter() - t1, spent()
-    n = len(moves.values)
     return {who: 1e3 * ((busy1[i] - idle1[i]) - (idle1[i] - idle0[i]) * busy_s / idle_s) / n
             for i, who in enumerate(("server", "Chromium"))}
 
@@ -135,14 +134,13 @@ def probe(pool: str, moves: int, forward: str = "auto", queue_poll_ms: float | N
                 browser, page = open_page(p, f"http://127.0.0.1:{port}/")
                 page.evaluate(MARK_POSTS)
                 page.evaluate(SET_AND_WAIT, ["0.3", 15000])  # the figures' first render
-                marks = []
+                marks, values = [], lambda_values(moves, seed=1)
 
-                def each_move():
-                    for v in each_move.values:
+                def make_moves():
+                    for v in values:
                         marks.append(page.evaluate(SET_AND_WAIT, [v, 15000]))
                         page.wait_for_timeout(1e3 * PAUSE_S)
-                each_move.values = lambda_values(moves, seed=1)
-                cpu = cpu_per_move(page, proc.pid, each_move)
+                cpu = cpu_per_move(page, proc.pid, make_moves, len(values))
                 browser.close()
         finally:
             proc.terminate()
