@@ -315,13 +315,19 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         return serve(argv[1:], prog="merger app")
     args = (parser or build_parser()).parse_args(argv)
     runtime.configure()
-    previous = None
+    previous = mask = None
     if threading.current_thread() is threading.main_thread():
-        # a kill (SIGTERM) unwinds like an interrupt: temporary files and half-built folders are removed
+        # a kill (SIGTERM) unwinds like an interrupt: temporary files and half-built folders are removed.
+        # A parent that blocked SIGTERM (a runner's thread) passes its mask on through exec; unblocked
+        # here, or the kill would wait until the command had finished.
         previous = signal.signal(signal.SIGTERM, _terminated)
+        if hasattr(signal, "pthread_sigmask"):  # POSIX
+            mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
     try:
         return _run(args)
     finally:
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
