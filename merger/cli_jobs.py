@@ -387,14 +387,14 @@ def cmd_tune(args) -> int:
 def cmd_landscape(args) -> int:
     from merger.landscape.figure import write_landscape
 
-    t0 = time.perf_counter()
-    session = _open(args)
+    t0, session = time.perf_counter(), _open(args)
     cluster = _cluster(args, session)
     with progress_bar("landscape") as update:
         html, js = write_landscape(session.landscape, args.out, args.plane, args.points.split(","), args.grid,
                                    args.metric, task=args.task, tasks=[t for t in (args.tasks or "").split(",") if t],
                                    split=args.split, path_names=(args.paths or "").split(","), view=args.view,
-                                   progress=update, cluster=cluster, files_relative_to=Path.cwd())
+                                   progress=update, cluster=cluster, files_relative_to=Path.cwd(),
+                                   forward=job_precision(args))
     where = f" on {args.workers} Ray workers ({args.ray})" if cluster else ""
     print(f"wrote {html} and {js} ({args.grid}×{args.grid}{where}, {time.perf_counter() - t0:.1f} s){precision_said(args)}")
     return 0

@@ -107,9 +107,10 @@ def test_a_resumed_sweep_reuses_the_rows_of_its_own_precision_only(tmp_path, cap
     assert bf16.returncode == 0, bf16.stderr
     assert "(2 evaluated, 0 from the history)" in bf16.stdout
     assert "; forwards in bf16 autocast" in bf16.stdout and "bf16" not in first.stdout
-    again = cli(*sweep, "--resume", "--forward", "bf16", capsys=capsys)
+    again = cli(*sweep, "--resume", "--forward", "bf16", "--out", str(tmp_path / "again.json"), capsys=capsys)
     assert "(0 evaluated, 2 from the history)" in again.stdout
     assert again.stdout.splitlines()[-2] == bf16.stdout.splitlines()[-2]  # the curve, from the bf16 rows
+    assert json.loads((tmp_path / "again.json").read_text())["task_arithmetic"]["forward"] == ["bf16", "bf16"]
     rows = History(path).rows()
     assert sorted(r["forward"] for r in rows) == ["bf16", "bf16", "fp32", "fp32"]
     by = {(json.loads(r["params"])["lam"], r["forward"]): json.loads(r["loss"]) for r in rows}
@@ -184,3 +185,17 @@ def test_a_job_on_ray_workers_builds_no_model_here(tmp_path, monkeypatch):
     cli_jobs._cluster(args, session)
     assert started["autocast"] == "everywhere" and cli_jobs.job_precision(args) == "bf16"
     assert cli_jobs.job_precision(SimpleNamespace(forward="auto", device="cpu")) == "fp32"
+
+
+@pytest.mark.parametrize("forward", ["fp32", "bf16"])
+def test_a_sweeps_and_a_landscapes_files_say_their_forwards_precision(tmp_path, capsys, forward):
+    pool = write_pool(tmp_path / "pool", n_experts=2, demo_data=True)
+    done = cli("sweep", "--pool", str(pool), "--methods", "task_arithmetic,ties", "--values", "0.3", "--forward",
+               forward, "--out", str(tmp_path / "sweep.json"), capsys=capsys)
+    assert done.returncode == 0, done.stderr
+    assert {m: c["forward"] for m, c in json.loads((tmp_path / "sweep.json").read_text()).items()} == {
+        "task_arithmetic": [forward], "ties": [forward]}
+    done = cli("landscape", "--pool", str(pool), "--grid", "3", "--forward", forward, "--out",
+               str(tmp_path / "ls.html"), capsys=capsys)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "ls.json").read_text())["forward"] == forward

@@ -175,18 +175,21 @@ def sweep_values(axis: str, method: str) -> list[float]:
 def sweep(session, method_names: Sequence[str], axis: str, values: Sequence[float], split: str = "live",
           experts=None, fixed: dict | None = None, progress: Progress = None, *, cluster=None, on_result=None,
           known=None) -> dict:
-    """Accuracy against one parameter: {method: {"x": [...], "average": [...], "per_task": {task: [...]}}}.
-    Batch work (a chunk per point), or a cluster's."""
+    """Accuracy against one parameter: {method: {"x": [...], "average": [...], "per_task": {task: [...]},
+    "forward": [...]}}, ``forward`` each point's forwards' precision (``Result.forward``). Batch work (a
+    chunk per point), or a cluster's."""
     method_names = distinct_methods(method_names)
     _check_expert_counts(session, method_names, experts)
     with session.batch(chunks=len(values) * len(method_names)):
         plan = sweep_plan(session, method_names, axis, values, experts, fixed)
         results = evaluate_all(session, [(spec, split) for _, _, spec in plan], progress, "point", cluster=cluster,
                                on_result=on_result, known=known)
-    out = {m: {"x": [], "average": [], "per_task": {t: [] for t in session.tasks}} for m in method_names}
+    out = {m: {"x": [], "average": [], "per_task": {t: [] for t in session.tasks}, "forward": []}
+           for m in method_names}
     for (m, v, _), res in zip(plan, results):
         out[m]["x"].append(v)
         out[m]["average"].append(res.average_accuracy)
+        out[m]["forward"].append(res.forward)
         for t in res.tasks:
             out[m]["per_task"][t].append(res.accuracy[t])
     return out

@@ -108,7 +108,10 @@ def landscape_figure(land: Landscape, plane, surface, metric: str, task: str | N
 def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_names: Sequence[str], grid: int,
                     metric: str, task: str | None = None, tasks: Sequence[str] = (), split: str = "probe",
                     path_names: Sequence[str] = (), view: str = "contour", progress=None,
-                    cluster=None, files_relative_to: Path | None = None) -> tuple[Path, Path]:
+                    cluster=None, files_relative_to: Path | None = None, forward: str | None = None
+                    ) -> tuple[Path, Path]:
+    """The figure (``out``, .html) and its grid (.json, with the points' coordinates and ``forward``: the
+    forwards' precision, default the landscape's own evaluator's; a cluster's workers' is the caller's to give)."""
     if metric not in METRICS:
         raise MergerError(f"unknown metric '{metric}'; one of {', '.join(METRICS)}")
     out = inputs.check_path(out, "--out", MergerError).expanduser()
@@ -137,5 +140,6 @@ def write_landscape(land: Landscape, out: str | Path, plane_kind: str, point_nam
     data = surface.to_dict()
     data["points"] = {label: dict(zip(("x", "y", "off_plane"), plane.coords(v))) for label, v in points.items()}
     data["plane_label"] = plane.label
+    data["forward"] = forward or land.session.evaluator.forward_precision
     js = write_text_atomic(out.with_suffix(".json"), json.dumps(data))
     return html, js
