@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import threading
 import warnings
 from pathlib import Path
 from typing import Callable, Sequence
@@ -46,6 +48,9 @@ def connect(address: str, num_cpus: int | None = None) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"ray(\.|$)")
     if address not in ("auto", "local"):
         check_reachable(address)
+    # ray.init sets its own SIGTERM handler (exit 15) in place of the process's: the command's is put
+    # back after, so a killed job still unwinds as any command does (exit 143, temporary files removed)
+    sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     try:
         if address == "local":
             # address="local": a new instance, never one that RAY_ADDRESS or a running head names
@@ -56,6 +61,9 @@ def connect(address: str, num_cpus: int | None = None) -> None:
     except Exception as exc:  # ConnectionError, a timeout, a bad address: all mean "not reachable"
         raise MergerError(f"--ray {address}: no Ray cluster could be reached there ({str(exc).splitlines()[0][:200]}); "
                           "start one with `ray start --head`, or use --ray local") from None
+    finally:
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
 
 
 HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # preface, SETTINGS

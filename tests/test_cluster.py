@@ -216,3 +216,15 @@ def test_specs_naming_an_expert_the_workers_lack_are_evaluated_here(pool):
     out = evaluate_all(session, items, cluster=Workers())
     assert Workers.got == [items[0][0].snap(), items[2][0].snap()]  # the points as computed
     assert [r.average_accuracy for r in out] == [session.preview(s, "live").average_accuracy for s, _ in items]
+
+
+def test_joining_ray_keeps_the_commands_own_sigterm_handler():
+    """ray.init puts its own handler (exit 15) in place of the command's: a killed `sweep --ray` then
+    skipped the command's unwinding (exit 143, "error: interrupted")."""
+    probe = ("import signal, merger.cluster as c\n"
+             "def mine(signum, frame): pass\n"
+             "signal.signal(signal.SIGTERM, mine)\n"
+             "c.connect('local', num_cpus=1)\n"
+             "print(signal.getsignal(signal.SIGTERM) is mine)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
