@@ -4,9 +4,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import sys
-import threading
 
 from merger import methods, runtime
 from merger.cli_jobs import (POOL_HELP, Parser, add_forward_arg, add_job_args, add_job_commands, cmd_landscape,
@@ -293,14 +291,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, unwound like an interrupt (exit 143 rather than 130)."""
-
-
-def _terminated(signum, frame):
-    raise Terminated
-
-
 def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
     """Exit 0 on success; 2 and one line on stderr for bad input (a MergerError names the file,
     key or parameter); 1 and one line for an operation that failed (a disk, a bug); 130 for Ctrl+C
@@ -315,21 +305,8 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         return serve(argv[1:], prog="merger app")
     args = (parser or build_parser()).parse_args(argv)
     runtime.configure()
-    previous = mask = None
-    if threading.current_thread() is threading.main_thread():
-        # a kill (SIGTERM) unwinds like an interrupt: temporary files and half-built folders are removed.
-        # A parent that blocked SIGTERM (a runner's thread) passes its mask on through exec; unblocked
-        # here, or the kill would wait until the command had finished.
-        previous = signal.signal(signal.SIGTERM, _terminated)
-        if hasattr(signal, "pthread_sigmask"):  # POSIX
-            mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
-    try:
+    with runtime.kill_unwinds():  # temporary files and half-built folders are removed on a kill too
         return _run(args)
-    finally:
-        if mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def run() -> None:
@@ -348,7 +325,7 @@ def _run(args) -> int:
         return 2
     except KeyboardInterrupt as exc:
         print("error: interrupted", file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+        return 143 if isinstance(exc, runtime.Terminated) else 130
     except BrokenPipeError as exc:
         if not _output_gone():  # another pipe broke (a socket, a worker's): a failed operation
             return _failed(args, exc)

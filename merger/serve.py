@@ -125,6 +125,19 @@ def main(argv=None, prog: str | None = None) -> int:
         print(f"error: --host {args.host} --port {args.port}: cannot serve there ({taken}); pick another --port, "
               "or --host an address of this machine", file=sys.stderr)
         return 2
+    from merger import runtime
+
+    # a kill (SIGTERM) while serving stops the server as Ctrl+C does, and the process ends as usual: the
+    # folder of downloads goes with it; one during the start says "interrupted", as a command does
+    with runtime.kill_unwinds():
+        try:
+            return _open_and_serve(args)
+        except KeyboardInterrupt as exc:
+            print("error: interrupted", file=sys.stderr)
+            return 143 if isinstance(exc, runtime.Terminated) else 130
+
+
+def _open_and_serve(args) -> int:
     import merger
     from merger.cli_jobs import new_folders, set_forward
     from merger.io.history import History
@@ -192,25 +205,25 @@ def main(argv=None, prog: str | None = None) -> int:
     app = build_app(session, history, cluster=cluster, presenter=args.presenter[0] if args.presenter else None)
     app.queue(default_concurrency_limit=1)
     try:
-        # quiet: Gradio's own lines speak of its Python API (share=True in launch()), not of this app's flags;
-        # show_error: an error that is no gr.Error says its message (a short plain-HTTP list got {"error": null})
-        # max_file_size: the app takes no file from a browser, so Gradio's upload route takes next to nothing
-        auth = LoginGate(dict([args.auth, *([args.presenter] if args.presenter else [])])) if args.auth else None
-        app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
-                   footer_links=["api"], css=None, head=PLOT_DRAWS_HEAD, quiet=True, prevent_thread_lock=True, show_error=True,
-                   max_file_size=UPLOAD_LIMIT, state_session_capacity=args.max_sessions)
-    except OSError:  # taken since the check above
-        print(f"error: --host {args.host} --port {args.port}: cannot serve there: the port is taken, or "
-              f"{args.host} is not an address of this machine; pick another --port", file=sys.stderr)
-        return 2
-    if args.presenter:
-        print(f"workshop room: the page signed in as {args.presenter[0]!r} drives every page that follows", flush=True)
-    print(f"serving {pool.name} at {app.local_url}" + (f" and {app.share_url}" if args.share and app.share_url else "")
-          + " (Ctrl+C stops it)", flush=True)
-    try:
-        app.block_thread()
-    except KeyboardInterrupt:
-        pass
+        try:
+            # quiet: Gradio's own lines speak of its Python API (share=True in launch()), not of this app's flags;
+            # show_error: an error that is no gr.Error says its message (a short plain-HTTP list got {"error": null})
+            # max_file_size: the app takes no file from a browser, so Gradio's upload route takes next to nothing
+            auth = LoginGate(dict([args.auth, *([args.presenter] if args.presenter else [])])) if args.auth else None
+            app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
+                       footer_links=["api"], css=None, head=PLOT_DRAWS_HEAD, quiet=True, prevent_thread_lock=True,
+                       show_error=True, max_file_size=UPLOAD_LIMIT, state_session_capacity=args.max_sessions)
+        except OSError:  # taken since the check above
+            print(f"error: --host {args.host} --port {args.port}: cannot serve there: the port is taken, or "
+                  f"{args.host} is not an address of this machine; pick another --port", file=sys.stderr)
+            return 2
+        if args.presenter:
+            print(f"workshop room: the page signed in as {args.presenter[0]!r} drives every page that follows", flush=True)
+        print(f"serving {pool.name} at {app.local_url}" + (f" and {app.share_url}" if args.share and app.share_url else "")
+              + " (Ctrl+C stops it)", flush=True)
+        app.block_thread()  # Ctrl+C or a kill here closes the server (Gradio's own handling)
+    except KeyboardInterrupt:  # one during the launch: the server may already answer
+        app.close()
     return 0
 
 

@@ -196,6 +196,25 @@ def server(tmp_path_factory):
         proc.wait(timeout=30)
 
 
+def test_a_killed_app_stops_as_with_ctrl_c_and_takes_its_downloads_folder_with_it(tmp_path, monkeypatch):
+    """SIGTERM (a service manager's stop, `kill`) ended the server at once: the folder of the files
+    offered for download (exports, up to a merged model each) stayed in the temporary folder."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # the server's temporary folder
+    pool = write_pool(tmp_path / "pool", n_experts=2, scale=0.2, demo_data=True)
+    proc = browser.start_server(str(pool), browser.free_port(), str(tmp_path / "history.sqlite"))
+    try:
+        assert len(list(temp.glob("merger-downloads-*"))) == 1  # the app's, made at start
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0, browser.server_log(proc)[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert list(temp.glob("merger-downloads-*")) == []
+    assert "Traceback" not in browser.server_log(proc)
+
+
 API_CASES = [
     (("voodoo", 0.3, None, None, None, None, "live"), "unknown method 'voodoo'"),
     (("task_arithmetic", 0.3, None, None, None, None, "dev"), "split 'dev': the endpoint evaluates live, val, test"),
