@@ -156,7 +156,7 @@ def cmd_eval(args) -> int:
         print(json.dumps({"spec": spec.as_dict(), **result.to_dict(), **({"note": note} if note else {})}, indent=2))
         return 0
     print(f"{spec.label()} over {', '.join(spec.experts)}; {args.split} split"
-          + ("; forwards in bf16 autocast" if result.forward == "bf16" else ""))
+          + ("; forwards in bf16 autocast" if result.forward == "bf16" else "; forwards in fp32"))
     print(f"{'task':<14}{'accuracy %':>11}{'loss':>9}{'normalised %':>14}")
 
     def ratio(v):  # no ratio over an expert at 0 % on its own task (a tiny split can do that)

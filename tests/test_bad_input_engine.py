@@ -141,6 +141,8 @@ def test_unknown_method(pair):
         ("ties", {"sparsity": 1.0}, r"sparsity=1.0 is out of range \[0, 1\)"),
         ("ties", {"sparsity": -0.1}, r"sparsity=-0.1 is out of range"),
         ("ties", {"sparsity": "lots"}, r"sparsity='lots' is not a number"),
+        ("task_arithmetic", {"lam": " 9"}, r"lam=9 is out of range \[-3, 3\]"),  # as text (a spec string): unquoted
+        ("dare_linear", {"seed": "1.5"}, r"seed=1.5 must be a whole number"),
         ("task_arithmetic", {"lam": float("nan")}, r"lam=nan is not a finite number"),
         ("dare_linear", {"seed": 1.5}, r"seed=1.5 must be a whole number"),
         ("task_arithmetic", {"sparsity": 0.5}, r"task_arithmetic: does not take sparsity"),

@@ -280,6 +280,11 @@ def test_a_pool_without_its_image_statistics_says_which_it_uses(folder_pool, cap
         merger.open_pool(folder_pool / "pool.yaml")
     assert f"{folder_pool / 'pool.yaml'}: preprocess gives no mean and std: images are normalised with OpenAI " \
            "CLIP's" in caplog.text
+    caplog.clear()
+    (folder_pool / "pool.yaml").write_text(yaml.safe_dump({**spec, "base": "missing.pt"}))
+    with caplog.at_level("WARNING", logger="merger.pool.pool"), pytest.raises(CheckpointError, match="missing.pt"):
+        merger.open_pool(folder_pool / "pool.yaml")  # a pool that does not open: its error alone
+    assert "preprocess" not in caplog.text
     spec["preprocess"] = {"image_size": 32, "mean": [0.5] * 3, "std": [0.25] * 3}
     (folder_pool / "pool.yaml").write_text(yaml.safe_dump(spec))
     caplog.clear()

@@ -219,6 +219,7 @@ def test_eval_forwards_in_the_precision_asked_for(tmp_path):
     assert a["loss"] == b["loss"] and a["forward"] == b["forward"] == "fp32"
     assert c["forward"] == "bf16" and c["loss"] != a["loss"]  # bf16's rounding
     assert "; live split; forwards in bf16 autocast" in run_cli(*argv, "--forward", "bf16").stdout
+    assert "; live split; forwards in fp32\n" in run_cli(*argv).stdout  # the default, said too
     bad = run_cli(*argv, "--forward", "fp16")
     assert bad.returncode == 2 and "--forward" in bad.stderr and "'fp16'" in bad.stderr
 

@@ -51,19 +51,22 @@ class Param:
             self.refuse(method, value, "is not a number")
         if not math.isfinite(number):
             self.refuse(method, value, "is not a finite number")
+        # a number given as text ("ta:lam=9" in a spec) is said as written, unquoted: lam=9, as from a flag
+        shown = shown_value(value.strip() if isinstance(value, str) else value).strip("'\"")
         if self.kind == "int":
             if number != int(number):
-                self.refuse(method, value, "must be a whole number")
+                self.refuse(method, value, "must be a whole number", shown)
             number = int(number)
         below = number < self.min or (self.min_open and number == self.min)
         above = number > self.max or (self.max_open and number == self.max)
         if below or above:
-            self.refuse(method, value, f"is out of range {self.range_text()}")
+            self.refuse(method, value, f"is out of range {self.range_text()}", shown)
         return number
 
-    def refuse(self, method: str, value: Any, reason: str) -> NoReturn:
-        raise MethodError(f"{method}: parameter {self.name}={shown_value(value)} {reason}", param=self.name,
-                          reason=f"{shown_value(value)} {reason}") from None
+    def refuse(self, method: str, value: Any, reason: str, shown: str | None = None) -> NoReturn:
+        shown = shown_value(value) if shown is None else shown
+        raise MethodError(f"{method}: parameter {self.name}={shown} {reason}", param=self.name,
+                          reason=f"{shown} {reason}") from None
 
 
 @dataclass(frozen=True)

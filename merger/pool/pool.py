@@ -39,7 +39,6 @@ class Pool:
         self.architecture = spec["architecture"]
         self.tokenizer_name = spec.get("tokenizer")
         self.preprocess_cfg = dict(spec.get("preprocess") or {})
-        pool_schema.say_default_statistics(spec, source)
         self.preprocess_cfg.setdefault("image_size", self._image_size())
         self._reference = self._meta_state_dict()  # the architecture, checked before any file is read
         self.base_path = self._path(spec["base"], "base")
@@ -62,6 +61,7 @@ class Pool:
         self.tv_dtype = tv_dtype
         self._hashes: dict[str, str] = {}
         self.task_vectors = self._task_vectors(preloaded)
+        pool_schema.say_default_statistics(spec, source)  # once the pool opened: an error comes alone
 
     # ---- parsing ------------------------------------------------------------------------
     def load_expert(self, task: str, preloaded: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
