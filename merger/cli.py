@@ -305,8 +305,11 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         return serve(argv[1:], prog="merger app")
     args = (parser or build_parser()).parse_args(argv)
     runtime.configure()
-    with runtime.kill_unwinds():  # temporary files and half-built folders are removed on a kill too
-        return _run(args)
+    try:
+        with runtime.kill_unwinds():  # temporary files and half-built folders are removed on a kill too
+            return _run(args)
+    except KeyboardInterrupt as exc:  # a kill already waiting as the command started
+        return runtime.interrupted(exc)
 
 
 def run() -> None:
@@ -324,8 +327,7 @@ def _run(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        print("error: interrupted", file=sys.stderr)
-        return 143 if isinstance(exc, runtime.Terminated) else 130
+        return runtime.interrupted(exc)
     except BrokenPipeError as exc:
         if not _output_gone():  # another pipe broke (a socket, a worker's): a failed operation
             return _failed(args, exc)

@@ -58,6 +58,10 @@ def connect(address: str, num_cpus: int | None = None) -> None:
                      log_to_driver=False, configure_logging=False)
         else:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
+    except SystemExit as exc:  # a kill while Ray started met Ray's handler: given to the one it replaced
+        if callable(sigterm) and exc.code == signal.SIGTERM:
+            sigterm(signal.SIGTERM, None)  # the command's raises Terminated: "interrupted", exit 143
+        raise
     except Exception as exc:  # ConnectionError, a timeout, a bad address: all mean "not reachable"
         raise MergerError(f"--ray {address}: no Ray cluster could be reached there ({str(exc).splitlines()[0][:200]}); "
                           "start one with `ray start --head`, or use --ray local") from None

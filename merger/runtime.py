@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 
 
@@ -22,19 +23,32 @@ def _terminated(signum, frame):
     raise Terminated
 
 
+def interrupted(exc: KeyboardInterrupt) -> int:
+    """Say so on stderr; the status a shell counts: 143 for a kill (SIGTERM), 130 for Ctrl+C."""
+    print("error: interrupted", file=sys.stderr)
+    return 143 if isinstance(exc, Terminated) else 130
+
+
 @contextlib.contextmanager
 def kill_unwinds():
     """While it lasts, SIGTERM raises ``Terminated`` in the main thread (elsewhere: nothing changes).
     A parent that blocked SIGTERM (a runner's thread) passes its mask on through exec: unblocked here,
-    or a kill would wait until the work had ended. The handler and the mask are put back after."""
+    or a kill would wait until the work had ended; one already waiting is raised on entry. The
+    calling thread's mask and the handler are put back after (threads started meanwhile keep theirs)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    masks = hasattr(signal, "pthread_sigmask")  # POSIX
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, []) if masks else None  # read, unchanged
     previous = signal.signal(signal.SIGTERM, _terminated)
-    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM]) if hasattr(signal, "pthread_sigmask") else None
     try:
+        if masks:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
         yield
     finally:
-        if mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        signal.signal(signal.SIGTERM, previous)
+        try:
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        finally:
+            if previous is not None:  # None: a handler not set from Python (an embedding program's)
+                signal.signal(signal.SIGTERM, previous)

@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+from merger import runtime
+
 UPLOAD_LIMIT = 1024  # bytes a browser may upload: the app has no file input
 # Gradio kept 10,000 sessions' state by default, about 360 KB each: 2,000 calls took the server from 1.2 to 2.0 GB
 MAX_SESSIONS = 100
@@ -125,16 +127,13 @@ def main(argv=None, prog: str | None = None) -> int:
         print(f"error: --host {args.host} --port {args.port}: cannot serve there ({taken}); pick another --port, "
               "or --host an address of this machine", file=sys.stderr)
         return 2
-    from merger import runtime
-
-    # a kill (SIGTERM) while serving stops the server as Ctrl+C does, and the process ends as usual: the
-    # folder of downloads goes with it; one during the start says "interrupted", as a command does
-    with runtime.kill_unwinds():
-        try:
+    # a kill (SIGTERM) once the server answers stops it as Ctrl+C does, and the process ends as usual: the
+    # folder of downloads goes with it; one while the pool opens says "interrupted", as a command does
+    try:
+        with runtime.kill_unwinds():
             return _open_and_serve(args)
-        except KeyboardInterrupt as exc:
-            print("error: interrupted", file=sys.stderr)
-            return 143 if isinstance(exc, runtime.Terminated) else 130
+    except KeyboardInterrupt as exc:
+        return runtime.interrupted(exc)
 
 
 def _open_and_serve(args) -> int:
@@ -152,8 +151,6 @@ def _open_and_serve(args) -> int:
     except merger.MergerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from merger import runtime
-
     runtime.configure()  # before Gradio is imported
     from merger.evaluation.memory import limit_arenas
 
@@ -222,7 +219,7 @@ def _open_and_serve(args) -> int:
         print(f"serving {pool.name} at {app.local_url}" + (f" and {app.share_url}" if args.share and app.share_url else "")
               + " (Ctrl+C stops it)", flush=True)
         app.block_thread()  # Ctrl+C or a kill here closes the server (Gradio's own handling)
-    except KeyboardInterrupt:  # one during the launch: the server may already answer
+    except KeyboardInterrupt:  # one during the launch: the server may already answer, so it is a stop
         app.close()
     return 0
 

@@ -196,6 +196,7 @@ def server(tmp_path_factory):
         proc.wait(timeout=30)
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="terminate() is no SIGTERM on Windows")
 def test_a_killed_app_stops_as_with_ctrl_c_and_takes_its_downloads_folder_with_it(tmp_path, monkeypatch):
     """SIGTERM (a service manager's stop, `kill`) ended the server at once: the folder of the files
     offered for download (exports, up to a merged model each) stayed in the temporary folder."""

@@ -228,3 +228,23 @@ def test_joining_ray_keeps_the_commands_own_sigterm_handler():
              "print(signal.getsignal(signal.SIGTERM) is mine)\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "True", done.stderr[-2000:]
+
+
+def test_a_kill_while_ray_starts_goes_to_the_commands_handler(monkeypatch):
+    """Ray's handler (sys.exit(15)) is in place while ray.init starts the node: a kill then exited 15."""
+    import signal
+    import types
+
+    from merger import cluster, runtime
+
+    def init(**kwargs):  # as ray.init: its handler first, then a start that a kill cuts short
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+        signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(cluster, "_ray", lambda: types.SimpleNamespace(is_initialized=lambda: False, init=init))
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(runtime.Terminated):
+        with runtime.kill_unwinds():
+            cluster.connect("local", num_cpus=1)
+    assert signal.getsignal(signal.SIGTERM) is before

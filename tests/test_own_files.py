@@ -3,6 +3,7 @@ output replaces a file the pool reads or a folder; a build never deletes what it
 heads follow the tokenizer; bad --values, --device, --history, --task and weights are named."""
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -281,12 +282,12 @@ def test_a_replay_names_a_renamed_expert_keeps_its_own_spec_and_reads_a_relative
 # through exec, and such a build once ran to its end with the kill pending (exit 0, the pool built)
 _STARTS_WITH_SIGTERM = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_{}, [signal.SIGTERM]); "
                         "os.execv(sys.executable, sys.argv[1:])")
+POSIX_SIGNALS = pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="POSIX signals and masks")
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="no SIGTERM to send on Windows")
+@POSIX_SIGNALS
 @pytest.mark.parametrize("parent_mask", ["UNBLOCK", "BLOCK"])
 def test_a_killed_build_leaves_no_half_built_folder(tmp_path, parent_mask):
-    import signal
     import time
 
     out = tmp_path / "demo"
@@ -303,9 +304,18 @@ def test_a_killed_build_leaves_no_half_built_folder(tmp_path, parent_mask):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.skipif(not hasattr(__import__("signal"), "pthread_sigmask"), reason="POSIX signal masks")
+@POSIX_SIGNALS
+def test_a_kill_waiting_as_a_command_starts_interrupts_it_in_one_line():
+    """Blocked, sent, then exec: the kill waits in the new process until the command unblocks it."""
+    sent_first = _STARTS_WITH_SIGTERM.format("BLOCK").replace("; os.execv", "; os.kill(os.getpid(), signal.SIGTERM); os.execv")
+    done = subprocess.run([sys.executable, "-c", sent_first, sys.executable, "-m", "merger", "methods"],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr.strip().splitlines()[-1:]) == (143, ["error: interrupted"]), done.stderr[-500:]
+
+
+@POSIX_SIGNALS
 def test_a_command_run_in_process_leaves_the_signal_mask_and_handler_as_they_were(capsys):
-    import signal
+    import threading
 
     handler = signal.getsignal(signal.SIGTERM)
     before = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
@@ -313,8 +323,16 @@ def test_a_command_run_in_process_leaves_the_signal_mask_and_handler_as_they_wer
         assert cli_main(["methods"]) == 0
         assert signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
         assert signal.getsignal(signal.SIGTERM) is handler
+        # waiting on this thread, blocked (sent to the process, another thread of pytest's would take it)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+        assert cli_main(["methods"]) == 143 and "error: interrupted" in capsys.readouterr().err
+        assert signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        assert signal.getsignal(signal.SIGTERM) is handler and signal.SIGTERM not in signal.sigpending()
     finally:
+        if signal.SIGTERM in signal.sigpending():  # not taken: dropped, rather than end this process
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        signal.signal(signal.SIGTERM, handler)
 
 
 def test_an_expert_at_0_percent_prints_no_nan(pool_path, capsys, monkeypatch):

@@ -52,7 +52,7 @@ class Param:
         if not math.isfinite(number):
             self.refuse(method, value, "is not a finite number")
         # a number given as text ("ta:lam=9" in a spec) is said as written, unquoted: lam=9, as from a flag
-        shown = shown_value(value.strip() if isinstance(value, str) else value).strip("'\"")
+        shown = shown_value(value.strip()).strip("'\"") if isinstance(value, str) else None
         if self.kind == "int":
             if number != int(number):
                 self.refuse(method, value, "must be a whole number", shown)
