@@ -305,11 +305,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         return serve(argv[1:], prog="merger app")
     args = (parser or build_parser()).parse_args(argv)
     runtime.configure()
-    try:
-        with runtime.kill_unwinds():  # temporary files and half-built folders are removed on a kill too
-            return _run(args)
-    except KeyboardInterrupt as exc:  # a kill already waiting as the command started
-        return runtime.interrupted(exc)
+    return runtime.run_killable(lambda: _run(args))  # a kill removes temporary files and half-built folders too
 
 
 def run() -> None:
@@ -326,8 +322,6 @@ def _run(args) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as exc:
-        return runtime.interrupted(exc)
     except BrokenPipeError as exc:
         if not _output_gone():  # another pipe broke (a socket, a worker's): a failed operation
             return _failed(args, exc)

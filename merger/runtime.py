@@ -23,12 +23,6 @@ def _terminated(signum, frame):
     raise Terminated
 
 
-def interrupted(exc: KeyboardInterrupt) -> int:
-    """Say so on stderr; the status a shell counts: 143 for a kill (SIGTERM), 130 for Ctrl+C."""
-    print("error: interrupted", file=sys.stderr)
-    return 143 if isinstance(exc, Terminated) else 130
-
-
 @contextlib.contextmanager
 def kill_unwinds():
     """While it lasts, SIGTERM raises ``Terminated`` in the main thread (elsewhere: nothing changes).
@@ -52,3 +46,14 @@ def kill_unwinds():
         finally:
             if previous is not None:  # None: a handler not set from Python (an embedding program's)
                 signal.signal(signal.SIGTERM, previous)
+
+
+def run_killable(work) -> int:
+    """``work()``'s exit status, under ``kill_unwinds``; on Ctrl+C or a kill (one already waiting as it
+    starts included), one line on stderr and the status a shell counts: 130, or 143 for SIGTERM."""
+    try:
+        with kill_unwinds():
+            return work()
+    except KeyboardInterrupt as exc:
+        print("error: interrupted", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130

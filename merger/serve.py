@@ -129,11 +129,7 @@ def main(argv=None, prog: str | None = None) -> int:
         return 2
     # a kill (SIGTERM) once the server answers stops it as Ctrl+C does, and the process ends as usual: the
     # folder of downloads goes with it; one while the pool opens says "interrupted", as a command does
-    try:
-        with runtime.kill_unwinds():
-            return _open_and_serve(args)
-    except KeyboardInterrupt as exc:
-        return runtime.interrupted(exc)
+    return runtime.run_killable(lambda: _open_and_serve(args))
 
 
 def _open_and_serve(args) -> int:
