@@ -19,8 +19,25 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, unwound like an interrupt: ``finally`` blocks remove temporary files and half-built folders."""
 
 
-def _terminated(signum, frame):
-    raise Terminated
+class _Unwinder:
+    """SIGTERM's handler while ``kill_unwinds`` lasts. It also remembers the kill: an exception raised
+    in Python code that C code runs and then clears is lost (a kill landing in numpy's lazy import of
+    ``numpy.random`` ran this handler and the build went on to its end)."""
+
+    def __init__(self):
+        self.received = False
+
+    def __call__(self, signum, frame):
+        self.received = True
+        raise Terminated
+
+
+def stop_if_killed() -> None:
+    """Raise ``Terminated`` in the main thread where a kill came under ``kill_unwinds`` and its exception
+    was lost; a long command calls this at each step of its work."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if isinstance(handler, _Unwinder) and handler.received and threading.current_thread() is threading.main_thread():
+        raise Terminated
 
 
 @contextlib.contextmanager
@@ -34,7 +51,7 @@ def kill_unwinds():
         return
     masks = hasattr(signal, "pthread_sigmask")  # POSIX
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, []) if masks else None  # read, unchanged
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    previous = signal.signal(signal.SIGTERM, _Unwinder())
     try:
         if masks:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])

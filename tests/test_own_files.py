@@ -309,6 +309,40 @@ def test_a_killed_build_leaves_no_half_built_folder(tmp_path, parent_mask):
 
 
 @POSIX_SIGNALS
+def test_a_kill_whose_exception_is_lost_still_stops_the_build(tmp_path, monkeypatch, capsys):
+    """A kill landing in code that loses the handler's exception (numpy's lazy import of numpy.random, as
+    the build starts, is such code) stops the build at its next training step, the folder removed."""
+    import threading
+
+    from merger.demo import build as demo_build
+
+    def generate_then_lose_a_kill(*args, **kwargs):
+        images = generate(*args, **kwargs)
+        try:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)  # the handler runs here
+        except BaseException:  # and its exception is lost, as in C code that clears it
+            pass
+        return images
+
+    def pretrain_counting_steps(*args, progress, **kwargs):
+        def step(frac, msg):
+            steps.append(frac)
+            if len(steps) > 3:
+                pytest.fail("the build trains on after the kill")
+            progress(frac, msg)
+        return pretrain(*args, progress=step, **kwargs)
+
+    generate, pretrain, steps = demo_build.world.generate, demo_build.pretrain, []
+    monkeypatch.setattr(demo_build.world, "generate", generate_then_lose_a_kill)
+    monkeypatch.setattr(demo_build, "pretrain", pretrain_counting_steps)
+    handler = signal.getsignal(signal.SIGTERM)
+    assert cli_main(["demo", "build", "--small", "--out", str(tmp_path / "demo")]) == 143
+    assert "error: interrupted" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [] and len(steps) == 1  # stopped at the first training step
+    assert signal.getsignal(signal.SIGTERM) is handler
+
+
+@POSIX_SIGNALS
 def test_a_kill_waiting_as_a_command_starts_interrupts_it_in_one_line():
     """Blocked, sent, then exec: the kill waits in the new process until the command unblocks it."""
     sent_first = _STARTS_WITH_SIGTERM.format("BLOCK").replace("; os.execv", "; os.kill(os.getpid(), signal.SIGTERM); os.execv")

@@ -39,6 +39,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from merger import runtime
 from merger.demo import world
 from merger.demo.model import CLIP_CONFIG, MEAN, STD, create_model
 from merger.demo.train import accuracy, finetune_expert, image_features, pretrain, task_head
@@ -141,6 +142,7 @@ def build(out_dir: str | Path = SHIPPED, config: DemoConfig | None = None, progr
 
     def tick(offset: float, span: float):
         def cb(frac: float, msg: str) -> None:
+            runtime.stop_if_killed()  # each training step: a kill whose exception was lost stops the build here
             bar.update(offset + span * frac - done[0])
             done[0] = offset + span * frac
             bar.set_postfix_str(msg, refresh=False)
