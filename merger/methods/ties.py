@@ -142,7 +142,10 @@ def ties_merge(prepared: dict, sparsity: float, task_weights=None) -> dict:
 
 
 TRIM_NOTE = ("Top-k over the whole flattened task vector (global, as the paper and FusionBench; mergekit trims "
-             "each tensor on its own).")
+             "each tensor on its own), k = ⌊(1 − sparsity)·N⌋ of its N entries, as the paper's top (1 − sparsity); "
+             "the authors' code (and FusionBench's copy of it) keeps |τ| ≥ its (N − int(N·(1 − sparsity)))-th "
+             "smallest magnitude: one entry more. Entries tied with the k-th largest magnitude are all kept, as "
+             "that code's ≥ keeps them (bf16 task vectors have many such ties).")
 MEAN_NOTE = ("The disjoint MEAN of the entries that agree with the elected sign, as the paper (FusionBench's "
              "default merge_func is a sum: the mean times the number of agreeing tasks).")
 WEIGHTS_NOTE = ("Task weights as mergekit: they multiply the trimmed (or dropped and rescaled) τ̂t, the weighted "
