@@ -312,7 +312,8 @@ def bars(series: Mapping[str, Sequence[float]], labels: Sequence[str], title: st
     for i, (name, ys) in enumerate(series.items()):
         fig.add_trace(go.Bar(x=list(labels), y=list(ys), name=name, marker_color=PALETTE[i % len(PALETTE)],
                              error_y=_error_bars((errors or {}).get(name))))
-    fig.update_layout(title=title, barmode="group", yaxis=dict(title=y_title), **_LAYOUT)
+    margin = {**_LAYOUT["margin"], "t": _title_px(title)} if "<br>" in title else _LAYOUT["margin"]
+    fig.update_layout(title=title, barmode="group", yaxis=dict(title=y_title), **{**_LAYOUT, "margin": margin})
     return fig
 
 

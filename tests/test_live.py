@@ -149,6 +149,34 @@ def test_a_superseded_move_is_dropped_before_it_starts(ctl, land_state):
     assert ctl.session.cached(ctl.session.spec("task_arithmetic", lam=1.15)) is None
 
 
+@pytest.mark.parametrize("overtaken_in", ["evaluate", "summary"])
+def test_a_move_overtaken_while_it_computes_leaves_the_screen_to_the_newer_one(ctl, land_state, monkeypatch,
+                                                                              overtaken_in):
+    """A method switch sends a move with the old values, then one with the new method's defaults: where
+    the first is in its evaluation (or sends its numbers) as the second arrives, nothing more of it is
+    shown, so that the screen ends on the controls' merge, which the second shows."""
+    lc, state = land_state
+    events = events_for(ctl, lc)
+    list(events.move(person("q"), state, *controls(ctl, lam=1.95)))  # the split's images and experts, once
+    owner = ctl.session.evaluator if overtaken_in == "evaluate" else ctl
+    step = getattr(owner, overtaken_in)
+
+    def overtaken(*args, **kwargs):
+        ctl.session.queue.ticket("q")  # the same page's next move arrives meanwhile
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(owner, overtaken_in, overtaken)
+    frames = list(events.move(person("q"), state, *controls(ctl, lam=1.9)))
+    skipped = [all(o == {"__type__": "update"} for o in frame) for frame in frames]
+    if overtaken_in == "evaluate":
+        assert skipped == [True]  # not its numbers, nor its figures
+    else:
+        assert skipped == [False] and "lam=1.9" in frames[0][3]  # its numbers went; its figures do not
+    monkeypatch.undo()
+    *_, numbers, views = list(events.move(person("q"), state, *controls(ctl, lam=0.95)))
+    assert "lam=0.95" in numbers[3] and len(views) == 8
+
+
 def test_progressive_answer_partial_then_complete(tmp_path):
     c = ui_controller(tmp_path)
     session = c.session

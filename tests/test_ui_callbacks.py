@@ -715,14 +715,19 @@ def test_analysis_tab_callbacks(ctl):
     ac = AnalysisController(ctl)
     norms, layers, cos, sc, kept = ac.weights(*controls(ctl, "ties", sparsity=0.7))
     assert list(norms.data[0].x) == ctl.pool.tasks and len(cos.data[0].z) == 3
-    assert "<sub>sparsity 0.7; a random drop (DARE) keeps about 30% of it</sub>" in kept.layout.title.text
+    title = kept.layout.title.text
+    assert "<sub>sparsity 0.7</sub><br><sub>a random drop (DARE) keeps about 30% of it</sub>" in title
+    # three lines, each short enough for a third of the page's width, and a top margin that holds them
+    assert kept.layout.margin.t >= 24 + 22 * 3 and max(map(len, re.sub("</?sub>", "", title).split("<br>"))) <= 62
     # the sparsity the merge reads: on the slider's step, and refused where the Merge tab refuses it
-    assert "<sub>sparsity 0.99;" in ac.weights(*controls(ctl, "ties", sparsity=0.999))[-1].layout.title.text
+    assert "<sub>sparsity 0.99</sub>" in ac.weights(*controls(ctl, "ties", sparsity=0.999))[-1].layout.title.text
     with pytest.warns(UserWarning, match=r"out of range \[0, 1\)"):
         ac.weights(*controls(ctl, "ties", sparsity=1.0))
     # a method without sparsity: the default, said so (not the hidden control's value)
     *_, kept = ac.weights(*controls(ctl, "task_arithmetic", sparsity=0.6))
-    assert "sparsity 0.8 (the default: Task arithmetic has none)" in kept.layout.title.text
+    assert "default sparsity 0.8 (Task arithmetic has none)" in kept.layout.title.text
+    *_, kept = ac.weights(*controls(ctl, "cart"))
+    assert "<sub>default sparsity 0.8 (CART has none)</sub>" in kept.layout.title.text
     with pytest.warns(UserWarning, match=r"sparsity: empty; type a number in \[0, 1\)"):
         ac.weights(*controls(ctl, "ties", sparsity=None))
     spectra, ri = ac.lowrank(ctl.pool.tasks, "all matrices (summed)")

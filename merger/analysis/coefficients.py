@@ -67,7 +67,7 @@ def learned(run, pool) -> Learned:
     coef = run.coefficients.float()
     if coef.shape[1] == 1:
         weights = {t: _clip(float(c)) for t, c in zip(run.tasks, coef[:, 0])}
-        return Learned(weights, {}, note="one coefficient per task: loaded exactly as task weights")
+        return Learned(weights, {}, note="one coefficient per task, each a task weight")
     keys = ["visual." + g for g in run.groups]
     blocks = block_groups(keys)
     M = torch.stack([coef[:, [i for i, k in enumerate(keys) if block_of(k) == b]].mean(1) for b in blocks], 1)

@@ -45,10 +45,11 @@ class AnalysisController:
                                "‖τt,l‖ per layer", fmt=".2g")
         cos = plots.heatmap(analysis.cosine_matrix(tv), tv.tasks, tv.tasks, "Cosine similarity of task vectors", zmid=0)
         sc = plots.heatmap(analysis.sign_conflicts(tv), tv.tasks, tv.tasks, "Sign-conflict rate (both non-zero)")
-        setting = f"sparsity {sparsity:g}" + ("" if own else f" (the default: {methods.get(method).display_name} has none)")
+        shown = methods.get(method).display_name.split(" (")[0]  # "CART", not "CART (centred low-rank)": one line
+        setting = f"sparsity {sparsity:g}" if own else f"default sparsity {sparsity:g} ({shown} has none)"
         kept = plots.bars({f"sparsity {sparsity:g}": analysis.mass_kept(tv, float(sparsity))}, tv.tasks,
-                          f"‖τt‖² kept by the top {1 - float(sparsity):.0%} by magnitude<br><sub>{setting}; a random "
-                          f"drop (DARE) keeps about {1 - float(sparsity):.0%} of it</sub>", "share of ‖τt‖²")
+                          f"‖τt‖² kept by the top {1 - float(sparsity):.0%} by magnitude<br><sub>{setting}</sub><br><sub>a "
+                          f"random drop (DARE) keeps about {1 - float(sparsity):.0%} of it</sub>", "share of ‖τt‖²")
         return norms, layers, cos, sc, kept
 
     @keeps_outputs(2)

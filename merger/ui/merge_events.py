@@ -2,8 +2,8 @@
 
 One listener per control (``move``) answers a move with everything that depends on it: the
 Merge plots and summary, the data-driven panel and the landscape's live marker, from one merge and
-one forward. Each move takes a ticket of its session; a move superseded by a newer one of the
-same session before it starts is dropped (its outputs are left as they are). On a slow pool a
+one forward. Each move takes a ticket of its session; one superseded by a newer move of the same
+session is dropped before it starts, and shows nothing once superseded (the newer one answers). On a slow pool a
 move first shows the linear estimate (a weighted sum of task vectors, once the experts' forwards
 are made: no forward of its own) or else a partial answer (the first images of each task), then
 the complete one unless a newer move arrived.
@@ -258,6 +258,9 @@ class MergeTabEvents:
         except Superseded:
             yield skip
             return
+        if queue.superseded(who, ticket):  # a newer move of this page came meanwhile: its answer is the controls'
+            yield skip
+            return
         if self.room is not None and ans.spec is not None:  # computed: the room's pages find it cached
             self.room.presenter_shows(request, spec=ans.spec)
         with self._lock:
@@ -270,6 +273,8 @@ class MergeTabEvents:
         # The numbers first (what a person reads), then the figures, which take the browser longer to draw.
         estimated = first is not None and first.get("estimate", False)
         yield (*skip3, self.ctl.summary(ans.spec, ans.result, ans.cached, estimated), *learned, gr.skip())
+        if queue.superseded(who, ticket):  # (the newer move's numbers were sent meanwhile: its figures follow)
+            return
         marker = self.landscape.move_live(land_state, experts, method, *values) if self.landscape else gr.skip()
         yield (*self.ctl.figures(ans), gr.skip(), *skip3, marker)
 
