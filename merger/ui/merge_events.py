@@ -3,10 +3,10 @@
 One listener per control (``move``) answers a move with everything that depends on it: the
 Merge plots and summary, the data-driven panel and the landscape's live marker, from one merge and
 one forward. Each move takes a ticket of its session; one superseded by a newer move of the same
-session is dropped before it starts, and shows nothing once superseded (the newer one answers). On a slow pool a
-move first shows the linear estimate (a weighted sum of task vectors, once the experts' forwards
-are made: no forward of its own) or else a partial answer (the first images of each task), then
-the complete one unless a newer move arrived.
+session is dropped before it starts, and shows nothing once superseded (the newer one answers). On
+a slow pool a move first shows the linear estimate (a weighted sum of task vectors, once the
+experts' forwards are made: no forward of its own) or else a partial answer (the first images of
+each task), then the complete one unless a newer move arrived.
 
 A History reload sets the experts, the method and every value at once; the browser then fires a
 change event per component, each reading the others as they are at that moment, some not yet
