@@ -91,12 +91,14 @@ class GramRecorder:
 
 
 def add_expert(stats: dict, grams: dict, taus: dict) -> None:
-    """Add one expert's Grams Gt (fp64) and task vectors τt to (S, P, Q) per matrix; S stays fp64 for
-    the solve, P and Q (as large as a weight each) are kept in fp32."""
+    """Add one expert's Grams Gt (fp64) and task vectors τt to (S, P, Q) per matrix. S and P stay fp64:
+    at α = 1 the solve divides P by S's small eigenvalues (inputs that share a few directions, as
+    LayerNorm and GELU outputs do), and P rounded to fp32 then lost the merge. Q, weighted by 1 − α,
+    which keeps S̃ well conditioned, is kept in fp32: it is as large as a weight."""
     for k, g in grams.items():
         tau = taus[k].double()
         s, p, q = stats.get(k, (0, 0, 0))
-        stats[k] = (s + g, p + (g @ tau.T).float(), q + (g.diagonal()[:, None] * tau.T).float())
+        stats[k] = (s + g, p + g @ tau.T, q + (g.diagonal()[:, None] * tau.T).float())
 
 
 def gram_statistics(ctx, samples: int, seed: int, progress=None, cancel=None) -> dict:
