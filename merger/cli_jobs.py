@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from merger import methods
+from merger import methods, runtime
 from merger.errors import MergerError
 from merger.io import inputs
 
@@ -101,12 +101,12 @@ def progress_bar(desc: str):
 
     def update(fraction, message="", *_):
         nonlocal bar
+        runtime.stop_if_killed()  # a kill whose exception was lost stops the command at its next report
         if bar is None:
             bar = tqdm(total=1000, desc=desc, file=sys.stderr, leave=True, dynamic_ncols=True,
                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining} {postfix}")
         bar.n = min(1000, int(round(1000 * fraction)))
-        bar.set_postfix_str(str(message)[:70], refresh=False)
-        bar.refresh()
+        bar.set_postfix_str(str(message)[:70])  # (and redraws)
 
     try:
         yield update

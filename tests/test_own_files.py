@@ -496,3 +496,30 @@ def test_a_broken_pipe_other_than_the_output_is_a_failed_operation(capsys, monke
 
     monkeypatch.setattr(cli, "cmd_methods", broken)
     assert cli.main(["methods"]) == 1 and "error: methods failed: BrokenPipeError" in capsys.readouterr().err
+
+
+@POSIX_SIGNALS
+def test_a_kill_whose_exception_is_lost_stops_a_sweep_at_its_next_point(pool_path, monkeypatch, capsys):
+    """Every long command reports progress through the same bar: a sweep stops after the point whose
+    evaluation lost the kill's exception, its other points never computed."""
+    import threading
+
+    from merger.evaluation.session import PoolSession
+
+    preview, points = PoolSession.preview, []
+
+    def preview_losing_a_kill(self, *args, **kwargs):
+        points.append(args)
+        if len(points) == 1:
+            try:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)  # the handler runs here
+            except BaseException:  # and its exception is lost, as in C code that clears it
+                pass
+        return preview(self, *args, **kwargs)
+
+    monkeypatch.setattr(PoolSession, "preview", preview_losing_a_kill)
+    handler = signal.getsignal(signal.SIGTERM)
+    assert cli_main(["sweep", "--pool", str(pool_path), "--methods", "ta", "--axis", "lam",
+                     "--values", "0.1,0.2,0.3,0.4,0.5,0.6"]) == 143
+    assert "error: interrupted" in capsys.readouterr().err
+    assert len(points) == 1 and signal.getsignal(signal.SIGTERM) is handler
