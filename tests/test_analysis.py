@@ -76,6 +76,7 @@ def test_heterogeneity_and_chi_square(tv):
     assert "delta" not in out
     assert out["chi2"] == pytest.approx(sum((1 / 3 - c) ** 2 / c ** 2 for c in lam))
     assert out["warnings"] == []
+    assert analysis.heterogeneity(tv, [1 / 3] * 3)["chi2"] == 0.0  # weight averaging (fp32 λ gave 2.7e-15)
     warn = analysis.chi_square([0.5, 0.5, 0.5])["warnings"]
     assert "Σλ = 1.5 ≠ 1" in warn[0]
     assert any("λ < 0" in w for w in analysis.chi_square([1.2, -0.2])["warnings"])

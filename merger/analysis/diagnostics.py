@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from merger import methods
+from merger import longsum, methods
 from merger.errors import MergerError
 from merger.methods.ties import kept_count
 
@@ -27,22 +27,28 @@ def _layer_of(key: str) -> str:
 
 # ---- weights only -------------------------------------------------------------------------
 
+def _grams(tv) -> dict[str, torch.Tensor]:
+    """Per tensor, the fp64 Gram ⟨τi, τj⟩ of the task vectors (``longsum``: fp32 sums over a whole
+    tower were 1e-3 off)."""
+    return {k: longsum.gram(tv.fp32(k)) for k in tv.keys}
+
+
 def task_vector_norms(tv) -> dict:
-    """Global ‖τt‖ and per-layer ‖τt,l‖ (layers = transformer blocks and the other modules)."""
+    """Global ‖τt‖ and per-layer ‖τt,l‖ (layers = transformer blocks and the other modules); relative:
+    ‖τt‖ / ‖θ0‖ (infinite for a zero base)."""
+    grams = _grams(tv)
     layers: dict[str, list[str]] = {}
     for k in tv.keys:
         layers.setdefault(_layer_of(k), []).append(k)
-    per_layer = {name: [math.sqrt(sum(float(tv.row(k, i).pow(2).sum()) for k in keys)) for i in range(tv.num_tasks)]
-                 for name, keys in layers.items()}
-    glob = [float(_flat(tv, i).norm()) for i in range(tv.num_tasks)]
-    base = math.sqrt(sum(float(v.pow(2).sum()) for v in tv.base.values()))
-    return {"tasks": tv.tasks, "global": glob, "relative": [g / base for g in glob], "layers": per_layer}
+    per_layer = {name: sum(grams[k].diagonal() for k in keys).sqrt().tolist() for name, keys in layers.items()}
+    glob = sum(grams.values()).diagonal().sqrt().tolist()
+    base = math.sqrt(sum(longsum.inner(v, v) for v in tv.base.values()))
+    return {"tasks": tv.tasks, "global": glob, "relative": [g / base if base else math.inf for g in glob],
+            "layers": per_layer}
 
 
 def cosine_matrix(tv) -> list[list[float]]:
-    flat = torch.stack([_flat(tv, i) for i in range(tv.num_tasks)])
-    n = F.normalize(flat, dim=1)
-    return (n @ n.T).tolist()
+    return longsum.cosines(sum(_grams(tv).values())).tolist()
 
 
 def sign_conflicts(tv) -> list[list[float]]:
@@ -92,7 +98,7 @@ def reconstruction_and_interference(tv, ks: Sequence[int], centred: bool, keys: 
         if centred:
             x = x - x.mean(0)
         s, vh = _sv(x)  # [T, r], [T, r, n]
-        norms = x.flatten(1).norm(dim=1).clamp(min=1e-30)
+        norms = longsum.gram(x).diagonal().sqrt().float().clamp(min=1e-30)
         for k in ks:
             k = min(k, s.shape[1])
             per[key]["R"].append(float(s[:, k:].pow(2).sum()))
@@ -102,7 +108,7 @@ def reconstruction_and_interference(tv, ks: Sequence[int], centred: bool, keys: 
                 for j in range(x.shape[0]):
                     if i != j:
                         m = st[i][:, None] * (vh[i, :k] @ vh[j, :k].T) * st[j][None, :]
-                        total += float(m.norm())
+                        total += longsum.norm(m)
             per[key]["I"].append(total)
     summed = {"R": [sum(per[k]["R"][n] for k in keys) for n in range(len(ks))],
               "I": [sum(per[k]["I"][n] for k in keys) for n in range(len(ks))]}
@@ -132,13 +138,14 @@ def heterogeneity(tv, coefficients: Sequence[float], mask: str | None = None, sp
     and ζ̂t² = ζt² − δt(M); χ² of the coefficients and simplex warnings. ``task_weights``: the merge's
     wₜ, whose mask is taken on the wₜτₜ it merges (MagMax's largest entry, TIES' elected sign)."""
     T = tv.num_tasks
-    lam = torch.tensor([float(c) for c in coefficients])
-    if lam.numel() != T:
-        raise MergerError(f"heterogeneity: {lam.numel()} coefficients for {T} tasks")
+    given = [float(c) for c in coefficients]
+    if len(given) != T:
+        raise MergerError(f"heterogeneity: {len(given)} coefficients for {T} tasks")
+    lam = torch.tensor(given)
     flat = torch.stack([_flat(tv, i) for i in range(T)])
     consensus = lam @ flat
     zeta = ((flat - consensus) ** 2).sum(1)
-    out = {"tasks": tv.tasks, "zeta2": zeta.tolist(), "coefficients": lam.tolist(), **chi_square(lam.tolist())}
+    out = {"tasks": tv.tasks, "zeta2": zeta.tolist(), "coefficients": given, **chi_square(given)}
     # sparsity 0 keeps every entry (TIES, DARE): no reduction to show
     if mask is not None and (sparsity or "sparsity" not in methods.get(mask).param_names):
         keep = merge_mask(tv.scaled(task_weights) if task_weights else tv, mask, sparsity, seed, **params)
@@ -171,12 +178,11 @@ def epoch_dynamics(points: Sequence[torch.Tensor]) -> dict:
     of updates, and cos(τ(k), τ(1)) with τ(k) = θ(k) − θ0."""
     if len(points) < 3:
         raise MergerError("epoch dynamics need a trajectory with at least two epochs after the base")
-    updates = torch.stack([points[e] - points[e - 1] for e in range(1, len(points))])
-    norms = updates.norm(dim=1)
-    n = F.normalize(updates, dim=1)
-    taus = torch.stack([p - points[0] for p in points[1:]])
-    return {"shares": (norms / norms.sum()).tolist(), "cosine": (n @ n.T).tolist(),
-            "cos_to_first": F.cosine_similarity(taus, taus[:1].expand_as(taus), dim=1).tolist()}
+    updates = longsum.gram(torch.stack([points[e] - points[e - 1] for e in range(1, len(points))]))
+    norms = updates.diagonal().sqrt()
+    taus = longsum.cosines(longsum.gram(torch.stack([p - points[0] for p in points[1:]])))
+    return {"shares": (norms / norms.sum()).tolist(), "cosine": longsum.cosines(updates).tolist(),
+            "cos_to_first": taus[:, 0].tolist()}
 
 
 # ---- features on a probe batch (arXiv 2402.03660) -------------------------------------------------
@@ -257,7 +263,7 @@ def gradient_at_base(evaluator, task: str, split: str = "train") -> dict[str, to
 
 def gradient_alignment(tau1: torch.Tensor, grad: torch.Tensor) -> float:
     """cos(τ(1), −∇L(θ0)): exactly 1 for one epoch of full-batch gradient descent."""
-    return float(F.cosine_similarity(tau1, -grad, dim=0))
+    return -longsum.inner(tau1, grad) / max(longsum.norm(tau1) * longsum.norm(grad), 1e-300)
 
 
 def interpolation_path(evaluator, space, a: torch.Tensor, b: torch.Tensor, features, x: torch.Tensor,

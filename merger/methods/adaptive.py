@@ -21,12 +21,14 @@ from merger.methods.registry import (ADAMERGING_LOGS, CART_README, INIT, LAM, LR
                                      TOP_K, Method, Paper, Published, get, register, with_default)
 
 class Combination:
-    """θ(c) = anchor + Σt c[t, g(key)] · parts[key][t] over the merged keys (visual.* names)."""
+    """θ(c) = θ0 + offset + Σt c[t, g(key)] · parts[key][t] over the merged keys (visual.* names); the
+    offset is AdaMerging+CART's θavg − θ0, none for θ0 + Σ c·τ."""
 
-    def __init__(self, anchor: dict, parts: dict, groups: list[list[str]], dtype=torch.float32,
-                 around_base: bool = True):
-        self.around_base = around_base  # θ0 + Σ c·τ: the coefficients are task weights (start from learned)
-        self.anchor = {k: v.to(dtype) for k, v in anchor.items()}
+    def __init__(self, base: dict, parts: dict, groups: list[list[str]], dtype=torch.float32,
+                 offset: dict | None = None):
+        self.around_base = offset is None  # θ0 + Σ c·τ: the coefficients are task weights (start from learned)
+        self.offset = {k: v.to(dtype) for k, v in (offset or {}).items()}
+        self.anchor = {k: v.to(dtype) + self.offset[k] if k in self.offset else v.to(dtype) for k, v in base.items()}
         self.parts = {k: v.to(dtype) for k, v in parts.items()}
         self.group_of = {k: gi for gi, keys in enumerate(groups) for k in keys}
 
@@ -39,9 +41,18 @@ class Combination:
         return out
 
     def delta(self, coef: torch.Tensor, base: dict) -> dict[str, torch.Tensor]:
+        """θ(c) − θ0, summed apart from θ0: formed as θ(c) minus θ0 in fp32 it lost eps·|θ0|, 2e-4 of a
+        layer's Δ where its coefficient is small."""
+        coef = coef.to(next(iter(self.anchor.values())).dtype)
+        out = {}
         with torch.no_grad():
-            p = self.params(coef.to(next(iter(self.anchor.values())).dtype))
-            return {VISUAL + k: (v.float() - base[VISUAL + k]) for k, v in p.items()}
+            for k in self.anchor:
+                d = self.offset.get(k)
+                if k in self.parts:
+                    step = torch.tensordot(coef[:, self.group_of[k]], self.parts[k], dims=1)
+                    d = step if d is None else d + step
+                out[k] = torch.zeros_like(base[k]) if d is None else d.to(base[k].dtype)
+        return out
 
 
 def _check(cancel):
@@ -52,15 +63,15 @@ def _check(cancel):
 def _combination(ctx: Context, granularity: str, rank_ratio: float | None):
     tv = ctx.tv
     if rank_ratio is None:  # AdaMerging: θ0 + Σ λ τ
-        anchor, parts = dict(tv.base), dict(tv.items32())
+        parts, offset = dict(tv.items32()), None
     else:  # AdaMerging+CART: θavg + Σ λ SVD_k(θt − θavg) on matrices, θavg elsewhere
         prep = prepare_cart(tv)
-        anchor = {k: tv.base[k] + prep["mean"][k] for k in tv.keys}
+        offset = {k: prep["mean"][k] for k in tv.keys}
         parts = cart_task_parts(prep, rank_ratio)
     keys = [k for k in tv.keys if k in parts]
     groups = [keys] if granularity == "task" else [[k] for k in keys]
     names = ["all layers"] if granularity == "task" else [k[len(VISUAL):] for k in keys]
-    return Combination(anchor, parts, groups, around_base=rank_ratio is None), names
+    return Combination(tv.base, parts, groups, offset=offset), names
 
 
 def run_adamerging(ctx: Context, progress=None, cancel=None, *, granularity: str, steps: int, lr: float,
