@@ -3,7 +3,9 @@
 Times the demo's live forward (its image tower over every task's live images) block by block, back
 to back and each after a pause, in alternating rounds. ``--busy`` keeps every core from idling during
 the pauses with one lowest-priority busy loop per core: where the difference then goes, it is the
-cores' idling (the host's), not this process's.
+cores' idling (the host's), not this process's. ``--class-token`` also times an exact route tried and
+not kept: the last block computed for the class token only (its keys and values for every token), the
+pooled output being the class token's.
 """
 from __future__ import annotations
 
@@ -35,12 +37,47 @@ def segments(visual, x) -> list[float]:
     return [1e3 * s for s in out]
 
 
+def class_token_last(visual, x):
+    """The tower's output with the last block run for the class token only: the same sums for that row."""
+    import torch
+
+    with torch.inference_mode():
+        h = visual._embeds(x)
+        *blocks, last = visual.transformer.resblocks
+        for block in blocks:
+            h = block(h)
+        y = last.ln_1(h)
+        cls = h[:, :1] + last.ls_1(last.attn(y[:, :1], y, y, need_weights=False)[0])
+        cls = cls + last.ls_2(last.mlp(last.ln_2(cls)))
+        return visual._pool(cls)[0] @ visual.proj
+
+
+def compare_class_token_last(visual, x, times: int) -> None:
+    import torch
+
+    with torch.inference_mode():
+        full = visual(x)
+        error = float((class_token_last(visual, x) - full).norm() / full.norm())
+        routes = {"as written": visual, "class token only in the last block": lambda v: class_token_last(visual, v)}
+        rows = {name: [] for name in routes}
+        for _ in range(times):  # in alternation
+            for name, fn in routes.items():
+                t = time.perf_counter()
+                fn(x)
+                rows[name].append(1e3 * (time.perf_counter() - t))
+    written, short = (statistics.median(v) for v in rows.values())
+    print(f"  forward back to back, median of {times}: as written {written:.1f} ms, class token only in the last "
+          f"block {short:.1f} ms; ratio {written / short:.2f}x; relative difference {error:.1e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pool", default="demo")
     parser.add_argument("--pause", type=float, default=0.8, help="seconds idle before each forward of a paused round")
     parser.add_argument("--times", type=int, default=10, help="forwards per round")
     parser.add_argument("--busy", action="store_true", help="a nice-19 busy loop per core during the rounds")
+    parser.add_argument("--class-token", action="store_true",
+                        help="also time the last block computed for the class token only (an exact route not kept)")
     args = parser.parse_args()
     import torch
 
@@ -68,6 +105,8 @@ def main() -> None:
     finally:
         for loop in loops:
             loop.kill()
+    if args.class_token:
+        compare_class_token_last(visual, x, 3 * args.times)
 
 
 if __name__ == "__main__":
