@@ -9,6 +9,7 @@ from merger import longsum
 from merger.analysis import diagnostics
 from merger.landscape.surface import task_vector_plane
 from merger.methods.adaptive import Combination
+from merger.pool.task_vectors import TaskVectors
 
 LONG = 20_000_000  # entries: a quarter of a ViT-B/32 image tower
 
@@ -31,18 +32,23 @@ def test_long_sums_equal_fp64():
 
 def test_task_vector_norms_and_cosines_at_a_block():
     """T = 8 experts nearly alike (their cosines near 1), stored in bf16, at one ViT-B/32 block."""
-    tv = realistic_task_vectors(8, VIT_B32_BLOCK, "bfloat16", seed=1, apart=0.01)
+    stacks = realistic_task_vectors(8, VIT_B32_BLOCK, "bfloat16", seed=1, apart=0.01)
+    g = torch.Generator().manual_seed(2)
+    base = {k: 0.02 * torch.randn(v.shape, generator=g) for k, v in stacks.base.items()}
+    tv = TaskVectors.from_stacks(base, stacks.tasks, stacks.stacked)
     flat = torch.stack([torch.cat([tv.row(k, i).double().reshape(-1) for k in tv.keys]) for i in range(8)])
     gram = flat @ flat.T
     norms = gram.diagonal().sqrt()
     shown = diagnostics.task_vector_norms(tv)
     assert torch.allclose(torch.tensor(shown["global"], dtype=torch.float64), norms, rtol=1e-10, atol=0)
-    assert shown["relative"] == [float("inf")] * 8  # the base is zero here
+    base_norm = torch.cat([v.double().reshape(-1) for v in base.values()]).norm()
+    assert torch.allclose(torch.tensor(shown["relative"], dtype=torch.float64), norms / base_norm, rtol=1e-10, atol=0)
     layers = sum(torch.tensor(v, dtype=torch.float64) ** 2 for v in shown["layers"].values())
     assert torch.allclose(layers, norms**2, rtol=1e-10, atol=0)  # Σ of the layers' ‖τt,l‖² is ‖τt‖²
     cos = torch.tensor(diagnostics.cosine_matrix(tv), dtype=torch.float64)
     assert (cos - gram / torch.outer(norms, norms)).abs().max() <= 1e-9
     assert (cos.diagonal() - 1).abs().max() <= 1e-12
+    assert diagnostics.task_vector_norms(stacks)["relative"] == [float("inf")] * 8  # a zero base: no error
 
 
 def test_one_step_of_gradient_descent_aligns_with_minus_the_gradient_exactly():
@@ -87,5 +93,6 @@ def test_a_learned_merge_is_summed_apart_from_the_base(offset):
     comb = Combination(base, taus, [[key]], offset=mean) if offset else Combination(base, taus, [[key]])
     coef = torch.tensor([[0.01], [0.02], [0.005]])
     delta = comb.delta(coef, base)[key].double()
+    assert torch.allclose(base[key] + delta.float(), comb.params(coef)[key[len("visual."):]], rtol=0, atol=1e-6)
     expected = (coef.double()[:, 0, None, None] * taus[key].double()).sum(0) + (mean[key].double() if offset else 0)
     assert float((delta - expected).norm() / expected.norm()) <= 1e-6

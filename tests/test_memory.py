@@ -8,6 +8,7 @@ from helpers import write_pool
 import merger
 from merger.evaluation import memory
 from merger.evaluation.memory import MemoryKeeper
+from merger.methods import regmean
 
 
 @pytest.fixture(scope="module")
@@ -16,12 +17,13 @@ def session(tmp_path_factory):
     return merger.PoolSession(pool)
 
 
-def test_over_the_budget_the_caches_go_and_what_cannot_be_remade_stays(session, capsys):
+def test_over_the_budget_the_caches_go_and_what_cannot_be_remade_stays(session, capsys, monkeypatch):
+    gram_statistics = regmean.gram_statistics
     for lam in (0.2, 0.4, 0.6):
         session.preview(session.spec("task_arithmetic", lam=lam))
     session.preview(session.spec("ties", lam=0.5, sparsity=0.7))
     older, newest = (session.spec("adamerging_task", steps=steps, samples=4) for steps in (1, 2))
-    for run in (older, newest):  # runs are minutes of work on a real pool
+    for run in (session.spec("regmean", samples=4), older, newest):  # runs are minutes of work on a real pool
         session.run(run)
     experts = list(session.pool.experts)
     held = memory.resident_gb()
@@ -38,8 +40,12 @@ def test_over_the_budget_the_caches_go_and_what_cannot_be_remade_stays(session, 
     assert list(session.pool.experts) == experts
     said = capsys.readouterr().err
     assert "over the 0.01 GB budget (--memory-gb): caches dropped" in said
-    # the next move computes again, as after a restart
+    # the next move computes again, as after a restart; RegMean's Grams too (a forward per expert)
     assert session.preview(session.spec("task_arithmetic", lam=0.2)).average_accuracy >= 0
+    grams = []
+    monkeypatch.setattr(regmean, "gram_statistics", lambda *a, **k: grams.append(1) or gram_statistics(*a, **k))
+    session.run(session.spec("regmean", samples=4, alpha=0.5))
+    assert grams == [1]
 
 
 def test_freed_memory_goes_back_and_arenas_are_capped_on_glibc_only():

@@ -35,7 +35,7 @@ def _grams(tv) -> dict[str, torch.Tensor]:
 
 def task_vector_norms(tv) -> dict:
     """Global ‖τt‖ and per-layer ‖τt,l‖ (layers = transformer blocks and the other modules); relative:
-    ‖τt‖ / ‖θ0‖ (infinite for a zero base)."""
+    ‖τt‖ / ‖θ0‖ (infinite for a zero base); the cosine matrix, from the same sums."""
     grams = _grams(tv)
     layers: dict[str, list[str]] = {}
     for k in tv.keys:
@@ -44,11 +44,11 @@ def task_vector_norms(tv) -> dict:
     glob = sum(grams.values()).diagonal().sqrt().tolist()
     base = math.sqrt(sum(longsum.inner(v, v) for v in tv.base.values()))
     return {"tasks": tv.tasks, "global": glob, "relative": [g / base if base else math.inf for g in glob],
-            "layers": per_layer}
+            "layers": per_layer, "cosine": longsum.cosines(sum(grams.values())).tolist()}
 
 
 def cosine_matrix(tv) -> list[list[float]]:
-    return longsum.cosines(sum(_grams(tv).values())).tolist()
+    return task_vector_norms(tv)["cosine"]
 
 
 def sign_conflicts(tv) -> list[list[float]]:

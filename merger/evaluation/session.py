@@ -371,9 +371,10 @@ class PoolSession:
     def shrink(self) -> None:
         """Over the memory budget (``MemoryKeeper``): the caches of what can be computed again go
         (results, partial answers, landscape values, derived states, older preparations, every
-        run but the newest); the pool, lab experts and the newest run stay."""
+        run but the newest, runs' data statistics); the pool, lab experts and the newest run stay."""
         with self.queue:
-            for cache in (self._results, self._partials, self._plane_values, self._point_values, self._coords):
+            for cache in (self._results, self._partials, self._plane_values, self._point_values, self._coords,
+                          self._statistics):
                 cache.clear()
             while len(self._runs) > 1:
                 self._runs.pop(next(iter(self._runs)))

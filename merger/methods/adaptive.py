@@ -27,31 +27,35 @@ class Combination:
     def __init__(self, base: dict, parts: dict, groups: list[list[str]], dtype=torch.float32,
                  offset: dict | None = None):
         self.around_base = offset is None  # θ0 + Σ c·τ: the coefficients are task weights (start from learned)
+        self.base = {k: v.to(dtype) for k, v in base.items()}  # the pool's own tensors where already in dtype
         self.offset = {k: v.to(dtype) for k, v in (offset or {}).items()}
-        self.anchor = {k: v.to(dtype) + self.offset[k] if k in self.offset else v.to(dtype) for k, v in base.items()}
         self.parts = {k: v.to(dtype) for k, v in parts.items()}
         self.group_of = {k: gi for gi, keys in enumerate(groups) for k in keys}
 
+    def _step(self, coef: torch.Tensor, k: str) -> torch.Tensor:
+        return torch.tensordot(coef[:, self.group_of[k]], self.parts[k], dims=1)
+
     def params(self, coef: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {}
-        for k, a in self.anchor.items():
+        for k, a in self.base.items():
+            if k in self.offset:
+                a = a + self.offset[k]
             if k in self.parts:
-                a = a + torch.tensordot(coef[:, self.group_of[k]], self.parts[k], dims=1)
+                a = a + self._step(coef, k)
             out[k[len(VISUAL):]] = a
         return out
 
     def delta(self, coef: torch.Tensor, base: dict) -> dict[str, torch.Tensor]:
-        """θ(c) − θ0, summed apart from θ0: formed as θ(c) minus θ0 in fp32 it lost eps·|θ0|, 2e-4 of a
-        layer's Δ where its coefficient is small."""
-        coef = coef.to(next(iter(self.anchor.values())).dtype)
+        """θ(c) − θ0, summed apart from θ0: formed as θ(c) minus θ0 in fp32 it lost eps·|θ0|, 1e-3 of a
+        layer's Δ whose coefficient is 0.01 on a base a thousand times its task vectors."""
+        coef = coef.to(next(iter(self.base.values())).dtype)
         out = {}
         with torch.no_grad():
-            for k in self.anchor:
-                d = self.offset.get(k)
+            for k in self.base:
+                d = self.offset[k].clone() if k in self.offset else torch.zeros_like(self.base[k])  # a Δ of its own
                 if k in self.parts:
-                    step = torch.tensordot(coef[:, self.group_of[k]], self.parts[k], dims=1)
-                    d = step if d is None else d + step
-                out[k] = torch.zeros_like(base[k]) if d is None else d.to(base[k].dtype)
+                    d += self._step(coef, k)
+                out[k] = d.to(base[k].dtype)
         return out
 
 

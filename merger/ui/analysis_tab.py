@@ -43,7 +43,7 @@ class AnalysisController:
                            "‖τt‖ / ‖θ0‖")
         layers = plots.heatmap([n["layers"][name] for name in n["layers"]], tv.tasks, list(n["layers"]),
                                "‖τt,l‖ per layer", fmt=".2g")
-        cos = plots.heatmap(analysis.cosine_matrix(tv), tv.tasks, tv.tasks, "Cosine similarity of task vectors", zmid=0)
+        cos = plots.heatmap(n["cosine"], tv.tasks, tv.tasks, "Cosine similarity of task vectors", zmid=0)
         sc = plots.heatmap(analysis.sign_conflicts(tv), tv.tasks, tv.tasks, "Sign-conflict rate (both non-zero)")
         shown = methods.get(method).display_name.split(" (")[0]  # "CART", not "CART (centred low-rank)": one line
         setting = f"sparsity {sparsity:g}" if own else f"default sparsity {sparsity:g} ({shown} has none)"
