@@ -44,11 +44,12 @@ def task_vector_norms(tv) -> dict:
     glob = sum(grams.values()).diagonal().sqrt().tolist()
     base = math.sqrt(sum(longsum.inner(v, v) for v in tv.base.values()))
     return {"tasks": tv.tasks, "global": glob, "relative": [g / base if base else math.inf for g in glob],
-            "layers": per_layer, "cosine": longsum.cosines(sum(grams.values())).tolist()}
+            "layers": per_layer, "cosine": cosine_matrix(tv, grams)}
 
 
-def cosine_matrix(tv) -> list[list[float]]:
-    return task_vector_norms(tv)["cosine"]
+def cosine_matrix(tv, grams: dict[str, torch.Tensor] | None = None) -> list[list[float]]:
+    """cos(τi, τj) over every merged tensor; ``grams``: ``_grams(tv)`` where already made."""
+    return longsum.cosines(sum((grams or _grams(tv)).values())).tolist()
 
 
 def sign_conflicts(tv) -> list[list[float]]:
@@ -178,11 +179,11 @@ def epoch_dynamics(points: Sequence[torch.Tensor]) -> dict:
     of updates, and cos(τ(k), τ(1)) with τ(k) = θ(k) − θ0."""
     if len(points) < 3:
         raise MergerError("epoch dynamics need a trajectory with at least two epochs after the base")
-    updates = longsum.gram(torch.stack([points[e] - points[e - 1] for e in range(1, len(points))]))
-    norms = updates.diagonal().sqrt()
-    taus = longsum.cosines(longsum.gram(torch.stack([p - points[0] for p in points[1:]])))
-    return {"shares": (norms / norms.sum()).tolist(), "cosine": longsum.cosines(updates).tolist(),
-            "cos_to_first": taus[:, 0].tolist()}
+    update_gram = longsum.gram(torch.stack([points[e] - points[e - 1] for e in range(1, len(points))]))
+    norms = update_gram.diagonal().sqrt()
+    tau_cosines = longsum.cosines(longsum.gram(torch.stack([p - points[0] for p in points[1:]])))
+    return {"shares": (norms / norms.sum()).tolist(), "cosine": longsum.cosines(update_gram).tolist(),
+            "cos_to_first": tau_cosines[:, 0].tolist()}
 
 
 # ---- features on a probe batch (arXiv 2402.03660) -------------------------------------------------
