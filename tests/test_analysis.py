@@ -176,6 +176,16 @@ def test_cross_task_linearity_keeps_the_base_term():
     expected = sum(float((1 - F.cosine_similarity(fm, e, dim=-1)).mean()) for e in ends) / 4
     assert out["baseline"][0] == pytest.approx(expected, rel=1e-5)
     assert out["base_weight"] == pytest.approx(1 - 2.1)
+    # the pairs' baseline, the paper's Fig. 2: the experts against each other, over the 3 pairs
+    pairs = [float((1 - F.cosine_similarity(ends[i], ends[j], dim=-1)).mean()) for i, j in ((0, 1), (0, 2), (1, 2))]
+    assert out["pairwise"][0] == pytest.approx(sum(pairs) / 3, rel=1e-5)
+    assert out["pairwise"][1] == pytest.approx(sum(pairs) / 3, rel=1e-5)  # 2h: the same directions
+    assert out["pairwise"][0] != pytest.approx(out["baseline"][0], rel=1e-2)
+    # an expert weighted 0 is in no pair; one expert left has none
+    one = analysis.cross_task_linearity(linear_features, merged, experts, [0.7, 0.0, 0.0], x, base=base)
+    assert all(math.isnan(v) for v in one["pairwise"])
+    two = analysis.cross_task_linearity(linear_features, merged, experts, [0.7, 0.0, 0.7], x, base=base)
+    assert two["pairwise"][0] == pytest.approx(pairs[1], rel=1e-5)
 
 
 def test_block_features_cover_every_token_and_the_probe_every_task(tmp_path):

@@ -112,3 +112,17 @@ def test_cross_task_linearity_of_nearly_linear_features_equals_fp64():
     m = merged.double()
     expected = 1 - (m * pred).sum(1) / (m.norm(dim=1) * pred.norm(dim=1))
     assert out["mean"][0] == pytest.approx(float(expected.mean()), rel=1e-6)
+
+
+def test_the_expert_pairs_baseline_equals_fp64_over_slices_of_rows():
+    """1 − cos between experts' features (the pairs' baseline) at a ViT-L/14 block's width, over 3
+    slices of rows and in one: each equal to the fp64 definition, pair by pair."""
+    g = torch.Generator().manual_seed(1)
+    n = 257 * 1024
+    experts = [3.0 + torch.randn(16, n, generator=g) for _ in range(3)]
+    experts[2] = experts[0] + 0.02 * torch.randn(16, n, generator=g)  # a pair nearly alike
+    e = [x.double() for x in experts]
+    expected = sum(float((1 - (e[a] * e[b]).sum(1) / (e[a].norm(dim=1) * e[b].norm(dim=1))).mean())
+                   for a, b in ((0, 1), (0, 2), (1, 2))) / 3
+    for budget in (64 << 20, 6 * 8 * 3 * n):  # 16 rows at once; slices of 6, 6 and 4
+        assert diagnostics._mean_pairwise_distance(experts, budget) == pytest.approx(expected, rel=1e-9)

@@ -742,7 +742,10 @@ def test_analysis_tab_callbacks(ctl):
     fig, _ = ac.heterogeneity(*controls(ctl, "ties", sparsity=0.7, lam=1.0))
     assert any("δt(M)" in t.name for t in fig.data)
     lin = ac.linearity(*controls(ctl, "task_arithmetic", lam=0.3))
-    assert len(lin.data) == 2
+    assert [t.name for t in lin.data][1:] == ["baseline: 1 − cos(θi, θj), expert pairs",
+                                              "baseline: 1 − cos(merge, each endpoint)"]
+    lin = ac.linearity(*controls(ctl, "task_arithmetic", lam=0.3, experts=ctl.pool.tasks[:1]))
+    assert [t.name for t in lin.data][1:] == ["baseline: 1 − cos(merge, each endpoint)"]  # no pair of experts
     with pytest.warns(UserWarning, match="epoch dynamics need per-epoch checkpoints"):
         assert ac.dynamics(ctl.pool.tasks[0]) == (gr.skip(),) * 4
     _, method, *values = controls(ctl, "task_arithmetic", lam=0.3)

@@ -218,23 +218,46 @@ def _distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return 1 - F.cosine_similarity(a.double(), b.double(), dim=-1)
 
 
+def _mean_pairwise_distance(features: Sequence[torch.Tensor], budget: int = 64 << 20) -> float:
+    """The mean over pairs i < j and over rows of 1 − cos(features[i], features[j]) in fp64 (NaN for
+    fewer than two): each row normalised once and one Gram of the k rows per sample, over slices of
+    rows whose fp64 copies fit ``budget`` bytes (a ViT-L/14 block's row is 263 k features)."""
+    k = len(features)
+    if k < 2:
+        return float("nan")
+    i, j = torch.triu_indices(k, k, 1)
+    n, width = features[0].shape
+    step = max(1, budget // (8 * k * width))
+    total = 0.0
+    for start in range(0, n, step):
+        unit = torch.stack([F.normalize(f[start: start + step].double(), dim=-1) for f in features], 1)
+        total += float((1 - torch.bmm(unit, unit.transpose(1, 2))[:, i, j]).sum())
+    return total / (n * len(i))
+
+
 def cross_task_linearity(features, merged: dict, experts: Sequence[dict], weights: Sequence[float],
                          x: torch.Tensor, base: dict | None = None) -> dict:
-    """Per layer: 1 − cos(f(θmerged; x), prediction) (mean and quartiles over x), against the
-    baseline: the mean over the endpoints e of 1 − cos(f(θmerged; x), f(e; x)) (arXiv 2402.03660).
+    """Per layer: 1 − cos(f(θmerged; x), prediction) (mean and quartiles over x), against two
+    baselines of arXiv 2402.03660: ``pairwise``, the mean over pairs of experts i < j of
+    1 − cos(f(θi; x), f(θj; x)) (its Fig. 2: the experts' features differ, so a small gap means
+    something), and ``baseline``, the mean over the endpoints e of 1 − cos(f(θmerged; x), f(e; x))
+    (its Eq. 1 for k models: the merge against each one).
 
     The prediction is the affine form (1 − Σ wt) f(θ0) + Σ wt f(θt) when ``base`` is given (the
     paper's Eq. 2 for task arithmetic: θ0 + Σ wt τt = (1 − Σ wt) θ0 + Σ wt θt), else Σ wt f(θt).
-    The endpoints are the models the prediction combines with a non-zero weight.
+    The endpoints are the models the prediction combines with a non-zero weight; the pairs, those
+    of the experts among them (none for fewer than two: NaN).
     ``features(weights, x)`` returns one [N, D] feature tensor per layer (e.g. block_features)."""
     fm = features(merged, x)
     fe = [features(e, x) for e in experts]
     w0 = 1.0 - sum(weights)
     fb = features(base, x) if base is not None and abs(w0) > 1e-9 else None
-    out = {"mean": [], "q25": [], "q75": [], "baseline": [], "base_weight": w0 if base is not None else 0.0}
+    out = {"mean": [], "q25": [], "q75": [], "baseline": [], "pairwise": [],
+           "base_weight": w0 if base is not None else 0.0}
     for layer in range(len(fm)):
         pred = sum(w * f[layer] for w, f in zip(weights, fe))
         ends = [f[layer] for w, f in zip(weights, fe) if w != 0]
+        out["pairwise"].append(_mean_pairwise_distance(ends))
         if fb is not None:
             pred = pred + w0 * fb[layer]
             ends.append(fb[layer])

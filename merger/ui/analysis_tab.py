@@ -1,6 +1,8 @@
 """Analysis tab (the papers' diagnostics) and the expert lab."""
 from __future__ import annotations
 
+import math
+
 import gradio as gr
 
 from merger import methods, plots
@@ -152,7 +154,9 @@ class AnalysisController:
         blocks = [f"block {i}" for i in range(len(lin["mean"]))]
         pred = "1 − cos(merge, (1 − Σw) f(θ0) + Σ wt f(θt))"
         err = [[m - a for m, a in zip(lin["mean"], lin["q25"])], [b - m for m, b in zip(lin["mean"], lin["q75"])]]
-        fig = plots.bars({pred: lin["mean"], "baseline: 1 − cos(merge, each endpoint)": lin["baseline"]},
+        has_pairs = not all(math.isnan(v) for v in lin["pairwise"])  # two experts weighted at least
+        pairs = {"baseline: 1 − cos(θi, θj), expert pairs": lin["pairwise"]} if has_pairs else {}
+        fig = plots.bars({pred: lin["mean"], **pairs, "baseline: 1 − cos(merge, each endpoint)": lin["baseline"]},
                          blocks, f"Cross-task linearity of {spec.label()} (weights {', '.join(f'{v:.2g}' for v in w)}; "
                          f"{len(x)} probe images from every task, all tokens)", "1 − cos (0: linear)", errors={pred: err})
         return fig
