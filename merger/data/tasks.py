@@ -5,7 +5,7 @@ domain: {attribute: class index, ...}}}``, regenerated deterministically; ``doma
 optional) and, for real pools, image folders or parquet datasets (merger/data/parquet.py). Tasks whose data entries are identical share one
 image tensor, so the evaluator forwards those images once for all of them. Splits: train
 (without validation), val (10 % of train, seed 0), test, live (fixed subset of test) and probe
-(the start of live).
+(a subset of live: the first images of the same draw, merger/data/splits.py).
 """
 from __future__ import annotations
 
