@@ -103,6 +103,27 @@ def test_steps_and_tasks_trends_are_trade_offs_not_lines():
         lab.fit_trend("epochs", [1, 2], [0.5, 0.4])
 
 
+def test_a_trend_keeps_the_papers_signs_and_names_the_term_the_points_run_against():
+    """Every term of the paper's bound is ≥ 0. Points that fall with N get b = 0, not the negative b
+    an unconstrained fit drew under the label "heterogeneity accumulates"; the fit is still optimal
+    under the signs (KKT: no gradient on the free constants, none downhill on the one held at 0)."""
+    ns = [1, 2, 3, 5, 7]
+    ys = [0.5 - 0.02 * n + 0.1 / n ** 0.5 for n in ns]
+    fit = lab.fit_trend("num_tasks", ns, ys)
+    A = torch.tensor([[1.0, n, n ** -0.5] for n in ns], dtype=torch.float64)
+    y = torch.tensor(ys, dtype=torch.float64)
+    assert torch.linalg.lstsq(A, y[:, None]).solution[1, 0] < 0  # what was drawn before
+    assert fit["b"][0] == 0 and fit["b"][1] > 0 and fit["against"] == ["b·N"]
+    assert "R² 0." in fit["label"] and "the points run against b·N (fitted 0)" in fit["label"]
+    coef = torch.tensor([fit["a"], *fit["b"]], dtype=torch.float64, requires_grad=True)
+    ((A @ coef - y) ** 2).sum().backward()
+    assert abs(coef.grad[0]) < 1e-10 and abs(coef.grad[2]) < 1e-10 and coef.grad[1] > 0
+    flat = lab.fit_trend("batch_size", [32, 64, 128], [0.30, 0.35, 0.37])  # rises with B: against b/B
+    assert flat["b"] == [0.0] and flat["a"] == pytest.approx(0.34) and flat["against"] == ["b/B"]
+    exact = lab.fit_trend("epochs", [1, 2, 4], [1.3, 0.94, 0.78])
+    assert exact["r2"] == pytest.approx(1.0) and "passes through them" in exact["label"]
+
+
 def test_lab_expert_has_its_epoch_dynamics(ex):
     from merger.analysis import diagnostics as analysis
     from merger.landscape import trajectories

@@ -186,33 +186,54 @@ def lab_experts(pool, owner: str | None = None, everyone: bool = False) -> list[
 # ---- scaling view -------------------------------------------------------------------------
 MAX_SCALING_VALUES = 8
 
-# The paper's predicted shape of the merged loss in one variable (arXiv 2601.21690, §V-B), as basis
-# functions g_i of a least-squares fit a + Σ b_i g_i(x): a fitted *trend*, not a prediction.
+# The paper's predicted shape of the merged loss in one variable (arXiv 2601.21690, §V-B), as terms
+# b_i g_i(x) of a least-squares fit a + Σ b_i g_i(x): a fitted *trend*, not a prediction. Each term of
+# the paper's bound is a product of non-negative constants (L, C, σ², ζ², η², f(x0) − f_inf): b_i ≥ 0.
 TRENDS = {
-    "lr": ("a + b·η² (quadratic stability penalty)", (lambda x: x ** 2,)),
+    "lr": ("a + b·η² (quadratic stability penalty)", (("b·η²", lambda x: x ** 2),)),
     "epochs": ("a + b·K + c/K (stability grows with steps, optimisation error falls: a trade-off)",
-               (lambda x: x, lambda x: 1.0 / x)),
-    "batch_size": ("a + b/B", (lambda x: 1.0 / x,)),
-    "data_fraction": ("a + b/α (more data: a free lunch)", (lambda x: 1.0 / x,)),
+               (("b·K", lambda x: x), ("c/K", lambda x: 1.0 / x))),
+    "batch_size": ("a + b/B", (("b/B", lambda x: 1.0 / x),)),
+    "data_fraction": ("a + b/α (more data: a free lunch)", (("b/α", lambda x: 1.0 / x),)),
     "num_tasks": ("a + b·N + c/√N (heterogeneity accumulates, optimisation benefit O(1/√N))",
-                  (lambda x: x, lambda x: 1.0 / math.sqrt(x))),
+                  (("b·N", lambda x: x), ("c/√N", lambda x: 1.0 / math.sqrt(x)))),
 }
 
 
 def fit_trend(param: str, xs: Sequence[float], losses: Sequence[float]) -> dict:
-    """Least-squares a + Σ b_i g_i(x) for the paper's shape; a fitted *trend*, not a prediction."""
-    label, basis = TRENDS[param]
-    if len(xs) < len(basis) + 1:
-        raise MergerError(f"lab: the {VARIABLE_LABELS[param]} trend has {len(basis) + 1} constants: give at least "
-                          f"{len(basis) + 1} values")
+    """Least squares a + Σ b_i g_i(x) with the paper's signs, every b_i ≥ 0: the best fit among those of
+    each subset of the terms whose coefficients all come out ≥ 0 (the constrained optimum is the plain
+    fit on its own support, and with one or two terms every subset is tried). A term left at 0 is one
+    the points run against; the label says so, with R²."""
+    label, terms = TRENDS[param]
+    if len(xs) < len(terms) + 1:
+        raise MergerError(f"lab: the {VARIABLE_LABELS[param]} trend has {len(terms) + 1} constants: give at least "
+                          f"{len(terms) + 1} values")
     x = [float(v) for v in xs]
-    A = torch.tensor([[1.0] + [g(v) for g in basis] for v in x], dtype=torch.float64)
     y = torch.tensor(list(losses), dtype=torch.float64)
-    coef = torch.linalg.lstsq(A, y[:, None]).solution[:, 0]
+    best = None
+    for support in itertools.chain.from_iterable(itertools.combinations(range(len(terms)), k)
+                                                 for k in range(len(terms), -1, -1)):  # the full fit first
+        A = torch.tensor([[1.0] + [terms[i][1](v) for i in support] for v in x], dtype=torch.float64)
+        sol = torch.linalg.lstsq(A, y[:, None]).solution[:, 0]
+        if bool((sol[1:] < 0).any()):
+            continue
+        residual = float((A @ sol - y).pow(2).sum())
+        if best is None or residual < best[0] * (1 - 1e-12):
+            best = (residual, support, sol)
+    residual, support, sol = best  # the constant alone always qualifies
+    b = [0.0] * len(terms)
+    for i, c in zip(support, sol[1:].tolist()):
+        b[i] = c
+    spread = float((y - y.mean()).pow(2).sum())
+    r2 = 1.0 - residual / spread if spread > 0 else float("nan")
+    against = [terms[i][0] for i in range(len(terms)) if i not in support]
+    said = f"R² {r2:.2f}" + (f"; the points run against {' and '.join(against)} (fitted 0)" if against else
+                             "; as many points as constants: it passes through them" if len(x) == len(terms) + 1 else "")
     grid = torch.linspace(min(x), max(x), 50, dtype=torch.float64).tolist()
-    fitted = [float(coef[0]) + sum(float(c) * g(v) for c, g in zip(coef[1:], basis)) for v in grid]
-    return {"label": f"trend (paper's shape, fitted): {label}", "a": float(coef[0]),
-            "b": [float(c) for c in coef[1:]], "x": grid, "y": fitted}
+    fitted = [float(sol[0]) + sum(c * g(v) for c, (_, g) in zip(b, terms)) for v in grid]
+    return {"label": f"trend (paper's shape, its signs, fitted): {label}; {said}", "a": float(sol[0]), "b": b,
+            "r2": r2, "against": against, "x": grid, "y": fitted}
 
 
 def _merge_set(session, names: Sequence[str]) -> tuple[float, float]:

@@ -172,8 +172,9 @@ def build_lab_tab(ctl, experts_box, dynamics_task) -> LabController:
         everyone = gr.Checkbox(False, label="also offer the lab experts other sessions made",
                                info="lab experts belong to the session that made them; the pool's tasks never change")
         gr.Markdown("### Scaling view (Li et al., arXiv 2601.21690)\nExpert sets merged by weight averaging (Σλ = 1, as the theory "
-                    "assumes); the paper's trend is fitted to the merged loss. `num_tasks` merges random subsets of "
-                    "the pool's experts.")
+                    "assumes); the paper's trend is fitted to the merged loss with its signs (every term ≥ 0). The "
+                    "settings hold the epochs: a sweep of the data fraction or the batch size changes the steps too, "
+                    "which the paper holds. `num_tasks` merges random subsets of the pool's experts.")
         with gr.Row():
             sc_param = gr.Dropdown([(VARIABLE_LABELS[k], k) for k in TRENDS], value="lr", label="variable")
             sc_values = gr.Textbox(value="0.0003, 0.001, 0.003", label="values (comma-separated)")
