@@ -353,7 +353,7 @@ def stacked_lines(panels: Mapping[str, Mapping[str, tuple]], x_title: str, title
         fig.update_yaxes(title_text=y_title, row=row, col=1)
     fig.update_xaxes(title_text=x_title, row=len(panels), col=1)
     fig.update_layout(title=title, template=TEMPLATE, height=160 + 150 * len(panels), showlegend=False,
-                      margin=dict(l=70, r=20, t=50, b=40))
+                      margin=dict(l=70, r=20, t=_title_px(title) if "<br>" in title else 50, b=40))
     return fig
 
 

@@ -93,6 +93,11 @@ def test_a_slow_pool_shows_the_estimate_then_the_exact_answer_with_the_error_com
                                                             *controls(c, lam=0.45)))
     assert len(frames) == 3
     assert "linear estimate" in frames[0][3] and "exact answer follows" in frames[0][3]
+    # the plots say it too (a slow pool shows them for seconds), then the exact ones nothing
+    assert [f.layout.title.text for f in frames[0][:3]] == [
+        f"{what} (≈ linear estimate; the exact answer follows)"
+        for what in ("Accuracy per task", "Cross-entropy per task", "Normalised accuracy (merged ÷ expert)")]
+    assert frames[-1][0].layout.title.text == "Accuracy per task"
     spec = session.spec("task_arithmetic", lam=0.45)
     est, exact = session.linear.shown(spec), session.cached(spec)
     assert est is not None and exact is not None and not exact.estimate
@@ -111,6 +116,7 @@ def test_a_slow_pool_shows_the_estimate_then_the_exact_answer_with_the_error_com
     frames = list(MergeTabEvents(c, "task_arithmetic").move(SimpleNamespace(session_hash="p"), None,
                                                             *controls(c, "ties", lam=0.45)))
     assert "partial" in frames[0][3] and "linear estimate" not in frames[0][3]
+    assert frames[0][0].layout.title.text == "Accuracy per task (partial: the first images of each task)"
 
 
 def test_the_forwards_are_kept_on_disk_and_a_second_open_makes_none(tmp_path, monkeypatch):

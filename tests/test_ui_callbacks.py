@@ -744,6 +744,7 @@ def test_analysis_tab_callbacks(ctl):
     lin = ac.linearity(*controls(ctl, "task_arithmetic", lam=0.3))
     assert [t.name for t in lin.data][1:] == ["baseline: 1 − cos(θi, θj), expert pairs",
                                               "baseline: 1 − cos(merge, each endpoint)"]
+    assert " validation images, the first of every task, all tokens)" in lin.layout.title.text
     lin = ac.linearity(*controls(ctl, "task_arithmetic", lam=0.3, experts=ctl.pool.tasks[:1]))
     assert [t.name for t in lin.data][1:] == ["baseline: 1 − cos(merge, each endpoint)"]  # no pair of experts
     with pytest.warns(UserWarning, match="epoch dynamics need per-epoch checkpoints"):
@@ -778,6 +779,8 @@ def test_interpolation_and_ensemble_views(ctl):
     assert len(fig.data) == 3 and len(fig.data[0].x) == 11
     # one panel per quantity: the accuracy in % (as everywhere else), not a fraction beside a loss
     assert fig.layout.yaxis.title.text == "accuracy % (avg)" and max(fig.data[0].y) > 1
+    assert "accuracy and loss: the live split" in fig.layout.title.text  # which images each panel is over
+    assert "1 − cos: the first validation images" in fig.layout.title.text
     fig = ac.interpolation("first two ticked experts", *controls(ctl, "task_arithmetic"))
     assert fig.data[2].y[0] == pytest.approx(0.0, abs=1e-6)
     fig = ac.ensemble(*controls(ctl, "weight_averaging"))

@@ -137,7 +137,7 @@ def format_phenomena(n: dict) -> str:
         L.append(f"   {label:<40} experts {pct(r['experts'])} %  merged {pct(r['merged'])} % (λ={r['lam']:g})")
     lin = n["linearity"]
     L.append(f"5. cross-task linearity of TA (λ={lin['lam']:g}) per block: mean 1 − cos(f(merge), (1 − Σλ) f(θ0) + "
-             "Σ λ f(θt)) [q25, q75] over all tokens of probe images from every task, vs the baselines "
+             "Σ λ f(θt)) [q25, q75] over all tokens of the first validation images of every task, vs the baselines "
              "1 − cos(f(θi), f(θj)) over expert pairs and 1 − cos(f(merge), f(endpoint)):")
     for i, (m, a, b, pair, base) in enumerate(zip(lin["mean"], lin["q25"], lin["q75"], lin["pairwise"], lin["baseline"])):
         L.append(f"   block {i}: {m:.4f} [{a:.4f}, {b:.4f}]  baselines {pair:.4f}, {base:.4f}  "

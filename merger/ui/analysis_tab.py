@@ -158,7 +158,8 @@ class AnalysisController:
         pairs = {"baseline: 1 − cos(θi, θj), expert pairs": lin["pairwise"]} if has_pairs else {}
         fig = plots.bars({pred: lin["mean"], **pairs, "baseline: 1 − cos(merge, each endpoint)": lin["baseline"]},
                          blocks, f"Cross-task linearity of {spec.label()} (weights {', '.join(f'{v:.2g}' for v in w)}; "
-                         f"{len(x)} probe images from every task, all tokens)", "1 − cos (0: linear)", errors={pred: err})
+                         f"{len(x)} validation images, the first of every task, all tokens)", "1 − cos (0: linear)",
+                         errors={pred: err})
         return fig
 
     @keeps_outputs(1)
@@ -179,7 +180,8 @@ class AnalysisController:
         return plots.stacked_lines({"accuracy % (avg)": {"accuracy": (p["alpha"], [100 * a for a in p["accuracy"]])},
                                     "loss (avg)": {"loss": (p["alpha"], p["loss"])},
                                     "1 − cos (mean over blocks)": {"1 − cos": (p["alpha"], p["linearity"])}},
-                                   "α", f"Interpolation {title}")
+                                   "α", f"Interpolation {title}<br><sub>accuracy and loss: the live split of every task; "
+                                        "1 − cos: the first validation images of every task</sub>")
 
     @keeps_outputs(1)
     def ensemble(self, experts, method, *values):

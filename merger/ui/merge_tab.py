@@ -105,9 +105,12 @@ class Controller(ControlPanel):
         base = self.session.base(ans.result.split)
         experts_acc = self.session.expert_accuracy(ans.result.split)
         model = self.pool.architecture.get("model")
-        return (plots.accuracy_bars(ans.result, base, experts_acc, guides=guides(model, ans.spec.method)),
-                plots.loss_bars(ans.result, base),
-                plots.radar({ans.spec.label(): ans.result}))
+        shown = (f" (≈ {LINEAR_LABEL}; the exact answer follows)" if ans.result.estimate else
+                 " (partial: the first images of each task)" if ans.result.partial else "")  # on the plots too
+        return (plots.accuracy_bars(ans.result, base, experts_acc, title="Accuracy per task" + shown,
+                                    guides=guides(model, ans.spec.method)),
+                plots.loss_bars(ans.result, base, title="Cross-entropy per task" + shown),
+                plots.radar({ans.spec.label(): ans.result}, title="Normalised accuracy (merged ÷ expert)" + shown))
 
     def _under_way(self, spec) -> bool:
         """A run or slow preparation of this method over these experts is going on (any page's)."""
