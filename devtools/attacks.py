@@ -320,6 +320,13 @@ CASES = [
     Case("CLI: landscape --out in /proc", _cli(lambda r, p: ["landscape", "--pool", str(p), "--grid", "3",
                                                             "--out", "/proc/l.html"]),
          r"exit 2: error: --out: cannot write in /proc"),
+    Case("CLI: landscape --points, 3000 of them", _cli(lambda r, p: [
+        "landscape", "--pool", str(p), "--grid", "3", "--out", str(r / "l.html"),
+        "--points", ",".join(f"{TASK_ARITHMETIC.name}:lam={i / 1000}" for i in range(3000))]),
+         r"exit 2: error: landscape points: 3000 named; at most 64 \(each is a merge to compute\)"),
+    Case("CLI: landscape --paths, 9000 of them", _cli(lambda r, p: [
+        "landscape", "--pool", str(p), "--grid", "3", "--out", str(r / "l.html"), "--paths", ",".join(["x"] * 9000)]),
+         r"exit 2: error: landscape paths: 9000 named; at most 64"),
     Case("CLI: spec params as a list", _cli(_replay, _bad_spec("params", [1, 2])),
          r"exit 2: error: .*m\.yaml: params: expected a dict, got list"),
     Case("CLI: spec expert_files as a string", _cli(_replay, _bad_spec("expert_files", "all of them")),

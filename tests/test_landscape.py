@@ -135,6 +135,20 @@ def test_a_point_that_names_nothing_and_a_repeated_point_are_refused_by_name(lan
         make_plane(land, "points", land.named_points(["base", task, task]))
 
 
+def test_points_and_paths_named_past_the_bound_are_refused_before_any_is_merged(land, monkeypatch):
+    from merger.landscape.figure import resolve_paths
+    from merger.landscape.surface import MAX_NAMED
+
+    merged = []
+    monkeypatch.setattr(type(land), "spec_point", lambda self, spec: merged.append(spec))
+    many = [f"task_arithmetic:lam={i / 1000}" for i in range(MAX_NAMED + 1)]
+    with pytest.raises(MergerError, match=f"landscape points: {MAX_NAMED + 1} named; at most {MAX_NAMED} "):
+        land.named_points(many + ["", " "])  # blanks are not points
+    with pytest.raises(MergerError, match=f"landscape paths: {MAX_NAMED + 1} named; at most {MAX_NAMED} "):
+        resolve_paths(land, [land.pool.tasks[0]] * (MAX_NAMED + 1))
+    assert merged == []
+
+
 def test_collinear_points_are_refused(land):
     pts = land.named_points(["base", "ta:lam=0.5", "ta:lam=1.0"])
     with pytest.raises(MergerError, match="at least three distinct points"):

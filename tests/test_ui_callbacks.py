@@ -444,6 +444,15 @@ def test_landscape_tab_is_progressive_and_the_live_marker_moves(ctl):
         with pytest.warns(UserWarning, match="three points: .* type three, separated by commas"):
             assert list(lc.compute(None, [pin], "points", None, None, three, "loss", "all tasks (mean)", 5, "contour", [],
                                    *controls(ctl), progress=lambda *a, **k: None)) == [(gr.skip(), gr.skip())]
+    # thousands typed into the box: refused by their count before any is merged, the text echoed cut
+    typed = ",".join(f"task_arithmetic:lam={i / 10000}" for i in range(6000))
+    with pytest.warns(UserWarning, match=r"three points: 6000 named in '.{120}' \(cut\); type three") as said:
+        list(lc.compute(None, [], "points", None, None, typed, "loss", "all tasks (mean)", 5, "contour", [],
+                        *controls(ctl), progress=lambda *a, **k: None))
+    assert len(str(said[0].message)) < 400
+    with pytest.warns(UserWarning, match="landscape paths: 65 named; at most 64"):
+        list(lc.compute(None, [], "pca", None, None, "", "loss", "all tasks (mean)", 5, "contour",
+                        ["λ path (current method)"] * 65, *controls(ctl), progress=lambda *a, **k: None))
     # Cancel stops it at the next row; the landscape shown stays (the coarse one, here), and its points are cached
     from types import SimpleNamespace
 

@@ -10,7 +10,8 @@ from merger.errors import MergerError
 from merger.io import inputs
 from merger.io.checkpoints import write_text_atomic
 from merger.landscape import trajectories
-from merger.landscape.surface import Landscape, Surface, extent_of, pca_plane, task_vector_plane, three_point_plane
+from merger.landscape.surface import (Landscape, Surface, check_named, extent_of, pca_plane, task_vector_plane,
+                                      three_point_plane)
 from merger.plot_labels import wrapped
 
 PLANES = ("pca", "tasks", "points")
@@ -40,6 +41,7 @@ def point_kind(label: str, pool) -> str:
 
 def resolve_paths(land: Landscape, names: Sequence[str]) -> list:
     """'TASK' = its fine-tuning path; 'METHOD@AXIS' = that parameter's path (λ, rank_ratio, sparsity)."""
+    check_named("paths", names)
     out = []
     for name in names:
         name = name.strip()

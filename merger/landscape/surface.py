@@ -22,7 +22,15 @@ from merger.io import checkpoints
 from merger.spec import assignments as parse_assignments
 
 MAX_GRID = 61
+MAX_NAMED = 64  # points or paths named in one landscape: each is a merge (a path, several) to compute
 COARSE = 7
+
+
+def check_named(what: str, names: Sequence[str]) -> None:
+    """Refuse more than MAX_NAMED landscape points or paths, before any is computed."""
+    named = [n for n in names if str(n).strip()]
+    if len(named) > MAX_NAMED:
+        raise MergerError(f"landscape {what}: {len(named)} named; at most {MAX_NAMED} (each is a merge to compute)")
 
 
 class WeightSpace:
@@ -205,6 +213,7 @@ class Landscape:
         """'base', 'experts', a task name, 'file:PATH', or 'METHOD:param=value:...' (ta = task_arithmetic);
         a relative PATH as ``file_point``'s. ``runs``: a data-driven method's point may run it (the
         CLI); else only its cached run is taken (the app: never a run unseen, without progress)."""
+        check_named("points", names)
         out: dict[str, torch.Tensor] = {}
         for raw in names:
             name = raw.strip()

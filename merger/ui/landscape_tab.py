@@ -14,7 +14,7 @@ from merger import methods, plots
 from merger.errors import MergerError
 from merger.landscape import trajectories
 from merger.landscape.figure import landscape_figure, landscape_layers, make_plane, projection
-from merger.landscape.surface import extent_of
+from merger.landscape.surface import check_named, extent_of
 from merger.methods.registry import with_param
 from merger.ui.errors import keeps_outputs, kept, warn
 from merger.ui.merge_events import session_of
@@ -84,7 +84,8 @@ class LandscapeController:
 
     def paths(self, chosen, method, spec_params, spec=None) -> tuple[list, list[str]]:
         """(the trajectories that could be built, a note for each that could not): one
-        unavailable path never takes the others down with it."""
+        unavailable path never takes the others down with it; more than the landscape's bound, none."""
+        check_named("paths", list(chosen or []))
         out, problems = [], []
         for name in chosen or []:
             try:
@@ -139,13 +140,16 @@ class LandscapeController:
         try:
             spec = self.ctl.spec_from_controls(experts, method, *values)
             names = ["base", "experts"] if plane_kind != "points" else [n.strip() for n in (three or "").split(",")]
+            typed = f"{(three or '').strip()[:120]!r}{' (cut)' if len((three or '').strip()) > 120 else ''}"
+            if plane_kind == "points" and len([n for n in names if n]) != 3:  # said before any is merged
+                raise MergerError(f"three points: {len([n for n in names if n])} named in {typed}; type three, "
+                                  "separated by commas (base, a task, file:PATH or METHOD:param=value)")
             rebuild = functools.partial(self._vectors, names, list(pins or []), chosen_paths, spec)
             plane_points, points, paths, problems = rebuild()
-            if plane_kind == "points" and (len(plane_points) != 3 or len([n for n in names if n]) != 3):
+            if plane_kind == "points" and len(plane_points) != 3:
                 # never filled up with pins, nor cut to the first three: the plane is the one typed
-                raise MergerError(f"three points: {len(plane_points)} different point(s) in "
-                                  f"{(three or '').strip()!r}; type three, separated by commas (base, a task, "
-                                  "file:PATH or METHOD:param=value)")
+                raise MergerError(f"three points: {len(plane_points)} different point(s) in {typed}; type three, "
+                                  "separated by commas (base, a task, file:PATH or METHOD:param=value)")
             remake_plane = functools.partial(self._plane, plane_kind, [task_a, task_b], rebuild)
             plane = self._keep_plane(self._plane(plane_kind, [task_a, task_b], rebuild,
                                                  (plane_points, points, paths, problems)))
