@@ -256,11 +256,12 @@ def cross_task_linearity(features, merged: dict, experts: Sequence[dict], weight
            "base_weight": w0 if base is not None else 0.0}
     for layer in range(len(fm)):
         pred = sum(w * f[layer] for w, f in zip(weights, fe))
-        ends = [f[layer] for w, f in zip(weights, fe) if w != 0]
-        out["pairwise"].append(_mean_pairwise_distance(ends))
+        weighted = [f[layer] for w, f in zip(weights, fe) if w != 0]
+        out["pairwise"].append(_mean_pairwise_distance(weighted))
+        ends = weighted
         if fb is not None:
             pred = pred + w0 * fb[layer]
-            ends.append(fb[layer])
+            ends = weighted + [fb[layer]]
         d = _distance(fm[layer], pred)
         out["mean"].append(float(d.mean()))
         out["q25"].append(float(d.quantile(0.25)))

@@ -141,8 +141,9 @@ class LandscapeController:
             spec = self.ctl.spec_from_controls(experts, method, *values)
             names = ["base", "experts"] if plane_kind != "points" else [n.strip() for n in (three or "").split(",")]
             typed = f"{(three or '').strip()[:120]!r}{' (cut)' if len((three or '').strip()) > 120 else ''}"
-            if plane_kind == "points" and len([n for n in names if n]) != 3:  # said before any is merged
-                raise MergerError(f"three points: {len([n for n in names if n])} named in {typed}; type three, "
+            named = len([n for n in names if n])
+            if plane_kind == "points" and named != 3:  # said before any is merged
+                raise MergerError(f"three points: {named} named in {typed}; type three, "
                                   "separated by commas (base, a task, file:PATH or METHOD:param=value)")
             rebuild = functools.partial(self._vectors, names, list(pins or []), chosen_paths, spec)
             plane_points, points, paths, problems = rebuild()
